@@ -1,0 +1,91 @@
+"""Callbacks: eleven events, one mutable ``Control``, the read-mostly ``FitState``.
+
+Every event receives ``(fitter, state, control)`` plus its payload. Callbacks steer the loop
+only through ``control`` flags; they may read ``fitter.module`` and ``fitter.config``.
+Callbacks with state (counters, best values) implement ``state_dict``/``load_state_dict`` and
+that state is saved in checkpoints under ``state_key``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+    from lightlike.fitter import Fitter
+    from lightlike.state import Control, FitState
+
+EVENTS = (
+    "on_fit_start",
+    "on_fit_end",
+    "on_epoch_start",
+    "on_epoch_end",
+    "on_step_start",
+    "on_step_end",
+    "on_before_optimizer_step",
+    "on_log",
+    "on_evaluate",
+    "on_save",
+    "on_exception",
+)
+
+
+class Callback:
+    """Override the events you need; all default to doing nothing."""
+
+    @property
+    def state_key(self) -> str:
+        return type(self).__name__
+
+    def on_fit_start(self, fitter: Fitter, state: FitState, control: Control) -> None: ...
+    def on_fit_end(self, fitter: Fitter, state: FitState, control: Control) -> None: ...
+    def on_epoch_start(self, fitter: Fitter, state: FitState, control: Control) -> None: ...
+    def on_epoch_end(self, fitter: Fitter, state: FitState, control: Control) -> None: ...
+    def on_step_start(self, fitter: Fitter, state: FitState, control: Control) -> None: ...
+    def on_step_end(self, fitter: Fitter, state: FitState, control: Control) -> None: ...
+
+    def on_before_optimizer_step(
+        self, fitter: Fitter, state: FitState, control: Control, optimizer: torch.optim.Optimizer
+    ) -> None:
+        """Gradients are unscaled and clipped here, before ``optimizer.step()``."""
+
+    def on_log(self, fitter: Fitter, state: FitState, control: Control, metrics: dict[str, float]) -> None: ...
+    def on_evaluate(self, fitter: Fitter, state: FitState, control: Control, metrics: dict[str, float]) -> None: ...
+    def on_save(self, fitter: Fitter, state: FitState, control: Control, path: str) -> None: ...
+    def on_exception(self, fitter: Fitter, state: FitState, control: Control, error: BaseException) -> None: ...
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        pass
+
+
+class CallbackList:
+    """Calls an event on every callback, in order."""
+
+    def __init__(self, callbacks: list[Callback]):
+        self.callbacks = list(callbacks)
+
+    def call(self, event: str, fitter: Fitter, state: FitState, control: Control, *args: Any) -> None:
+        for cb in self.callbacks:
+            getattr(cb, event)(fitter, state, control, *args)
+
+    def state_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for cb in self.callbacks:
+            st = cb.state_dict()
+            if st:
+                if cb.state_key in out:
+                    raise ValueError(
+                        f"two callbacks share state_key {cb.state_key!r}; give each a distinct state_key"
+                    )
+                out[cb.state_key] = st
+        return out
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        for cb in self.callbacks:
+            if cb.state_key in state:
+                cb.load_state_dict(state[cb.state_key])

@@ -1,0 +1,248 @@
+"""The one configuration dataclass behind every ``Fitter`` keyword.
+
+``FitConfig`` is the single source of truth: the ``Fitter`` keywords, JSON/TOML files and
+(later) command-line flags all go through it. Unknown keys are rejected with the closest valid
+names, and every field carries its help text in ``metadata["help"]``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from lightlike.errors import ConfigError
+
+SCHEDULERS = (
+    "linear",
+    "cosine",
+    "cosine_with_restarts",
+    "polynomial",
+    "constant",
+    "constant_with_warmup",
+)
+OPTIMIZERS = ("adamw", "sgd")
+NONFINITE_POLICIES = ("raise", "skip")
+SAVE_STRATEGIES = ("steps", "epoch", "best", "no")
+
+
+def _f(default: Any, help: str, **kw: Any) -> Any:
+    if isinstance(default, (list, dict, set)):
+        return field(default_factory=lambda: type(default)(default), metadata={"help": help}, **kw)
+    return field(default=default, metadata={"help": help}, **kw)
+
+
+@dataclass
+class FitConfig:
+    """Every setting of a fit. Field names are the ``Fitter`` keyword arguments."""
+
+    # -- where things go -------------------------------------------------------------------
+    output_dir: str = _f("runs/lightlike", "Directory for checkpoints, logs and metrics files.")
+    overwrite_output_dir: bool = _f(
+        False, "Allow writing into an output_dir that already holds checkpoints or logs."
+    )
+    # -- hardware ----------------------------------------------------------------------------
+    strategy: Any = _f("auto", "Strategy name ('auto', 'single', ...) or a Strategy instance.")
+    precision: Any = _f("auto", "Precision name ('32-true', 'bf16-mixed', ...) or an instance.")
+    accelerator: str = _f("auto", "'auto', 'cpu' or 'cuda'.")
+    # -- length of training --------------------------------------------------------------------
+    max_epochs: int | None = _f(None, "Stop after this many epochs over the training data.")
+    max_steps: int | None = _f(None, "Stop after this many optimizer steps (wins over max_epochs).")
+    # -- data ----------------------------------------------------------------------------------
+    batch_size: int = _f(8, "Items per micro-batch on each process.")
+    eval_batch_size: int | None = _f(None, "Items per evaluation batch (default: batch_size).")
+    grad_accum_steps: int = _f(1, "Micro-batches per optimizer step.")
+    num_workers: int = _f(0, "DataLoader worker processes.")
+    drop_last: bool = _f(False, "Drop the last incomplete training batch of each epoch.")
+    shuffle: bool = _f(True, "Shuffle the training data every epoch (permutation of seed, epoch).")
+    pin_memory: bool = _f(False, "Pin host memory in DataLoaders (useful with CUDA).")
+    seed: int = _f(0, "Seed for python, numpy, torch and DataLoader workers.")
+    deterministic: bool = _f(False, "Ask torch for deterministic algorithms.")
+    # -- optimisation --------------------------------------------------------------------------
+    optimizer: str = _f("adamw", "Built-in optimizer: 'adamw' or 'sgd' (configure_optimizers wins).")
+    learning_rate: float = _f(1e-3, "Peak learning rate.")
+    weight_decay: float = _f(0.0, "Decoupled weight decay; never applied to biases and norm weights.")
+    adam_beta1: float = _f(0.9, "AdamW beta1.")
+    adam_beta2: float = _f(0.999, "AdamW beta2.")
+    adam_epsilon: float = _f(1e-8, "AdamW epsilon.")
+    momentum: float = _f(0.0, "SGD momentum.")
+    fused: bool | None = _f(None, "Use the fused AdamW kernel (None: where torch supports it).")
+    lr_scheduler: str = _f("linear", "One of: " + ", ".join(SCHEDULERS) + ".")
+    warmup_steps: int = _f(0, "Linear warmup steps (wins over warmup_ratio).")
+    warmup_ratio: float = _f(0.0, "Warmup as a fraction of the total optimizer steps.")
+    num_cycles: float = _f(
+        0.5, "Cosine: number of waves (0.5 = half cosine); restarts: number of hard restarts."
+    )
+    lr_end: float = _f(1e-7, "Polynomial schedule: final learning rate.")
+    power: float = _f(1.0, "Polynomial schedule: power.")
+    max_grad_norm: float | None = _f(None, "Clip gradients to this global norm (unscaled).")
+    max_grad_value: float | None = _f(None, "Clip each gradient element to [-v, v] (unscaled).")
+    nonfinite_loss: str = _f(
+        "raise",
+        "'raise': a NaN/inf loss raises an error naming the step and micro-batch; "
+        "'skip': the step is skipped and counted.",
+    )
+    # -- evaluation ----------------------------------------------------------------------------
+    eval_every: int | None = _f(None, "Evaluate every this many optimizer steps.")
+    eval_on_epoch_end: bool = _f(False, "Evaluate at the end of every epoch.")
+    eval_streaming: bool = _f(
+        False, "Feed eval outputs to the module's streaming metrics instead of holding them all."
+    )
+    # -- logging -------------------------------------------------------------------------------
+    log_every: int = _f(50, "Read the (device-side) training loss and log every this many steps.")
+    loggers: Any = _f("auto", "'auto' (csv + tensorboard if installed), a list of names, or []")
+    progress_bar: bool | None = _f(None, "Show a progress bar (None: only when stderr is a TTY).")
+    model_summary: bool = _f(True, "Log a table of the module's parameters at fit start.")
+    log_level: str = _f("info", "Python logging level of lightlike on the main process.")
+    # -- checkpoints ---------------------------------------------------------------------------
+    save_strategy: str = _f("steps", "When to save: 'steps', 'epoch', 'best' or 'no'.")
+    save_every: int | None = _f(None, "With save_strategy='steps': save every this many steps.")
+    save_total_limit: int | None = _f(None, "Keep at most this many checkpoints (best is kept).")
+    save_only_model: bool = _f(False, "Save weights only (no optimizer/scheduler/RNG: no resume).")
+    verify_hashes: bool = _f(True, "Verify file hashes when loading a checkpoint (sizes always).")
+    metric_for_best: str | None = _f(None, "Metric key that decides the best checkpoint.")
+    greater_is_better: bool | None = _f(None, "Whether larger metric_for_best is better.")
+    load_best_at_end: bool = _f(False, "Load the best checkpoint's weights when fit ends.")
+    # -- performance switches ------------------------------------------------------------------
+    gradient_checkpointing: bool = _f(False, "Ask the module to checkpoint activations.")
+    compile: bool = _f(False, "torch.compile the module.")
+    auto_find_batch_size: bool = _f(
+        False, "Halve batch_size (doubling grad_accum_steps) on out-of-memory and retry."
+    )
+
+    # ------------------------------------------------------------------------------------------
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        def need(cond: bool, msg: str) -> None:
+            if not cond:
+                raise ConfigError(msg)
+
+        need(
+            self.max_epochs is not None or self.max_steps is not None,
+            "no stopping criterion: set max_steps=N or max_epochs=N",
+        )
+        for name in ("max_epochs", "max_steps"):
+            v = getattr(self, name)
+            need(v is None or (isinstance(v, int) and v > 0), f"{name} must be a positive int, got {v!r}")
+        for name in ("batch_size", "grad_accum_steps", "log_every"):
+            v = getattr(self, name)
+            need(isinstance(v, int) and v > 0, f"{name} must be a positive int, got {v!r}")
+        for name in ("eval_batch_size", "eval_every", "save_every", "save_total_limit"):
+            v = getattr(self, name)
+            need(v is None or (isinstance(v, int) and v > 0), f"{name} must be a positive int or None, got {v!r}")
+        need(self.num_workers >= 0, f"num_workers must be >= 0, got {self.num_workers}")
+        need(self.learning_rate >= 0, f"learning_rate must be >= 0, got {self.learning_rate}")
+        need(0.0 <= self.warmup_ratio < 1.0, f"warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
+        need(self.warmup_steps >= 0, f"warmup_steps must be >= 0, got {self.warmup_steps}")
+        _choice("lr_scheduler", self.lr_scheduler, SCHEDULERS)
+        _choice("optimizer", self.optimizer, OPTIMIZERS)
+        _choice("nonfinite_loss", self.nonfinite_loss, NONFINITE_POLICIES)
+        _choice("save_strategy", self.save_strategy, SAVE_STRATEGIES)
+        for name in ("max_grad_norm", "max_grad_value"):
+            v = getattr(self, name)
+            need(v is None or v > 0, f"{name} must be > 0 or None, got {v!r}")
+        if self.save_strategy == "best" or self.load_best_at_end:
+            need(
+                self.metric_for_best is not None,
+                "save_strategy='best' and load_best_at_end need metric_for_best (e.g. 'val/loss')",
+            )
+
+    # -- serialisation ---------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if f.name in ("strategy", "precision") and not isinstance(v, str):
+                v = getattr(v, "name", type(v).__name__)
+            if isinstance(v, tuple):
+                v = list(v)
+            out[f.name] = v
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> FitConfig:
+        check_keys(data, cls)
+        return cls(**data)
+
+    def to_json(self, path: str | Path | None = None) -> str:
+        text = json.dumps(self.to_dict(), indent=2, sort_keys=True)
+        if path is not None:
+            Path(path).write_text(text + "\n")
+        return text
+
+    @classmethod
+    def from_json(cls, path_or_text: str | Path) -> FitConfig:
+        text = _read_if_path(path_or_text)
+        return cls.from_dict(json.loads(text))
+
+    def to_toml(self, path: str | Path | None = None) -> str:
+        lines = []
+        for k, v in self.to_dict().items():
+            if v is None:
+                continue  # TOML has no null: an absent key means the default (None)
+            lines.append(f"{k} = {_toml_value(v)}")
+        text = "\n".join(lines) + "\n"
+        if path is not None:
+            Path(path).write_text(text)
+        return text
+
+    @classmethod
+    def from_toml(cls, path_or_text: str | Path) -> FitConfig:
+        import tomllib
+
+        text = _read_if_path(path_or_text)
+        return cls.from_dict(tomllib.loads(text))
+
+    def replace(self, **changes: Any) -> FitConfig:
+        check_keys(changes, type(self))
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def help(cls) -> dict[str, str]:
+        return {f.name: f.metadata.get("help", "") for f in fields(cls)}
+
+
+def check_keys(data: dict[str, Any], cls: type = FitConfig) -> None:
+    """Reject unknown keys, naming the closest valid ones."""
+    valid = [f.name for f in fields(cls)]
+    bad = [k for k in data if k not in valid]
+    if bad:
+        parts = []
+        for k in bad:
+            close = difflib.get_close_matches(k, valid, n=3, cutoff=0.5)
+            hint = f" (did you mean {', '.join(repr(c) for c in close)}?)" if close else ""
+            parts.append(f"{k!r}{hint}")
+        raise ConfigError(f"unknown config key(s): {'; '.join(parts)}")
+
+
+def _choice(name: str, value: Any, valid: tuple[str, ...]) -> None:
+    if value not in valid:
+        close = difflib.get_close_matches(str(value), valid, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ConfigError(f"{name}={value!r} is not valid{hint}; choose one of: {', '.join(valid)}")
+
+
+def _read_if_path(path_or_text: str | Path) -> str:
+    if isinstance(path_or_text, Path):
+        return path_or_text.read_text()
+    s = str(path_or_text)
+    if "\n" not in s and Path(s).is_file():
+        return Path(s).read_text()
+    return s
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, str):
+        return json.dumps(v)
+    if isinstance(v, (list, tuple)):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    raise ConfigError(f"cannot write {v!r} to TOML")

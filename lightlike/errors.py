@@ -1,0 +1,39 @@
+"""Errors lightlike raises. Each message names what to change."""
+
+
+class LightlikeError(Exception):
+    """Base class of lightlike's own errors."""
+
+
+class ConfigError(LightlikeError, ValueError):
+    """A setting is invalid; the message names the setting and the valid choices."""
+
+
+class DataError(LightlikeError, ValueError):
+    """The data or a batch is not usable (empty dataset, missing key, ...)."""
+
+
+class ModuleContractError(LightlikeError, TypeError):
+    """A TaskModule hook returned something the Fitter cannot use."""
+
+
+class NonFiniteLossError(LightlikeError, FloatingPointError):
+    """A training loss was NaN or infinite."""
+
+    def __init__(self, step: int, micro_batch: int, value: float | None = None):
+        self.step = step
+        self.micro_batch = micro_batch
+        v = f" ({value})" if value is not None else ""
+        super().__init__(
+            f"non-finite training loss{v} at optimizer step {step}, micro-batch {micro_batch} "
+            "of its accumulation window. Lower learning_rate, set max_grad_norm, check the data, "
+            "or pass nonfinite_loss='skip' to skip and count such steps."
+        )
+
+
+class CheckpointError(LightlikeError, RuntimeError):
+    """A checkpoint is missing, incomplete, corrupt, or does not fit the module."""
+
+
+class OutputDirError(LightlikeError, FileExistsError):
+    """output_dir already holds a run and overwriting was not allowed."""

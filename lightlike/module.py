@@ -1,0 +1,152 @@
+"""``TaskModule``: what the user writes (forward, loss, metrics) and nothing about the loop."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+
+class TaskModule(nn.Module):
+    """Subclass this: ``forward(batch)``, ``loss(outputs, batch)``, optionally ``metrics``.
+
+    Contract (the Fitter checks it and names what is wrong):
+
+    * ``forward(batch)`` gets the whole batch (a dict, tuple or tensor), returns anything.
+    * ``loss(outputs, batch)`` returns a scalar tensor: the **mean** over this batch's items.
+    * ``num_items(batch)`` says how many items that mean is over (default: the batch length).
+      The Fitter weights every micro-batch by it, so gradient accumulation is exact when
+      micro-batches hold different numbers of items (padding tokens, a short last batch).
+    * ``metrics(outputs, batch)`` returns a dict of scalar tensors, per-batch means over the same
+      items; the Fitter reduces them item-weighted into exact whole-set means.
+    * ``compute_metrics(predictions, labels)`` (optional) computes non-additive metrics (F1, AUC)
+      on the whole evaluation set; ``streaming_metrics()`` (optional) is its streaming twin.
+    """
+
+    #: Set by the Fitter when ``gradient_checkpointing=True``; read by ``maybe_checkpoint``.
+    gradient_checkpointing: bool = False
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.hparams: dict[str, Any] = {}
+
+    # -- the user's part ---------------------------------------------------------------------
+    def forward(self, batch: Any) -> Any:  # pragma: no cover - abstract
+        raise NotImplementedError(f"{type(self).__name__} must define forward(self, batch)")
+
+    def loss(self, outputs: Any, batch: Any) -> torch.Tensor:  # pragma: no cover - abstract
+        raise NotImplementedError(
+            f"{type(self).__name__} must define loss(self, outputs, batch) returning a scalar "
+            "tensor (the mean over the batch's items)"
+        )
+
+    def metrics(self, outputs: Any, batch: Any) -> Mapping[str, torch.Tensor]:
+        """Per-batch means of additive metrics. Default: none (the loss is always reported)."""
+        return {}
+
+    def num_items(self, batch: Any) -> int | torch.Tensor:
+        """How many items ``loss`` averages over. Default: the batch length.
+
+        Return a tensor (e.g. ``(batch["labels"] != -100).sum()``) to count tokens; it stays on
+        the device, so counting costs no host synchronisation.
+        """
+        return batch_length(batch)
+
+    def predictions(self, outputs: Any, batch: Any) -> Any:
+        """What ``predict`` returns and ``compute_metrics`` receives for this batch."""
+        return outputs
+
+    def labels(self, batch: Any) -> Any:
+        """The batch's labels, if any: ``batch['labels']`` or ``batch['y']`` for mappings."""
+        if isinstance(batch, Mapping):
+            for key in ("labels", "label", "y", "target", "targets"):
+                if key in batch:
+                    return batch[key]
+        return None
+
+    def compute_metrics(self, predictions: Any, labels: Any) -> Mapping[str, float] | None:
+        """Whole-set metrics from all predictions (in dataset order). Default: none."""
+        return None
+
+    def streaming_metrics(self) -> Mapping[str, Any] | None:
+        """Objects with ``update(outputs, batch)``, ``compute() -> float`` and ``reset()`` that
+        compute whole-set metrics without holding all outputs (``eval_streaming=True``)."""
+        return None
+
+    def configure_optimizers(self, config: Any) -> Any:
+        """Return an optimizer, or ``(optimizer, scheduler)``, to take over from the built-in
+        ones. A scheduler returned here is stepped once per optimizer step. Default: None."""
+        return None
+
+    # -- helpers for the user ------------------------------------------------------------------
+    def maybe_checkpoint(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        """Call ``fn(*args)`` under activation checkpointing when it is switched on."""
+        if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
+            from torch.utils.checkpoint import checkpoint
+
+            return checkpoint(fn, *args, use_reentrant=False, **kwargs)
+        return fn(*args, **kwargs)
+
+    def save_hyperparameters(self, **extra: Any) -> None:
+        """Record the caller's ``__init__`` arguments in ``self.hparams`` (written beside the
+        weights as ``hparams.json``, used to rebuild the module)."""
+        frame = inspect.currentframe()
+        caller = frame.f_back if frame is not None else None
+        if caller is not None:
+            args = inspect.getargvalues(caller)
+            for name in args.args:
+                if name != "self":
+                    self.hparams[name] = args.locals[name]
+            if args.keywords:
+                self.hparams.update(args.locals[args.keywords])
+        self.hparams.update(extra)
+
+    def load_weights(self, path: str | Path, strict: bool = True) -> None:
+        """Load weights from a ``model.safetensors`` file (or a folder holding one), such as
+        ``lightlike export`` writes."""
+        from safetensors.torch import load_file
+
+        p = Path(path)
+        if p.is_dir():
+            p = p / "model.safetensors"
+        state = load_file(str(p))
+        from lightlike.checkpoint.weights import load_module_state
+
+        load_module_state(self, state, strict=strict, source=str(p))
+
+
+def batch_length(batch: Any) -> int:
+    """Length of the first tensor (or sequence) found in a batch."""
+    if isinstance(batch, torch.Tensor):
+        return int(batch.shape[0]) if batch.ndim else 1
+    if isinstance(batch, Mapping):
+        for v in batch.values():
+            n = _maybe_len(v)
+            if n is not None:
+                return n
+    elif isinstance(batch, Sequence) and not isinstance(batch, (str, bytes)):
+        for v in batch:
+            n = _maybe_len(v)
+            if n is not None:
+                return n
+    raise TypeError(
+        f"cannot tell how many items a batch of type {type(batch).__name__} holds; "
+        "override TaskModule.num_items(batch)"
+    )
+
+
+def _maybe_len(v: Any) -> int | None:
+    if isinstance(v, torch.Tensor):
+        return int(v.shape[0]) if v.ndim else None
+    if isinstance(v, (list, tuple)):
+        return len(v)
+    if isinstance(v, (Mapping, Sequence)) and not isinstance(v, (str, bytes)):
+        try:
+            return batch_length(v)
+        except TypeError:
+            return None
+    return None

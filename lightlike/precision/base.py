@@ -1,0 +1,94 @@
+"""The ``Precision`` contract: how numbers are represented, scaled and stepped.
+
+A precision plugin converts the module and inputs, provides the autocast context, runs
+backward (scaling if it must), unscales gradients before clipping, steps the optimizer (and
+says whether the step was taken), and carries its own checkpoint state.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightlike.errors import ConfigError
+
+
+class Precision:
+    """Full fp32 (``32-true``): the base every plugin refines."""
+
+    name: str = "32-true"
+    #: dtype the module's floating parameters are converted to, or None to leave them.
+    param_dtype: torch.dtype | None = None
+    #: dtype autocast computes in, or None for no autocast.
+    compute_dtype: torch.dtype | None = None
+    #: True when backward/step go through a gradient scaler (the loop may then see skips).
+    uses_scaler: bool = False
+
+    def setup(self, device: torch.device) -> None:
+        """Check the device can run this precision; called once the device is known."""
+        self.device = device
+
+    def convert_module(self, module: nn.Module) -> nn.Module:
+        if self.param_dtype is not None:
+            module = module.to(dtype=self.param_dtype)
+        return module
+
+    def convert_input(self, batch: Any) -> Any:
+        if self.param_dtype is None:
+            return batch
+        return _cast_floats(batch, self.param_dtype)
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
+    def unscale_gradients(self, optimizer: torch.optim.Optimizer) -> None:
+        """Make gradients true (unscaled) values, before clipping or inspection."""
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Step the optimizer. Returns False when the step was skipped (overflow)."""
+        optimizer.step()
+        return True
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        pass
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.name!r})"
+
+
+def _cast_floats(obj: Any, dtype: torch.dtype) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.to(dtype) if obj.is_floating_point() else obj
+    if isinstance(obj, Mapping):
+        return type(obj)({k: _cast_floats(v, dtype) for k, v in obj.items()})  # type: ignore[call-arg]
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+        return type(obj)(*(_cast_floats(v, dtype) for v in obj))
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_cast_floats(v, dtype) for v in obj)
+    return obj
+
+
+def require_device_support(name: str, device: torch.device, dtype: torch.dtype) -> None:
+    """Raise a clear error if ``device`` cannot compute in ``dtype``."""
+    if device.type == "cuda" and dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported():
+        raise ConfigError(
+            f"precision={name!r} needs bfloat16, which {torch.cuda.get_device_name(device)} does "
+            "not support; use precision='16-mixed' or '32-true'"
+        )
+    if device.type == "mps" and dtype == torch.bfloat16:
+        raise ConfigError(f"precision={name!r}: MPS has no bfloat16 here; use '16-mixed' or '32-true'")
+
+
+@contextlib.contextmanager
+def _no_op() -> Iterator[None]:
+    yield

@@ -1,0 +1,69 @@
+"""Mixed precision: fp32 weights, autocast compute in bf16 or fp16 (with a gradient scaler)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from lightlike.precision.base import Precision, require_device_support
+
+
+class MixedPrecision(Precision):
+    """``bf16-mixed`` and ``16-mixed``.
+
+    ``16-mixed`` scales the loss with ``torch.amp.GradScaler``. Policy for overflow: the
+    optimizer step is skipped, the skip is counted in ``FitState.skipped_steps`` (logged as
+    ``train/skipped_steps``), ``global_step`` still advances (so step-based logging, evaluation
+    and data position stay predictable) and the learning-rate scheduler does **not** advance.
+    """
+
+    def __init__(self, dtype: str = "bf16", init_scale: float = 2.0**16, growth_interval: int = 2000):
+        if dtype not in ("bf16", "16"):
+            raise ValueError(f"MixedPrecision dtype must be 'bf16' or '16', got {dtype!r}")
+        self.name = f"{dtype}-mixed"
+        self.compute_dtype = torch.bfloat16 if dtype == "bf16" else torch.float16
+        self.uses_scaler = dtype == "16"
+        self._init_scale = init_scale
+        self._growth_interval = growth_interval
+        self.scaler: torch.amp.GradScaler | None = None
+
+    def setup(self, device: torch.device) -> None:
+        super().setup(device)
+        assert self.compute_dtype is not None
+        require_device_support(self.name, device, self.compute_dtype)
+        if self.uses_scaler:
+            self.scaler = torch.amp.GradScaler(
+                device.type, init_scale=self._init_scale, growth_interval=self._growth_interval
+            )
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        return torch.autocast(self.device.type, dtype=self.compute_dtype)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        if self.scaler is not None:
+            loss = self.scaler.scale(loss)
+        loss.backward()
+
+    def unscale_gradients(self, optimizer: torch.optim.Optimizer) -> None:
+        if self.scaler is not None:
+            self.scaler.unscale_(optimizer)
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer) -> bool:
+        if self.scaler is None:
+            optimizer.step()
+            return True
+        scale_before = self.scaler.get_scale()  # the scaler syncs in step() anyway
+        self.scaler.step(optimizer)
+        self.scaler.update()
+        # update() lowers the scale exactly when an inf/NaN was found, i.e. the step was skipped.
+        return not self.scaler.get_scale() < scale_before
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"scaler": self.scaler.state_dict()} if self.scaler is not None else {}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        if self.scaler is not None and "scaler" in state:
+            self.scaler.load_state_dict(state["scaler"])

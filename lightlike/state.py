@@ -1,0 +1,71 @@
+"""The loop's state (``FitState``), the callbacks' control flags (``Control``), the result."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class FitState:
+    """Where the fit stands. Goes into every checkpoint; callbacks read it."""
+
+    global_step: int = 0  # optimizer steps taken (skipped overflow steps included)
+    max_steps: int = 0  # the resolved total number of optimizer steps
+    epoch: float = 0.0  # epochs completed, fractional within an epoch
+    epoch_index: int = 0  # the integer epoch being run
+    batches_in_epoch: int = 0  # micro-batches consumed in the current epoch
+    samples_seen: int = 0  # training samples consumed (all epochs)
+    items_seen: float = 0.0  # loss items (num_items) consumed; read at log steps
+    skipped_steps: int = 0  # steps whose update was skipped (fp16 overflow, nonfinite 'skip')
+    log_history: list[dict[str, Any]] = field(default_factory=list)
+    best_metric: float | None = None
+    best_checkpoint: str | None = None
+    last_eval_step: int = -1
+    last_save_step: int = -1
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> FitState:
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in names})
+
+
+@dataclass
+class Control:
+    """Flags callbacks set to steer the loop. The loop resets each flag once it has acted."""
+
+    should_training_stop: bool = False
+    should_epoch_stop: bool = False
+    should_save: bool = False
+    should_evaluate: bool = False
+    should_log: bool = False
+
+
+@dataclass
+class FitResult:
+    """What ``Fitter.fit`` returns."""
+
+    global_step: int
+    training_loss: float  # item-weighted mean training loss over the whole fit
+    metrics: dict[str, float]  # the last evaluation's metrics plus the final train/ figures
+    runtime: float  # seconds
+    samples_per_second: float
+    steps_per_second: float
+    peak_memory_bytes: int | None  # device peak (CUDA) or host max RSS (CPU)
+    skipped_steps: int = 0
+    best_checkpoint: str | None = None
+    state: FitState | None = None
+
+
+@dataclass
+class PredictionResult:
+    """What ``Fitter.predict`` returns: predictions in dataset order, labels if the batches
+    carry them, and the metrics over the whole set."""
+
+    predictions: Any
+    labels: Any
+    metrics: dict[str, float]

@@ -1,0 +1,49 @@
+"""Strategies, by registered name or instance. Only this package knows strategy types."""
+
+from __future__ import annotations
+
+import difflib
+import os
+from collections.abc import Callable
+
+from lightlike.errors import ConfigError
+from lightlike.precision import Precision
+from lightlike.strategies.base import Strategy, move_to_device
+from lightlike.strategies.single import SingleDeviceStrategy
+
+StrategyFactory = Callable[[str, Precision], Strategy]
+
+STRATEGIES: dict[str, StrategyFactory] = {
+    "single": lambda accelerator, precision: SingleDeviceStrategy(accelerator, precision),
+}
+#: Names the distributed issues fill in; listed so the error for them is precise.
+PLANNED = ("ddp", "fsdp", "fsdp_offload", "hsdp", "deepspeed_zero1", "deepspeed_zero2",
+           "deepspeed_zero2_offload", "deepspeed_zero3", "deepspeed_zero3_offload")
+
+
+def get_strategy(spec: str | Strategy, accelerator: str, precision: Precision | None) -> Strategy:
+    """A ``Strategy`` from a registered name or an instance. ``'auto'``: one process → single.
+
+    ``precision=None`` (the user said ``'auto'``) keeps an instance's own precision plugin."""
+    if isinstance(spec, Strategy):
+        if precision is not None:
+            spec.precision = precision
+        return spec
+    precision = precision if precision is not None else Precision()
+    if not isinstance(spec, str):
+        raise ConfigError(f"strategy must be a name or a Strategy instance, got {type(spec).__name__}")
+    name = spec
+    if name == "auto":
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        name = "single" if world == 1 else "ddp"
+    if name not in STRATEGIES:
+        if name in PLANNED:
+            raise ConfigError(f"strategy={spec!r} is not available in this version; available: "
+                              f"{', '.join(['auto', *STRATEGIES])}")
+        close = difflib.get_close_matches(name, [*STRATEGIES, *PLANNED], n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ConfigError(f"unknown strategy {spec!r}{hint}; valid names: {', '.join(['auto', *STRATEGIES])}")
+    return STRATEGIES[name](accelerator, precision)
+
+
+__all__ = ["STRATEGIES", "SingleDeviceStrategy", "Strategy", "get_strategy", "move_to_device"]

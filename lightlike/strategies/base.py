@@ -1,0 +1,166 @@
+"""The ``Strategy`` contract: everything the loop asks about devices and processes.
+
+One process group and device setup, wrapping of module and optimizer, backward and optimizer
+step (delegated to the ``Precision`` plugin), gradient clipping on the true global norm,
+collectives (reduce, gather, barrier, broadcast), the no-sync context for accumulation, and the
+state that goes into checkpoints. ``SingleDevice`` implements it for one process; DDP, FSDP and
+DeepSpeed implement the same methods, so ``Fitter`` never asks which strategy it has.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightlike.precision import Precision
+
+
+class Strategy:
+    """Base class. Subclasses set up devices and processes and override what differs."""
+
+    name: str = "base"
+
+    def __init__(self, accelerator: str = "auto", precision: Precision | None = None) -> None:
+        self.accelerator = accelerator
+        self.precision: Precision = precision if precision is not None else Precision()
+        self.root_device = torch.device("cpu")
+
+    # -- processes and devices -----------------------------------------------------------------
+    @property
+    def world_size(self) -> int:
+        return 1
+
+    @property
+    def global_rank(self) -> int:
+        return 0
+
+    @property
+    def local_rank(self) -> int:
+        return 0
+
+    @property
+    def is_global_zero(self) -> bool:
+        return self.global_rank == 0
+
+    def setup_environment(self) -> None:
+        """Start the process group (if any), bind the device and set up the precision plugin."""
+        self.precision.setup(self.root_device)
+
+    def teardown(self) -> None:
+        """Release the process group and anything else set up."""
+
+    # -- module and optimizer ------------------------------------------------------------------
+    def setup_module(self, module: nn.Module) -> nn.Module:
+        """Move, convert and wrap the module. Returns the module the loop calls."""
+        module = self.precision.convert_module(module)
+        return module.to(self.root_device)
+
+    def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        return optimizer
+
+    def unwrap(self, module: nn.Module) -> nn.Module:
+        """The user's TaskModule inside whatever wrapper ``setup_module`` added."""
+        return module
+
+    def batch_to_device(self, batch: Any) -> Any:
+        batch = move_to_device(batch, self.root_device)
+        return self.precision.convert_input(batch)
+
+    # -- a training step -----------------------------------------------------------------------
+    def no_sync(self, module: nn.Module, enabled: bool) -> contextlib.AbstractContextManager:
+        """Context for micro-steps whose gradients must not be synchronised yet."""
+        return contextlib.nullcontext()
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        return self.precision.autocast()
+
+    def backward(self, loss: torch.Tensor, module: nn.Module) -> None:
+        self.precision.backward(loss)
+
+    def clip_gradients(
+        self,
+        module: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        max_norm: float | None,
+        max_value: float | None,
+        want_norm: bool = False,
+    ) -> torch.Tensor | None:
+        """Unscale, clip by value and/or by global norm. Returns the global norm of the
+        gradients before norm clipping (a device tensor, not read here) when clipping by norm or
+        when ``want_norm``; otherwise None, so steps that do not log skip the norm."""
+        self.precision.unscale_gradients(optimizer)
+        params = [p for p in _params(optimizer) if p.grad is not None]
+        if max_value is not None:
+            torch.nn.utils.clip_grad_value_(params, max_value)
+        if max_norm is not None:
+            return torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
+        if want_norm:
+            return torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
+        return None
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer, module: nn.Module) -> bool:
+        """Step; False when the update was skipped (fp16 overflow)."""
+        return self.precision.optimizer_step(optimizer)
+
+    def zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
+        optimizer.zero_grad(set_to_none=True)
+
+    # -- collectives (identity on one process) ---------------------------------------------------
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        return tensor
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        return [obj]
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        return obj
+
+    def barrier(self, name: str = "") -> None:
+        pass
+
+    def reduce_flag(self, flag: bool) -> bool:
+        """True on every rank if ``flag`` is True on any rank (control decisions agree)."""
+        return flag
+
+    # -- checkpoint state --------------------------------------------------------------------------
+    def module_state_dict(self, module: nn.Module) -> dict[str, torch.Tensor]:
+        """Full, unsharded weights of the user's module (on CPU), for ``model.safetensors``."""
+        return {k: v.detach() for k, v in self.unwrap(module).state_dict().items()}
+
+    def load_module_state_dict(
+        self, module: nn.Module, state: Mapping[str, torch.Tensor], strict: bool = True
+    ) -> None:
+        from lightlike.checkpoint.weights import load_module_state
+
+        load_module_state(self.unwrap(module), state, strict=strict)
+
+    def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        return optimizer.state_dict()
+
+    def load_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state: Mapping[str, Any]) -> None:
+        optimizer.load_state_dict(state)  # type: ignore[arg-type]
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(device={self.root_device}, precision={self.precision.name!r})"
+
+
+def _params(optimizer: torch.optim.Optimizer) -> Iterable[torch.Tensor]:
+    for group in optimizer.param_groups:
+        yield from group["params"]
+
+
+def move_to_device(obj: Any, device: torch.device) -> Any:
+    """Move every tensor in a (nested) batch to ``device``; non-blocking from pinned memory."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device, non_blocking=True) if obj.device != device else obj
+    if isinstance(obj, Mapping):
+        return type(obj)({k: move_to_device(v, device) for k, v in obj.items()})  # type: ignore[call-arg]
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+        return type(obj)(*(move_to_device(v, device) for v in obj))
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(move_to_device(v, device) for v in obj)
+    return obj
