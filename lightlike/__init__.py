@@ -1,0 +1,46 @@
+"""lightlike: a PyTorch training framework with an explicit loop, exact and tested."""
+
+from lightlike.callbacks import Callback, EarlyStopping
+from lightlike.config import FitConfig
+from lightlike.errors import (
+    CheckpointError,
+    ConfigError,
+    DataError,
+    LightlikeError,
+    ModuleContractError,
+    NonFiniteLossError,
+    OutputDirError,
+)
+from lightlike.fitter import Fitter
+from lightlike.module import TaskModule
+from lightlike.precision import Precision, get_precision
+from lightlike.state import Control, FitResult, FitState, PredictionResult
+from lightlike.strategies import SingleDeviceStrategy, Strategy, get_strategy
+from lightlike.utils.seed import seed_everything
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Callback",
+    "CheckpointError",
+    "ConfigError",
+    "Control",
+    "DataError",
+    "EarlyStopping",
+    "FitConfig",
+    "FitResult",
+    "FitState",
+    "Fitter",
+    "LightlikeError",
+    "ModuleContractError",
+    "NonFiniteLossError",
+    "OutputDirError",
+    "Precision",
+    "PredictionResult",
+    "SingleDeviceStrategy",
+    "Strategy",
+    "TaskModule",
+    "get_precision",
+    "get_strategy",
+    "seed_everything",
+]

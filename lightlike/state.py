@@ -15,12 +15,14 @@ class FitState:
     max_steps: int = 0  # the resolved total number of optimizer steps
     epoch: float = 0.0  # epochs completed, fractional within an epoch
     epoch_index: int = 0  # the integer epoch being run
-    batches_in_epoch: int = 0  # micro-batches consumed in the current epoch
+    batches_in_epoch: int = 0  # micro-batches consumed in the current epoch (this rank)
+    samples_in_epoch: int = 0  # global samples consumed in the current epoch (sampler position)
     samples_seen: int = 0  # training samples consumed (all epochs)
     items_seen: float = 0.0  # loss items (num_items) consumed; read at log steps
     skipped_steps: int = 0  # steps whose update was skipped (fp16 overflow, nonfinite 'skip')
     log_history: list[dict[str, Any]] = field(default_factory=list)
     best_metric: float | None = None
+    best_step: int | None = None  # the step whose evaluation gave best_metric
     best_checkpoint: str | None = None
     last_eval_step: int = -1
     last_save_step: int = -1

@@ -113,6 +113,18 @@ class Strategy:
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
         return tensor
 
+    def sum_items(self, counts: list[int | torch.Tensor]) -> int | torch.Tensor:
+        """Items in this optimizer step over all micro-batches (and, distributed, all ranks):
+        the denominator of exact accumulation. Ints stay ints; tensors stay on the device."""
+        total = counts[0]
+        for c in counts[1:]:
+            total = total + c
+        return total
+
+    def sum_floats(self, values: list[float]) -> list[float]:
+        """Sum host-side numbers over ranks (identity on one process)."""
+        return values
+
     def all_gather_object(self, obj: Any) -> list[Any]:
         return [obj]
 

@@ -1,0 +1,72 @@
+"""Stop training when a monitored evaluation metric stops improving."""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from lightlike.callbacks.base import Callback
+from lightlike.errors import ConfigError
+from lightlike.evaluation import is_improvement
+
+if TYPE_CHECKING:
+    from lightlike.fitter import Fitter
+    from lightlike.state import Control, FitState
+
+log = logging.getLogger("lightlike")
+
+
+class EarlyStopping(Callback):
+    """After each evaluation, count evaluations without an improvement of more than
+    ``min_delta`` in ``monitor``; once the count reaches ``patience``, stop training.
+
+    ``mode`` is ``'min'`` or ``'max'``. A NaN metric never counts as an improvement. A
+    ``monitor`` key missing from the evaluation results is an error naming the keys there are.
+    The counters go into checkpoints, so a resumed run stops exactly where it would have.
+    """
+
+    def __init__(self, monitor: str = "val/loss", patience: int = 3, min_delta: float = 0.0, mode: str = "min"):
+        if mode not in ("min", "max"):
+            raise ConfigError(f"EarlyStopping mode must be 'min' or 'max', got {mode!r}")
+        if patience < 1:
+            raise ConfigError(f"EarlyStopping patience must be >= 1, got {patience}")
+        self.monitor = monitor
+        self.patience = patience
+        self.min_delta = abs(min_delta)
+        self.mode = mode
+        self.best: float | None = None
+        self.wait = 0
+        self.stopped_step: int | None = None
+
+    @property
+    def state_key(self) -> str:
+        return f"EarlyStopping[{self.monitor}]"
+
+    def on_evaluate(self, fitter: Fitter, state: FitState, control: Control, metrics: dict[str, float]) -> None:
+        if self.monitor not in metrics:
+            raise ConfigError(
+                f"EarlyStopping monitors {self.monitor!r} but evaluation returned {sorted(metrics)}; "
+                "pick one of those"
+            )
+        value = metrics[self.monitor]
+        if is_improvement(value, self.best, self.mode == "max", self.min_delta):
+            self.best = value
+            self.wait = 0
+            return
+        self.wait += 1
+        if self.wait >= self.patience:
+            control.should_training_stop = True
+            self.stopped_step = state.global_step
+            why = "is NaN" if math.isnan(value) else f"has not improved on {self.best:.6g} by more than {self.min_delta}"
+            log.info("early stopping at step %d: %s %s for %d evaluations", state.global_step,
+                     self.monitor, why, self.wait)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"best": self.best, "wait": self.wait, "stopped_step": self.stopped_step}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.best = state.get("best")
+        self.wait = int(state.get("wait", 0))
+        self.stopped_step = state.get("stopped_step")

@@ -1,0 +1,205 @@
+"""What a training checkpoint holds, and putting a ``Fitter`` back where it was.
+
+Layout of ``output_dir/checkpoint-{step}/`` (every file listed with size and sha256 in
+``manifest.json``, which is written last; see ``atomic.py``)::
+
+    model.safetensors     full weights (the Strategy gathers or, later, shards them)
+    hparams.json          the module's hyperparameters, when it recorded any
+    config.json           the FitConfig of the run
+    optimizer.pt          optimizer state          \
+    scheduler.pt          LR scheduler state        |
+    precision.pt          GradScaler state          |  absent with save_only_model=True
+    rng.pt                RNG states, one per rank  |  (such a checkpoint cannot be resumed)
+    trainer_state.json    FitState + data position + pending loss values
+    callbacks.pt          callback states (EarlyStopping counters, ...)  /
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from lightlike.checkpoint.atomic import CheckpointWriter
+from lightlike.checkpoint.manifest import find_latest_valid, verify_checkpoint
+from lightlike.checkpoint.rotation import rotate_checkpoints
+from lightlike.checkpoint.weights import load_safetensors
+from lightlike.errors import CheckpointError
+from lightlike.state import FitState
+from lightlike.utils.seed import rng_state, set_rng_state
+
+if TYPE_CHECKING:
+    from lightlike.config import FitConfig
+    from lightlike.fitter import Fitter
+
+log = logging.getLogger("lightlike")
+
+#: Settings whose change between runs makes a resumed run no longer a pure continuation.
+CONTINUATION_KEYS = ("batch_size", "grad_accum_steps", "learning_rate", "max_steps", "max_epochs", "seed",
+                     "lr_scheduler", "warmup_steps", "warmup_ratio", "weight_decay", "optimizer", "precision",
+                     "shuffle", "drop_last")
+
+
+def save_training_checkpoint(fitter: Fitter) -> Path | None:
+    """Write ``checkpoint-{global_step}`` atomically, then rotate. Returns its path on the rank
+    that wrote it (the main process), None elsewhere."""
+    cfg, strategy, state = fitter.config, fitter.strategy, fitter.state
+    assert strategy is not None and fitter.optimizer is not None
+    step = state.global_step
+    out = Path(cfg.output_dir)
+    final = out / f"checkpoint-{step}"
+    if state.best_step == step:
+        state.best_checkpoint = str(final)
+    state.last_save_step = step
+    weights = strategy.module_state_dict(fitter.model)
+    full = not cfg.save_only_model
+    if full:
+        rng_all = strategy.all_gather_object(_portable_rng(rng_state()))
+        optimizer_state = strategy.optimizer_state_dict(fitter.optimizer)
+    path: Path | None = None
+    if strategy.is_global_zero:
+        with CheckpointWriter(out, step, meta={"kind": "full" if full else "model"}, overwrite=True) as w:
+            w.save_safetensors("model.safetensors", weights)
+            if getattr(fitter.module, "hparams", None):
+                w.write_json("hparams.json", _jsonable(fitter.module.hparams))  # type: ignore[union-attr]
+            w.write_json("config.json", cfg.to_dict())
+            if full:
+                w.save_torch("optimizer.pt", optimizer_state)
+                if fitter.scheduler is not None:
+                    w.save_torch("scheduler.pt", fitter.scheduler.state_dict())
+                w.save_torch("precision.pt", strategy.precision.state_dict())
+                w.save_torch("rng.pt", rng_all)
+                w.save_torch("callbacks.pt", fitter.callbacks.state_dict())
+                w.write_json("trainer_state.json", {
+                    "state": state.to_dict(),
+                    "world_size": strategy.world_size,
+                    "pending": fitter.pending_loss_values(),
+                    "loss_total": [fitter._loss_total, fitter._items_total],
+                })
+        path = w.final_path
+        protect = [p for p in (state.best_checkpoint, getattr(fitter, "resumed_from", None)) if p]
+        for p in rotate_checkpoints(out, cfg.save_total_limit, protect=protect):
+            log.info("deleted old checkpoint %s (save_total_limit=%s)", p, cfg.save_total_limit)
+        log.info("saved checkpoint %s", path)
+    strategy.barrier("save")
+    return path
+
+
+def load_training_checkpoint(fitter: Fitter, path: Path) -> None:
+    """Restore weights, optimizer, scheduler, precision, RNG, FitState, callbacks and the
+    data position from ``path`` (verified first)."""
+    cfg, strategy = fitter.config, fitter.strategy
+    assert strategy is not None and fitter.optimizer is not None
+    manifest = verify_checkpoint(path, hashes=cfg.verify_hashes)
+    if manifest.get("meta", {}).get("kind") == "model" or not (path / "trainer_state.json").exists():
+        raise CheckpointError(
+            f"{path} holds weights only (saved with save_only_model=True) and cannot be resumed; "
+            "load its weights with module.load_weights(path) and start a new fit"
+        )
+    strategy.load_module_state_dict(fitter.model, load_safetensors(path / "model.safetensors"))
+    strategy.load_optimizer_state_dict(fitter.optimizer, _torch_load(path / "optimizer.pt"))
+    if fitter.scheduler is not None:
+        if not (path / "scheduler.pt").exists():
+            raise CheckpointError(f"{path} has no scheduler.pt but this run has a scheduler")
+        fitter.scheduler.load_state_dict(_torch_load(path / "scheduler.pt"))
+    strategy.precision.load_state_dict(_torch_load(path / "precision.pt"))
+    fitter.callbacks.load_state_dict(_torch_load(path / "callbacks.pt"))
+    saved = json.loads((path / "trainer_state.json").read_text())
+    fitter.state = state = FitState.from_dict(saved["state"])
+    fitter.restore_pending_losses(saved.get("pending", []))
+    fitter._loss_total, fitter._items_total = saved.get("loss_total", [0.0, 0.0])
+    rngs = _torch_load(path / "rng.pt")
+    rank = strategy.global_rank
+    if saved.get("world_size", 1) != strategy.world_size:
+        log.warning("resuming a run saved on %s process(es) on %s: data position is kept (in global "
+                    "samples) but RNG streams are re-derived, so this is not a bit-exact continuation",
+                    saved.get("world_size"), strategy.world_size)
+        torch.manual_seed(cfg.seed + 7919 * (rank + 1) + state.global_step)
+    else:
+        set_rng_state(_native_rng(rngs[rank]))
+    _warn_on_changed_settings(path, cfg)
+    fitter.resumed_from = str(path)
+    log.info("resumed from %s at step %d (epoch %d, %d samples into it)", path, state.global_step,
+             state.epoch_index, state.samples_in_epoch)
+
+
+def resolve_resume(config: FitConfig, resume: bool | str) -> Path:
+    """``True``: the newest valid checkpoint in output_dir; a path: that checkpoint."""
+    if resume is True:
+        found = find_latest_valid(config.output_dir, hashes=config.verify_hashes)
+        if found is None:
+            raise CheckpointError(
+                f"resume=True but {config.output_dir!r} holds no valid checkpoint; "
+                "start without resume, or pass resume='path/to/checkpoint-N'"
+            )
+        return Path(found)
+    p = Path(resume)
+    if not p.is_dir():
+        raise CheckpointError(f"resume={str(resume)!r}: no such checkpoint directory")
+    return p
+
+
+def load_weights_from(fitter: Fitter, path: Path) -> None:
+    """Load only the weights of a checkpoint (``load_best_at_end``)."""
+    assert fitter.strategy is not None
+    verify_checkpoint(path, hashes=fitter.config.verify_hashes)
+    fitter.strategy.load_module_state_dict(fitter.model, load_safetensors(path / "model.safetensors"))
+    log.info("loaded the best checkpoint's weights from %s", path)
+
+
+def _warn_on_changed_settings(path: Path, cfg: FitConfig) -> None:
+    try:
+        old = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return
+    now = cfg.to_dict()
+    changed = [f"{k}: {old.get(k)!r} -> {now.get(k)!r}" for k in CONTINUATION_KEYS if old.get(k) != now.get(k)]
+    if changed:
+        log.warning("resuming with changed settings (%s): the run is no longer a pure continuation",
+                    "; ".join(changed))
+
+
+def _torch_load(path: Path) -> Any:
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def _portable_rng(state: dict[str, Any]) -> dict[str, Any]:
+    """RNG state with numpy arrays as lists, loadable with ``weights_only=True``."""
+    kind, keys, pos, has_gauss, cached = state["numpy"]
+    version, internal, gauss = state["python"]
+    out = dict(state)
+    out["numpy"] = [kind, keys.tolist(), int(pos), int(has_gauss), float(cached)]
+    out["python"] = [version, list(internal), gauss]
+    return out
+
+
+def _native_rng(state: dict[str, Any]) -> dict[str, Any]:
+    out = dict(state)
+    kind, keys, pos, has_gauss, cached = state["numpy"]
+    out["numpy"] = (kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached)
+    version, internal, gauss = state["python"]
+    out["python"] = (version, tuple(internal), gauss)
+    return out
+
+
+def _jsonable(obj: Any) -> Any:
+    try:
+        json.dumps(obj)
+        return obj
+    except TypeError:
+        return {k: (v if _is_json(v) else repr(v)) for k, v in obj.items()}
+
+
+def _is_json(v: Any) -> bool:
+    try:
+        json.dumps(v)
+        return True
+    except TypeError:
+        return False
+
+
+__all__ = ["load_training_checkpoint", "load_weights_from", "resolve_resume", "save_training_checkpoint"]

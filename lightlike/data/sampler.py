@@ -1,0 +1,74 @@
+"""A resumable sampler: the order is a function of (seed, epoch), the position is a number.
+
+``ResumableSampler`` yields the indices of one epoch, starting from ``start`` samples into it.
+The permutation is ``torch.randperm(n, generator=Generator().manual_seed(seed + epoch))``
+(the same convention as torch's ``DistributedSampler``), so seeking is O(1): no consumed batch
+is replayed. Positions are counted in *global* samples (all ranks together), so a position
+saved on one world size maps onto another.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+from torch.utils.data import Sampler
+
+
+def epoch_permutation(n: int, seed: int, epoch: int, shuffle: bool) -> torch.Tensor:
+    """The global order of epoch ``epoch``: a pure function of its arguments."""
+    if not shuffle:
+        return torch.arange(n)
+    g = torch.Generator()
+    g.manual_seed(seed + epoch)
+    return torch.randperm(n, generator=g)
+
+
+class ResumableSampler(Sampler[int]):
+    """Indices of one epoch for one rank, from a global sample position onward.
+
+    With ``world_size`` W the global order is dealt round-robin: rank r takes global positions
+    start + r, start + r + W, ... . ``drop_last`` drops the global tail that does not fill one
+    sample per rank; otherwise the last round is shorter on some ranks (never padded with
+    repeats).
+    """
+
+    def __init__(
+        self,
+        num_samples: int,
+        *,
+        shuffle: bool = True,
+        seed: int = 0,
+        rank: int = 0,
+        world_size: int = 1,
+        drop_last: bool = False,
+    ) -> None:
+        self.n = int(num_samples)
+        self.shuffle = shuffle
+        self.seed = int(seed)
+        self.rank = rank
+        self.world_size = world_size
+        self.drop_last = drop_last
+        self.epoch = 0
+        self.start = 0  # global samples already consumed in this epoch
+
+    def set_epoch(self, epoch: int, start: int = 0) -> None:
+        """Select the epoch and the global sample position to continue from."""
+        if not 0 <= start <= self.n:
+            raise ValueError(f"start={start} is outside the epoch of {self.n} samples")
+        self.epoch = int(epoch)
+        self.start = int(start)
+
+    def _global_end(self) -> int:
+        if self.drop_last:
+            return self.n - self.n % self.world_size
+        return self.n
+
+    def __iter__(self) -> Iterator[int]:
+        order = epoch_permutation(self.n, self.seed, self.epoch, self.shuffle)
+        mine = order[self.start + self.rank : self._global_end() : self.world_size]
+        return iter(mine.tolist())
+
+    def __len__(self) -> int:
+        remaining = max(0, self._global_end() - self.start - self.rank)
+        return (remaining + self.world_size - 1) // self.world_size

@@ -1,0 +1,543 @@
+"""``Fitter``: the training loop, written out in one readable place.
+
+``fit`` reads like a hand-written loop: set up, then for each epoch, for each optimizer step,
+take the step's micro-batches (the accumulation window), forward/backward each with weight
+``items_i / items_in_step``, clip, step, then log / evaluate / save when due. Distribution is
+the ``Strategy``'s business and numerics the ``Precision`` plugin's; the loop only calls them.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lightlike.callbacks.base import Callback, CallbackList
+from lightlike.config import FitConfig, check_keys
+from lightlike.data.loading import TrainData, build_eval_loader, build_train_data, normalise_eval_sets
+from lightlike.errors import ConfigError, DataError, ModuleContractError, NonFiniteLossError, OutputDirError
+from lightlike.evaluation import call_module, check_loss, is_improvement, run_evaluation
+from lightlike.module import TaskModule
+from lightlike.precision import get_precision
+from lightlike.state import Control, FitResult, FitState, PredictionResult
+from lightlike.strategies import Strategy, get_strategy
+from lightlike.utils.seed import seed_everything
+
+log = logging.getLogger("lightlike")
+
+
+class Fitter:
+    """Trains, evaluates and predicts with a ``TaskModule``.
+
+    Every keyword is a ``FitConfig`` field (``Fitter(config=cfg, max_steps=10)`` overrides a
+    field of ``cfg``). ``callbacks`` is a list of ``Callback`` objects.
+    """
+
+    def __init__(self, config: FitConfig | None = None, *, callbacks: list[Callback] | None = None, **kwargs: Any):
+        check_keys(kwargs, FitConfig)
+        self.config = config.replace(**kwargs) if config is not None else FitConfig(**kwargs)
+        self.user_callbacks = list(callbacks or [])
+        self.strategy: Strategy | None = None
+        self.module: TaskModule | None = None  # the user's module
+        self.model: Any = None  # what the loop calls: the module as wrapped by the strategy
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.scheduler: Any = None
+        self.state = FitState()
+        self.control = Control()
+        self.loggers: list[Any] = []
+        self.callbacks = CallbackList([])
+        self.train_data: TrainData | None = None
+        self.resumed_from: str | None = None
+        # (loss, items, step, micro-batch) of every micro-batch not yet logged; losses stay on the
+        # device until a log step reads them all at once
+        self._pending: list[tuple[torch.Tensor, int | torch.Tensor, int, int]] = []
+        self._loss_total, self._items_total = 0.0, 0.0
+
+    # ==========================================================================================
+    # fit
+    # ==========================================================================================
+    def fit(self, module: TaskModule, train: Any, val: Any = None, *, resume: bool | str | None = None) -> FitResult:
+        """Train ``module`` on ``train``; evaluate on ``val`` (a Dataset/DataLoader or a dict of
+        them). ``resume=True`` continues from the newest valid checkpoint in ``output_dir``,
+        ``resume="path"`` from that checkpoint."""
+        cfg = self.config
+        if not cfg.auto_find_batch_size:
+            return self._fit(module, train, val, resume)
+        snapshot = {k: v.detach().clone() for k, v in module.state_dict().items()}
+        while True:
+            try:
+                return self._fit(module, train, val, resume)
+            except torch.OutOfMemoryError:
+                if self.config.batch_size == 1:
+                    raise
+                new_bs = self.config.batch_size // 2
+                new_acc = self.config.grad_accum_steps * 2
+                log.warning("out of memory at batch_size=%d: retrying from the start with batch_size=%d, "
+                            "grad_accum_steps=%d", self.config.batch_size, new_bs, new_acc)
+                self.config = self.config.replace(batch_size=new_bs, grad_accum_steps=new_acc,
+                                                  overwrite_output_dir=True)
+                module.load_state_dict(snapshot)
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()
+
+    def _fit(self, module: TaskModule, train: Any, val: Any, resume: bool | str | None) -> FitResult:
+        cfg = self.config
+        # ---- set up: processes and devices, output dir, data, module, optimizer ----------------
+        strategy = self._setup_strategy()
+        _check_module(module)
+        resume_from = self._resume_source(resume)
+        if resume_from is None:
+            self._prepare_output_dir()
+        seed_everything(cfg.seed, cfg.deterministic)
+        self.train_data = train_data = build_train_data(
+            train, batch_size=cfg.batch_size, shuffle=cfg.shuffle, drop_last=cfg.drop_last,
+            num_workers=cfg.num_workers, pin_memory=cfg.pin_memory, seed=cfg.seed,
+            rank=strategy.global_rank, world_size=strategy.world_size)
+        eval_sets = self._eval_loaders(val)
+        if cfg.eval_every and not eval_sets:
+            raise ConfigError("eval_every is set but fit() got no evaluation data: pass val=..., or drop eval_every")
+        if cfg.metric_for_best and not eval_sets:
+            raise ConfigError(f"metric_for_best={cfg.metric_for_best!r} needs evaluation data: pass val=...")
+        accum = cfg.grad_accum_steps
+        batches_per_epoch = train_data.batches_per_epoch()
+        steps_per_epoch = math.ceil(batches_per_epoch / accum) if batches_per_epoch else None
+        if cfg.max_steps is not None:
+            max_steps = cfg.max_steps
+        elif steps_per_epoch is not None:
+            max_steps = cfg.max_epochs * steps_per_epoch  # type: ignore[operator]
+        else:
+            raise ConfigError("the training data has no length (IterableDataset): set max_steps")
+
+        module.gradient_checkpointing = cfg.gradient_checkpointing
+        self.module = module
+        model = strategy.setup_module(module)
+        if cfg.compile:
+            model = torch.compile(model)
+        self.model = model
+        optimizer, scheduler = self._configure_optimizers(module, max_steps)
+        self.optimizer = optimizer = strategy.setup_optimizer(optimizer)
+        self.scheduler = scheduler
+
+        self.state = FitState(max_steps=max_steps)
+        control = self.control = Control()
+        self.callbacks = callbacks = CallbackList(self._default_callbacks() + self.user_callbacks)
+        self._pending = []
+        self._loss_total, self._items_total = 0.0, 0.0
+        self.resumed_from = None
+        if resume_from is not None:
+            self._load_checkpoint(resume_from)  # replaces self.state
+        state = self.state
+        state.max_steps = max_steps
+        self.loggers = self._build_loggers(resume_step=state.global_step if resume_from else None)
+        if cfg.model_summary and strategy.is_global_zero and resume_from is None:
+            from lightlike.loggers.summary import model_summary
+
+            log.info("model summary\n%s", model_summary(module))
+
+        self._grad_norm: torch.Tensor | None = None
+        last_metrics: dict[str, float] = {}
+        start_time, start_step, start_samples = time.perf_counter(), state.global_step, state.samples_seen
+        if strategy.root_device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(strategy.root_device)
+
+        try:
+            callbacks.call("on_fit_start", self, state, control)
+            model.train()
+            epoch = state.epoch_index
+            # ---- the loop ----------------------------------------------------------------------
+            while state.global_step < max_steps and not control.should_training_stop:
+                batches = train_data.epoch_iterator(epoch, state.samples_in_epoch)
+                if state.batches_in_epoch == 0:
+                    callbacks.call("on_epoch_start", self, state, control)
+                epoch_exhausted = False
+                while state.global_step < max_steps:
+                    window = list(itertools.islice(batches, accum))  # this step's micro-batches
+                    if not window:
+                        epoch_exhausted = True
+                        break
+                    callbacks.call("on_step_start", self, state, control)
+                    stepped = self._training_step(window, want_norm=self._is_log_step(state.global_step + 1))
+                    if stepped and scheduler is not None:
+                        scheduler.step()
+                    samples = sum(_batch_size(b) for b in window) * strategy.world_size
+                    state.global_step += 1
+                    state.batches_in_epoch += len(window)
+                    state.samples_in_epoch += samples
+                    state.samples_seen += samples
+                    state.epoch = epoch + (min(1.0, state.batches_in_epoch / batches_per_epoch) if batches_per_epoch else 0.0)
+                    callbacks.call("on_step_end", self, state, control)
+
+                    if control.should_log or self._is_log_step(state.global_step):
+                        self._log_training()
+                    if control.should_evaluate or (cfg.eval_every and state.global_step % cfg.eval_every == 0):
+                        last_metrics = self._evaluate_all(eval_sets)
+                    if control.should_save or self._is_save_step(state.global_step):
+                        self._save_checkpoint()
+                    if control.should_training_stop or control.should_epoch_stop:
+                        break
+                if state.batches_in_epoch == 0 and epoch_exhausted:
+                    raise DataError(f"epoch {epoch} of the training data produced no batch")
+                # ---- end of epoch ------------------------------------------------------------------
+                epoch_exhausted = epoch_exhausted or control.should_epoch_stop or (
+                    batches_per_epoch is not None and state.batches_in_epoch >= batches_per_epoch)
+                control.should_epoch_stop = False
+                callbacks.call("on_epoch_end", self, state, control)
+                if epoch_exhausted:
+                    if cfg.eval_on_epoch_end and eval_sets and state.last_eval_step != state.global_step:
+                        last_metrics = self._evaluate_all(eval_sets)
+                    epoch += 1
+                    state.epoch_index, state.batches_in_epoch, state.samples_in_epoch = epoch, 0, 0
+                    state.epoch = float(epoch)
+                    if cfg.save_strategy == "epoch" and state.last_save_step != state.global_step:
+                        self._save_checkpoint()
+            # ---- end of training -------------------------------------------------------------
+            self._log_training(final=True)
+            if eval_sets and state.last_eval_step != state.global_step:
+                last_metrics = self._evaluate_all(eval_sets)
+            if cfg.save_strategy == "steps" and cfg.save_every and state.last_save_step != state.global_step:
+                self._save_checkpoint()
+            if cfg.load_best_at_end and state.best_checkpoint:
+                self._load_best_weights()
+            callbacks.call("on_fit_end", self, state, control)
+        except BaseException as error:
+            callbacks.call("on_exception", self, state, control, error)
+            raise
+        finally:
+            for lg in self.loggers:
+                lg.finalize()
+
+        runtime = time.perf_counter() - start_time
+        steps = state.global_step - start_step
+        training_loss = self._loss_total / self._items_total if self._items_total else float("nan")
+        metrics = {**last_metrics, "train/loss": training_loss}
+        return FitResult(
+            global_step=state.global_step,
+            training_loss=training_loss,
+            metrics=metrics,
+            runtime=runtime,
+            samples_per_second=(state.samples_seen - start_samples) / runtime if runtime else 0.0,
+            steps_per_second=steps / runtime if runtime else 0.0,
+            peak_memory_bytes=_peak_memory(strategy.root_device),
+            skipped_steps=state.skipped_steps,
+            best_checkpoint=state.best_checkpoint,
+            state=state,
+        )
+
+    # ------------------------------------------------------------------------------------------
+    def _training_step(self, window: list[Any], want_norm: bool) -> bool:
+        """Forward/backward every micro-batch of one optimizer step, then clip and step.
+
+        Micro-batch i is weighted by ``items_i / items_in_step``, so the step's gradient is the
+        gradient of the mean loss over every item in the step, whatever each micro-batch holds.
+        Returns whether the optimizer update was applied."""
+        cfg, strategy, module, model, optimizer = self.config, self.strategy, self.module, self.model, self.optimizer
+        assert strategy is not None and module is not None and optimizer is not None
+        batches = [strategy.batch_to_device(b) for b in window]
+        counts = [module.num_items(b) for b in batches]
+        total = strategy.sum_items(counts)
+        last = len(batches) - 1
+        step = self.state.global_step + 1
+        for i, batch in enumerate(batches):
+            with strategy.no_sync(model, enabled=i < last):
+                with strategy.autocast():
+                    outputs = call_module(model, batch, f"at step {step}, micro-batch {i}")
+                    loss = check_loss(module.loss(outputs, batch), f"at step {step}, micro-batch {i}")
+                strategy.backward(loss * _weight(counts[i], total, loss.dtype), model)
+            self._pending.append((loss.detach(), counts[i], step, i))
+        if cfg.nonfinite_loss == "skip":
+            window_losses = torch.stack([p[0] for p in self._pending[-len(batches):]])
+            if not bool(torch.isfinite(window_losses).all()):  # one host read per step, by choice
+                strategy.zero_grad(optimizer)
+                del self._pending[-len(batches):]
+                self.state.skipped_steps += 1
+                log.warning("non-finite loss at step %d: step skipped (%d skipped so far)", step,
+                            self.state.skipped_steps)
+                return False
+        norm = strategy.clip_gradients(model, optimizer, cfg.max_grad_norm, cfg.max_grad_value, want_norm)
+        if norm is not None:
+            self._grad_norm = norm
+        self.callbacks.call("on_before_optimizer_step", self, self.state, self.control, optimizer)
+        stepped = strategy.optimizer_step(optimizer, model)
+        strategy.zero_grad(optimizer)
+        if not stepped:
+            self.state.skipped_steps += 1
+        return stepped
+
+    # ------------------------------------------------------------------------------------------
+    def _read_pending(self) -> list[tuple[float, float, int, int]]:
+        """Read the pending losses and item counts to the host (one sync for all of them).
+        Raises ``NonFiniteLossError`` naming the first bad step and micro-batch."""
+        if not self._pending:
+            return []
+        device = self.strategy.root_device  # type: ignore[union-attr]
+        losses = torch.stack([p[0].float() for p in self._pending]).tolist()
+        items = torch.stack([torch.as_tensor(p[1], dtype=torch.float64, device=device)
+                             for p in self._pending]).tolist()
+        values = [(loss, n, p[2], p[3]) for loss, n, p in zip(losses, items, self._pending, strict=True)]
+        if self.config.nonfinite_loss == "raise":
+            for loss, _, step, micro in values:
+                if not math.isfinite(loss):
+                    raise NonFiniteLossError(step, micro, loss)
+        return values
+
+    def _log_training(self, final: bool = False) -> None:
+        self.control.should_log = False
+        values = self._read_pending()
+        self._pending = []
+        if not values and final:
+            return
+        loss_sum = sum(loss * n for loss, n, _, _ in values)
+        item_sum = sum(n for _, n, _, _ in values)
+        loss_sum, item_sum = self.strategy.sum_floats([loss_sum, item_sum])  # type: ignore[union-attr]
+        self._loss_total += loss_sum
+        self._items_total += item_sum
+        state = self.state
+        metrics: dict[str, float] = {
+            "train/loss": loss_sum / item_sum if item_sum else float("nan"),
+            "train/epoch": round(state.epoch, 4),
+        }
+        if self.scheduler is not None:
+            metrics["train/lr"] = float(self.scheduler.get_last_lr()[0])
+        else:
+            metrics["train/lr"] = float(self.optimizer.param_groups[0]["lr"])  # type: ignore[union-attr]
+        if self._grad_norm is not None:
+            metrics["train/grad_norm"] = float(self._grad_norm)
+            self._grad_norm = None
+        if state.skipped_steps:
+            metrics["train/skipped_steps"] = float(state.skipped_steps)
+        self._emit("on_log", metrics)
+
+    def _emit(self, event: str, metrics: dict[str, float]) -> None:
+        state = self.state
+        state.log_history.append({"step": state.global_step, **metrics})
+        for lg in self.loggers:
+            lg.log_metrics(metrics, state.global_step)
+        self.callbacks.call(event, self, state, self.control, metrics)
+
+    def _evaluate_all(self, eval_sets: dict[str, Any]) -> dict[str, float]:
+        """Evaluate every set; update the best metric; tell loggers and callbacks."""
+        self.control.should_evaluate = False
+        self._read_and_check_pending()
+        metrics: dict[str, float] = {}
+        for name, loader in eval_sets.items():
+            m, _, _ = run_evaluation(self.model, self.module, loader, self.strategy, name,  # type: ignore[arg-type]
+                                     streaming=self.config.eval_streaming)
+            metrics.update(m)
+        state, cfg = self.state, self.config
+        state.last_eval_step = state.global_step
+        key = cfg.metric_for_best
+        if key is not None:
+            if key not in metrics:
+                raise ConfigError(f"metric_for_best={key!r} is not among the evaluation metrics {sorted(metrics)}")
+            greater = cfg.greater_is_better if cfg.greater_is_better is not None else not key.endswith("loss")
+            if is_improvement(metrics[key], state.best_metric, greater):
+                state.best_metric, state.best_step = metrics[key], state.global_step
+        self._emit("on_evaluate", metrics)
+        if cfg.save_strategy == "best" and state.best_step == state.global_step:
+            self._save_checkpoint()
+        return metrics
+
+    def pending_loss_values(self) -> list[list[float]]:
+        """The not-yet-logged (loss, items, step, micro-batch) values, on the host: they go into
+        checkpoints so the first log after a resume averages what the uninterrupted run would."""
+        return [list(v) for v in self._read_pending()]
+
+    def restore_pending_losses(self, pending: list[list[float]]) -> None:
+        self._pending = [(torch.tensor(loss, dtype=torch.float32, device=self.strategy.root_device), n, int(step), int(micro))  # type: ignore[union-attr]
+                         for loss, n, step, micro in pending]
+
+    def _read_and_check_pending(self) -> None:
+        """Raise now if a pending loss is non-finite (before evaluating or saving)."""
+        self._read_pending()
+
+    # ==========================================================================================
+    # evaluation and prediction outside fit
+    # ==========================================================================================
+    def validate(self, module: TaskModule, data: Any) -> dict[str, float]:
+        """Evaluate on ``data`` (or a dict of sets); keys ``val/<name>`` (or ``<set>/<name>``)."""
+        return self._evaluate_standalone(module, data, "val")
+
+    def test(self, module: TaskModule, data: Any) -> dict[str, float]:
+        """Like ``validate`` with keys ``test/<name>``."""
+        return self._evaluate_standalone(module, data, "test")
+
+    def predict(self, module: TaskModule, data: Any) -> PredictionResult:
+        """Predictions (``TaskModule.predictions``) in dataset order, labels if the batches carry
+        them, and the metrics over the whole set (keys ``predict/<name>``)."""
+        strategy = self._setup_strategy()
+        model = self._prepare_for_eval(module)
+        loader = self._eval_loaders(data, default_name="predict")["predict"]
+        metrics, preds, labels = run_evaluation(model, module, loader, strategy, "predict",
+                                                streaming=self.config.eval_streaming, keep_outputs=True)
+        return PredictionResult(preds, labels, metrics)
+
+    def _evaluate_standalone(self, module: TaskModule, data: Any, default_name: str) -> dict[str, float]:
+        strategy = self._setup_strategy()
+        model = self._prepare_for_eval(module)
+        metrics: dict[str, float] = {}
+        for name, loader in self._eval_loaders(data, default_name=default_name).items():
+            m, _, _ = run_evaluation(model, module, loader, strategy, name, streaming=self.config.eval_streaming)
+            metrics.update(m)
+        return metrics
+
+    def _prepare_for_eval(self, module: TaskModule) -> Any:
+        _check_module(module)
+        if self.module is module and self.model is not None:
+            return self.model
+        self.module = module
+        self.model = self.strategy.setup_module(module)  # type: ignore[union-attr]
+        return self.model
+
+    # ==========================================================================================
+    # set-up helpers
+    # ==========================================================================================
+    def _setup_strategy(self) -> Strategy:
+        if self.strategy is None:
+            cfg = self.config
+            precision = None if cfg.precision == "auto" else get_precision(cfg.precision)
+            strategy = get_strategy(cfg.strategy, cfg.accelerator, precision)
+            strategy.setup_environment()
+            from lightlike.loggers.console import setup_logging
+
+            setup_logging(cfg.log_level, strategy.is_global_zero)
+            self.strategy = strategy
+        return self.strategy
+
+    def _eval_loaders(self, data: Any, default_name: str = "val") -> dict[str, Any]:
+        cfg, strategy = self.config, self.strategy
+        assert strategy is not None
+        return {
+            name: build_eval_loader(d, batch_size=cfg.eval_batch_size or cfg.batch_size,
+                                    num_workers=cfg.num_workers, pin_memory=cfg.pin_memory,
+                                    rank=strategy.global_rank, world_size=strategy.world_size, name=name)
+            for name, d in normalise_eval_sets(data, default_name).items()
+        }
+
+    def _configure_optimizers(self, module: TaskModule, max_steps: int) -> tuple[Any, Any]:
+        from lightlike import optim
+
+        custom = module.configure_optimizers(self.config)
+        if custom is not None:
+            return optim.unwrap_configure_optimizers(custom)
+        cfg = self.config
+        if self.strategy.precision.param_dtype == torch.float16 and cfg.optimizer == "adamw" \
+                and cfg.adam_epsilon < torch.finfo(torch.float16).tiny:  # type: ignore[union-attr]
+            log.warning("adam_epsilon=%g underflows in float16 (16-true keeps optimizer state in fp16): "
+                        "updates will be inf/NaN; set adam_epsilon=1e-4 or use precision='16-mixed'",
+                        cfg.adam_epsilon)
+        optimizer = optim.build_optimizer(module, self.config)
+        return optimizer, optim.build_scheduler(optimizer, self.config, max_steps)
+
+    def _default_callbacks(self) -> list[Callback]:
+        from lightlike.callbacks.progress import ProgressBar
+
+        enabled = self.config.progress_bar if self.strategy.is_global_zero else False  # type: ignore[union-attr]
+        return [ProgressBar(enabled=enabled)]
+
+    def _build_loggers(self, resume_step: int | None) -> list[Any]:
+        from lightlike.loggers import build_loggers
+
+        loggers = build_loggers(self.config.loggers, self.config.output_dir,
+                                enabled=self.strategy.is_global_zero)  # type: ignore[union-attr]
+        for lg in loggers:
+            if resume_step is not None:
+                lg.resume(resume_step)
+            lg.log_hyperparams(self.config.to_dict())
+        return loggers
+
+    def _prepare_output_dir(self) -> None:
+        """A fresh fit must not mix with an earlier run's files unless asked to."""
+        out = Path(self.config.output_dir)
+        if not self.strategy.is_global_zero or not out.exists():  # type: ignore[union-attr]
+            return
+        from lightlike.checkpoint import list_checkpoints
+
+        old = [p for p in list_checkpoints(out)] + [p for p in (out / "logs",) if p.exists()]
+        if not old:
+            return
+        if not self.config.overwrite_output_dir:
+            names = ", ".join(p.name for p in old[:5])
+            raise OutputDirError(
+                f"output_dir {str(out)!r} already holds a run ({names}); pass resume=True to continue "
+                "it, overwrite_output_dir=True to replace it, or choose another output_dir"
+            )
+        log.warning("overwrite_output_dir=True: removing %s", ", ".join(str(p) for p in old))
+        for p in old:
+            shutil.rmtree(p)
+
+    # -- when to log and save -------------------------------------------------------------------
+    def _is_log_step(self, step: int) -> bool:
+        return step % self.config.log_every == 0
+
+    def _is_save_step(self, step: int) -> bool:
+        cfg = self.config
+        return cfg.save_strategy == "steps" and cfg.save_every is not None and step % cfg.save_every == 0
+
+    # -- checkpoints (lightlike/checkpoint/training.py does the work) ---------------------------------
+    def _save_checkpoint(self) -> Path | None:
+        from lightlike.checkpoint.training import save_training_checkpoint
+
+        self.control.should_save = False
+        self._read_and_check_pending()
+        path = save_training_checkpoint(self)
+        if path is not None:
+            self.callbacks.call("on_save", self, self.state, self.control, str(path))
+        return path
+
+    def _load_checkpoint(self, path: Path) -> None:
+        from lightlike.checkpoint.training import load_training_checkpoint
+
+        load_training_checkpoint(self, path)
+
+    def _resume_source(self, resume: bool | str | None) -> Path | None:
+        if not resume:
+            return None
+        from lightlike.checkpoint.training import resolve_resume
+
+        return resolve_resume(self.config, resume)
+
+    def _load_best_weights(self) -> None:
+        from lightlike.checkpoint.training import load_weights_from
+
+        load_weights_from(self, Path(self.state.best_checkpoint))  # type: ignore[arg-type]
+
+
+def _check_module(module: Any) -> None:
+    if not isinstance(module, TaskModule):
+        raise ModuleContractError(
+            f"fit/validate/test/predict take a lightlike.TaskModule, got {type(module).__name__}; "
+            "subclass ll.TaskModule and define forward(batch) and loss(outputs, batch)"
+        )
+
+
+def _weight(count: int | torch.Tensor, total: int | torch.Tensor, dtype: torch.dtype) -> float | torch.Tensor:
+    """count / total: a Python float for int counts, else a device tensor (computed in float64)."""
+    if isinstance(count, torch.Tensor) or isinstance(total, torch.Tensor):
+        return (torch.as_tensor(count, dtype=torch.float64) / torch.as_tensor(total, dtype=torch.float64)).to(dtype)
+    return count / total
+
+
+def _batch_size(batch: Any) -> int:
+    from lightlike.module import batch_length
+
+    try:
+        return batch_length(batch)
+    except TypeError:
+        return 0
+
+
+def _peak_memory(device: torch.device) -> int | None:
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    try:
+        import resource
+
+        return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+    except (ImportError, OSError):
+        return None

@@ -1,0 +1,64 @@
+"""Small modules and datasets shared by the tests."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.utils.data import Dataset
+
+import lightlike as ll
+
+
+class DictDataset(Dataset):
+    """Items are dicts of tensors; ``x`` features, ``y`` class labels, ``w`` item weights."""
+
+    def __init__(self, n: int = 64, features: int = 8, classes: int = 3, seed: int = 0,
+                 dtype: torch.dtype = torch.float32):
+        g = torch.Generator().manual_seed(seed)
+        self.x = torch.randn(n, features, generator=g, dtype=dtype)
+        self.y = torch.randint(0, classes, (n,), generator=g)
+        # how many "tokens" each item holds, for uneven item counts (1..4)
+        self.w = torch.randint(1, 5, (n,), generator=g)
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"x": self.x[i], "y": self.y[i], "w": self.w[i]}
+
+
+class Classifier(ll.TaskModule):
+    def __init__(self, features: int = 8, classes: int = 3, width: int = 16):
+        super().__init__()
+        self.save_hyperparameters()
+        self.net = nn.Sequential(nn.Linear(features, width), nn.Tanh(), nn.Linear(width, classes))
+
+    def forward(self, batch):
+        return self.net(batch["x"])
+
+    def loss(self, outputs, batch):
+        return nn.functional.cross_entropy(outputs, batch["y"])
+
+    def metrics(self, outputs, batch):
+        return {"accuracy": (outputs.argmax(-1) == batch["y"]).float().mean()}
+
+
+class TokenClassifier(Classifier):
+    """Each item counts as ``w`` items (think: tokens). The loss is the mean over those items,
+    and ``num_items`` reports their number as a device tensor."""
+
+    def loss(self, outputs, batch):
+        per_item = nn.functional.cross_entropy(outputs, batch["y"], reduction="none")
+        w = batch["w"].to(per_item.dtype)
+        return (per_item * w).sum() / w.sum()
+
+    def num_items(self, batch):
+        return batch["w"].sum()
+
+
+def flat_params(module: nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in module.parameters()])
+
+
+def flat_grads(module: nn.Module) -> torch.Tensor:
+    return torch.cat([p.grad.detach().reshape(-1) for p in module.parameters()])

@@ -1,0 +1,88 @@
+"""Exact gradient accumulation: the step's gradient is the gradient of the mean loss over every
+item in the step, however the items are split into micro-batches and however many each holds."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import Classifier, DictDataset, TokenClassifier, flat_grads
+
+import lightlike as ll
+
+
+class GradRecorder(ll.Callback):
+    """Records the (unscaled, unclipped) gradient at every optimizer step."""
+
+    def __init__(self):
+        self.grads = []
+
+    def on_before_optimizer_step(self, fitter, state, control, optimizer):
+        self.grads.append(flat_grads(fitter.module).clone())
+
+
+def reference_grad(module_cls, data, indices):
+    """Gradient of the mean loss over all items in ``indices``, computed in one batch."""
+    torch.manual_seed(0)
+    model = module_cls().double()
+    batch = {k: torch.stack([data[i][k] for i in indices]) for k in ("x", "y", "w")}
+    model.zero_grad()
+    out = model(batch)
+    if module_cls is TokenClassifier:
+        per = torch.nn.functional.cross_entropy(out, batch["y"], reduction="none")
+        loss = (per * batch["w"]).sum() / batch["w"].sum()
+    else:
+        loss = model.loss(out, batch)
+    loss.backward()
+    return flat_grads(model)
+
+
+def fitted_grads(module_cls, data, batch_size, accum, steps, tmp_path):
+    torch.manual_seed(0)
+    model = module_cls().double()
+    rec = GradRecorder()
+    ll.Fitter(max_steps=steps, batch_size=batch_size, grad_accum_steps=accum, shuffle=False,
+              learning_rate=0.0, output_dir=str(tmp_path / f"b{batch_size}a{accum}"), loggers=[],
+              model_summary=False, callbacks=[rec], accelerator="cpu").fit(model, data)
+    return rec.grads
+
+
+@pytest.mark.parametrize("module_cls", [Classifier, TokenClassifier])
+@pytest.mark.parametrize("batch_size,accum", [(8, 1), (4, 2), (2, 4), (1, 8)])
+def test_same_gradient_for_every_split(tmp_path, module_cls, batch_size, accum):
+    data = DictDataset(n=16, dtype=torch.float64)
+    grads = fitted_grads(module_cls, data, batch_size, accum, steps=2, tmp_path=tmp_path)
+    assert len(grads) == 2
+    for step, indices in enumerate([range(0, 8), range(8, 16)]):
+        ref = reference_grad(module_cls, data, list(indices))
+        torch.testing.assert_close(grads[step], ref, rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("module_cls", [Classifier, TokenClassifier])
+def test_partial_window_normalised_by_what_it_holds(tmp_path, module_cls):
+    # 11 items, batch 2, accumulation 4: batches of 2,2,2,2 | 2,1 -> the second step holds
+    # 3 items in 2 micro-batches and must be their exact mean, not divided by 4 micro-batches
+    data = DictDataset(n=11, dtype=torch.float64)
+    grads = fitted_grads(module_cls, data, batch_size=2, accum=4, steps=2, tmp_path=tmp_path)
+    assert len(grads) == 2
+    torch.testing.assert_close(grads[0], reference_grad(module_cls, data, list(range(8))), rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(grads[1], reference_grad(module_cls, data, list(range(8, 11))), rtol=1e-12, atol=1e-14)
+
+
+def test_mean_of_means_would_differ(tmp_path):
+    """Guard that the uneven test above can fail: the naive mean of micro-batch means differs."""
+    data = DictDataset(n=11, dtype=torch.float64)
+    exact = reference_grad(Classifier, data, list(range(8, 11)))
+    naive = (reference_grad(Classifier, data, [8, 9]) + reference_grad(Classifier, data, [10])) / 2
+    assert not torch.allclose(exact, naive, rtol=1e-6)
+
+
+def test_epoch_shorter_than_window_steps_once(tmp_path):
+    # 3 batches per epoch with accumulation 8: one step per epoch holding all 3 batches
+    data = DictDataset(n=6, dtype=torch.float64)
+    torch.manual_seed(0)
+    rec = GradRecorder()
+    result = ll.Fitter(max_epochs=2, batch_size=2, grad_accum_steps=8, shuffle=False, learning_rate=0.0,
+                       output_dir=str(tmp_path), loggers=[], model_summary=False, callbacks=[rec],
+                       ).fit(Classifier().double(), data)
+    assert result.global_step == 2
+    torch.testing.assert_close(rec.grads[0], reference_grad(Classifier, data, list(range(6))), rtol=1e-12, atol=1e-14)

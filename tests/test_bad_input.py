@@ -1,0 +1,155 @@
+"""Bad input: one clear error naming what to change; nothing already written is lost."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import Classifier, DictDataset
+from torch import nn
+
+import lightlike as ll
+
+
+def fitter(tmp_path, **kw):
+    cfg = dict(max_steps=2, batch_size=4, output_dir=str(tmp_path / "run"), loggers=[], model_summary=False)
+    cfg.update(kw)
+    return ll.Fitter(**cfg)
+
+
+def test_unknown_strategy_lists_valid_names(tmp_path):
+    with pytest.raises(ll.ConfigError, match=r"unknown strategy 'singel' \(did you mean 'single'\?\).*auto, single"):
+        fitter(tmp_path, strategy="singel").fit(Classifier(), DictDataset())
+
+
+def test_unknown_precision_lists_valid_names(tmp_path):
+    with pytest.raises(ll.ConfigError, match=r"unknown precision 'bf16-mix'.*bf16-mixed.*32-true"):
+        fitter(tmp_path, precision="bf16-mix").fit(Classifier(), DictDataset())
+
+
+def test_unknown_keyword_names_closest():
+    with pytest.raises(ll.ConfigError, match=r"'max_step' \(did you mean 'max_steps'"):
+        ll.Fitter(max_step=10)
+    with pytest.raises(ll.ConfigError, match=r"'learning_rte' \(did you mean 'learning_rate'"):
+        ll.FitConfig.from_dict({"max_steps": 1, "learning_rte": 0.1})
+
+
+def test_no_stopping_criterion():
+    with pytest.raises(ll.ConfigError, match="no stopping criterion: set max_steps=N or max_epochs=N"):
+        ll.Fitter(batch_size=4)
+
+
+def test_empty_dataset(tmp_path):
+    with pytest.raises(ll.DataError, match="training data is empty"):
+        fitter(tmp_path).fit(Classifier(), DictDataset(n=0))
+    with pytest.raises(ll.DataError, match="val data is empty"):
+        fitter(tmp_path, overwrite_output_dir=True).fit(Classifier(), DictDataset(), DictDataset(n=0))
+
+
+def test_missing_batch_key(tmp_path):
+    class ReadsZ(Classifier):
+        def forward(self, batch):
+            return self.net(batch["z"])
+
+    with pytest.raises(ll.DataError, match=r"batch key 'z'.*step 1, micro-batch 0.*\['w', 'x', 'y'\]"):
+        fitter(tmp_path).fit(ReadsZ(), DictDataset())
+
+
+def test_loss_not_scalar(tmp_path):
+    class PerItemLoss(Classifier):
+        def loss(self, outputs, batch):
+            return nn.functional.cross_entropy(outputs, batch["y"], reduction="none")
+
+    with pytest.raises(ll.ModuleContractError, match=r"shape \(4,\).*return a scalar"):
+        fitter(tmp_path).fit(PerItemLoss(), DictDataset())
+
+    class FloatLoss(Classifier):
+        def loss(self, outputs, batch):
+            return 1.0
+
+    with pytest.raises(ll.ModuleContractError, match="loss\\(\\) returned float"):
+        fitter(tmp_path).fit(FloatLoss(), DictDataset())
+
+
+def test_metrics_not_scalar(tmp_path):
+    class VectorMetric(Classifier):
+        def metrics(self, outputs, batch):
+            return {"per_item": outputs.argmax(-1).float()}
+
+    with pytest.raises(ll.ModuleContractError, match=r"metrics\(\)\['per_item'\].*shape \(4,\)"):
+        fitter(tmp_path).validate(VectorMetric(), DictDataset(n=8))
+
+
+def test_eval_every_without_eval_data(tmp_path):
+    with pytest.raises(ll.ConfigError, match="eval_every is set but fit\\(\\) got no evaluation data"):
+        fitter(tmp_path, eval_every=1).fit(Classifier(), DictDataset())
+
+
+def test_device_that_does_not_exist(tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    with pytest.raises(ll.ConfigError, match="CUDA is not available here"):
+        fitter(tmp_path, accelerator="cuda").fit(Classifier(), DictDataset())
+
+
+def test_single_strategy_under_world_size(tmp_path, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    with pytest.raises(ll.ConfigError, match="strategy='single' but WORLD_SIZE=4"):
+        fitter(tmp_path, strategy="single").fit(Classifier(), DictDataset())
+
+
+def test_not_a_task_module(tmp_path):
+    with pytest.raises(ll.ModuleContractError, match="subclass ll.TaskModule"):
+        fitter(tmp_path).fit(nn.Linear(2, 2), DictDataset())
+
+
+def test_output_dir_not_overwritten(tmp_path):
+    fitter(tmp_path, save_every=2).fit(Classifier(), DictDataset())
+    ckpt = tmp_path / "run" / "checkpoint-2"
+    before = sorted(p.name for p in ckpt.iterdir())
+    with pytest.raises(ll.OutputDirError, match="already holds a run.*resume=True.*overwrite_output_dir=True"):
+        fitter(tmp_path, save_every=2).fit(Classifier(), DictDataset())
+    assert sorted(p.name for p in ckpt.iterdir()) == before
+    # asked for: replaced
+    fitter(tmp_path, save_every=1, overwrite_output_dir=True).fit(Classifier(), DictDataset())
+    assert (tmp_path / "run" / "checkpoint-1").is_dir()
+
+
+def test_nonfinite_loss_raises_naming_step_and_micro_batch(tmp_path):
+    class NaNAtSecondStep(Classifier):
+        calls = 0
+
+        def loss(self, outputs, batch):
+            type(self).calls += 1
+            loss = super().loss(outputs, batch)
+            return loss * float("nan") if type(self).calls == 4 else loss  # step 2, micro-batch 1
+
+    with pytest.raises(ll.NonFiniteLossError, match="optimizer step 2, micro-batch 1"):
+        fitter(tmp_path, max_steps=5, grad_accum_steps=2).fit(NaNAtSecondStep(), DictDataset(n=40))
+
+
+def test_nonfinite_skip_policy_counts(tmp_path):
+    class NaNAtSecondStep(Classifier):
+        calls = 0
+
+        def loss(self, outputs, batch):
+            type(self).calls += 1
+            loss = super().loss(outputs, batch)
+            return loss * float("nan") if type(self).calls == 2 else loss
+
+    model = NaNAtSecondStep()
+    result = fitter(tmp_path, max_steps=4, nonfinite_loss="skip", log_every=1).fit(model, DictDataset(n=40))
+    assert result.skipped_steps == 1 and result.global_step == 4
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    logged = [h for h in result.state.log_history if "train/skipped_steps" in h]
+    assert logged and logged[-1]["train/skipped_steps"] == 1.0
+
+
+def test_config_round_trip(tmp_path):
+    cfg = ll.FitConfig(max_steps=7, learning_rate=0.5, loggers=["csv"], max_grad_norm=1.0)
+    assert ll.FitConfig.from_json(cfg.to_json()) == cfg
+    assert ll.FitConfig.from_toml(cfg.to_toml()) == cfg
+    path = tmp_path / "c.toml"
+    cfg.to_toml(path)
+    assert ll.FitConfig.from_toml(path) == cfg
+    with pytest.raises(ll.ConfigError, match="lr_scheduler='cosin' is not valid \\(did you mean 'cosine'"):
+        ll.FitConfig(max_steps=1, lr_scheduler="cosin")

@@ -1,0 +1,115 @@
+"""Callback events in order, control flags, EarlyStopping, callback state."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import Classifier, DictDataset
+
+import lightlike as ll
+from lightlike.callbacks import EVENTS
+
+
+class Recorder(ll.Callback):
+    def __init__(self):
+        self.events = []
+
+    def __getattribute__(self, name):
+        if name in EVENTS:
+            def record(fitter, state, control, *args):
+                self.events.append((name, state.global_step))
+            return record
+        return super().__getattribute__(name)
+
+
+def fit(tmp_path, callbacks, **kw):
+    cfg = dict(batch_size=4, output_dir=str(tmp_path / "run"), loggers=[], model_summary=False,
+               shuffle=False, learning_rate=1e-2)
+    cfg.update(kw)
+    return ll.Fitter(callbacks=callbacks, **cfg)
+
+
+def test_event_order(tmp_path):
+    rec = Recorder()
+    data, val = DictDataset(n=12), DictDataset(n=6, seed=1)
+    fit(tmp_path, [rec], max_epochs=1, grad_accum_steps=2, log_every=1, eval_every=1).fit(Classifier(), data, val)
+    # 12 items / batch 4 = 3 batches; accumulation 2 -> steps of 2 and 1 micro-batches
+    step = lambda s: [("on_step_start", s - 1), ("on_before_optimizer_step", s - 1),  # noqa: E731
+                      ("on_step_end", s), ("on_log", s), ("on_evaluate", s)]
+    expected = [("on_fit_start", 0), ("on_epoch_start", 0), *step(1), *step(2),
+                ("on_epoch_end", 2), ("on_fit_end", 2)]
+    assert rec.events == expected
+
+
+def test_exception_event(tmp_path):
+    rec = Recorder()
+
+    class Boom(ll.Callback):
+        def on_step_end(self, fitter, state, control):
+            if state.global_step == 2:
+                raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError, match="boom"):
+        fit(tmp_path, [rec, Boom()], max_steps=5).fit(Classifier(), DictDataset(n=40))
+    assert rec.events[-1] == ("on_exception", 2)
+
+
+def test_control_flags(tmp_path):
+    seen = {}
+
+    class Steer(ll.Callback):
+        def on_step_end(self, fitter, state, control):
+            if state.global_step == 2:
+                control.should_log = True
+                control.should_evaluate = True
+                control.should_save = True
+            if state.global_step == 4:
+                control.should_epoch_stop = True
+            if state.global_step == 6:
+                control.should_training_stop = True
+
+        def on_epoch_start(self, fitter, state, control):
+            seen.setdefault("epoch_starts", []).append(state.global_step)
+
+    rec = Recorder()
+    result = fit(tmp_path, [Steer(), rec], max_steps=100, log_every=1000).fit(
+        Classifier(), DictDataset(n=40), DictDataset(n=8, seed=2))
+    assert result.global_step == 6
+    assert ("on_log", 2) in rec.events and ("on_evaluate", 2) in rec.events and ("on_save", 2) in rec.events
+    assert (tmp_path / "run" / "checkpoint-2").is_dir()
+    # 10 batches per epoch; should_epoch_stop at step 4 starts epoch 1 early
+    assert seen["epoch_starts"] == [0, 4]
+    assert result.state.epoch_index == 1
+
+
+def test_early_stopping(tmp_path):
+    class WorseAndWorse(Classifier):
+        """Evaluation loss that rises after the second evaluation."""
+        def __init__(self):
+            super().__init__()
+            self.evals = 0
+
+        def metrics(self, outputs, batch):
+            return {"score": torch.tensor(float(self.evals))}
+
+    class Count(ll.Callback):
+        def on_evaluate(self, fitter, state, control, metrics):
+            fitter.module.evals += 1
+
+    es = ll.EarlyStopping(monitor="val/score", patience=2, mode="max")
+    # score per eval: 0, 1, 2, ... strictly increasing -> never stops with mode max
+    r = fit(tmp_path / "a", [Count(), es], max_steps=10, eval_every=1).fit(
+        WorseAndWorse(), DictDataset(n=40), DictDataset(n=4))
+    assert r.global_step == 10 and es.wait == 0
+    # with mode min the first value (0) is best; evals 2 and 3 do not improve -> stop at step 3
+    es = ll.EarlyStopping(monitor="val/score", patience=2, mode="min")
+    r = fit(tmp_path / "b", [Count(), es], max_steps=10, eval_every=1).fit(
+        WorseAndWorse(), DictDataset(n=40), DictDataset(n=4))
+    assert r.global_step == 3 and es.stopped_step == 3
+    assert es.state_dict() == {"best": 0.0, "wait": 2, "stopped_step": 3}
+
+
+def test_early_stopping_unknown_metric(tmp_path):
+    es = ll.EarlyStopping(monitor="val/acc")
+    with pytest.raises(ll.ConfigError, match="val/accuracy"):
+        fit(tmp_path, [es], max_steps=2, eval_every=1).fit(Classifier(), DictDataset(n=8), DictDataset(n=4))

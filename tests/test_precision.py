@@ -1,0 +1,103 @@
+"""Every precision plugin on CPU: it trains, and it does what its name says."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import Classifier, DictDataset
+
+import lightlike as ll
+from lightlike.precision import MixedPrecision, get_precision
+
+
+class DtypeProbe(Classifier):
+    seen: list = []
+
+    def forward(self, batch):
+        out = super().forward(batch)
+        type(self).seen.append((self.net[0].weight.dtype, out.dtype))
+        return out
+
+
+@pytest.mark.parametrize("name,param_dtype,compute_dtype", [
+    ("32-true", torch.float32, torch.float32),
+    ("bf16-mixed", torch.float32, torch.bfloat16),
+    ("16-mixed", torch.float32, torch.float16),
+    ("bf16-true", torch.bfloat16, torch.bfloat16),
+    ("16-true", torch.float16, torch.float16),
+])
+def test_each_precision_trains_on_cpu(tmp_path, name, param_dtype, compute_dtype):
+    DtypeProbe.seen = []
+    torch.manual_seed(0)
+    model = DtypeProbe()
+    before = [p.detach().clone().float() for p in model.parameters()]
+    # fp16 cannot hold AdamW's default epsilon (1e-8 underflows to 0 -> 0/0): a true-fp16 run
+    # needs a larger one; the Fitter warns about it
+    eps = 1e-4 if name == "16-true" else 1e-8
+    result = ll.Fitter(precision=name, max_steps=6, batch_size=8, learning_rate=1e-2, accelerator="cpu",
+                       adam_epsilon=eps,
+                       output_dir=str(tmp_path), loggers=[], model_summary=False, log_every=2,
+                       ).fit(model, DictDataset(n=48), DictDataset(n=16, seed=3))
+    assert DtypeProbe.seen[0] == (param_dtype, compute_dtype)
+    assert result.global_step == 6
+    assert result.metrics["val/loss"] == result.metrics["val/loss"]  # not NaN
+    changed = [not torch.equal(b, p.detach().float()) for b, p in zip(before, model.parameters())]
+    assert all(changed), "every parameter should have been updated"
+
+
+def test_mixed_close_to_fp32(tmp_path):
+    def run(precision):
+        torch.manual_seed(0)
+        m = Classifier()
+        ll.Fitter(precision=precision, max_steps=5, batch_size=8, learning_rate=1e-2, shuffle=False,
+                  output_dir=str(tmp_path / precision), loggers=[], model_summary=False).fit(m, DictDataset(n=40))
+        return torch.cat([p.detach().reshape(-1) for p in m.parameters()])
+
+    ref = run("32-true")
+    torch.testing.assert_close(run("bf16-mixed"), ref, rtol=0, atol=2e-2)
+    torch.testing.assert_close(run("16-mixed"), ref, rtol=0, atol=5e-3)
+
+
+def test_fp16_overflow_skips_step_and_not_scheduler(tmp_path):
+    """A gradient overflow under 16-mixed skips the update, counts it, and holds the scheduler."""
+    torch.manual_seed(0)
+    model = Classifier()
+    # an initial scale so large that the first backward overflows in fp16
+    precision = MixedPrecision("16", init_scale=2.0**40)
+    lrs = []
+
+    class LR(ll.Callback):
+        def on_step_end(self, fitter, state, control):
+            lrs.append(fitter.scheduler.get_last_lr()[0])
+
+    before = [p.detach().clone() for p in model.parameters()]
+
+    class Snap(ll.Callback):
+        def on_step_end(self, fitter, state, control):
+            if state.global_step == 1:
+                self.after_first = [p.detach().clone() for p in fitter.module.parameters()]
+
+    snap = Snap()
+    result = ll.Fitter(precision=precision, max_steps=4, batch_size=8, learning_rate=1e-2,
+                       lr_scheduler="linear", output_dir=str(tmp_path), loggers=[], model_summary=False,
+                       callbacks=[LR(), snap]).fit(model, DictDataset(n=40))
+    assert result.skipped_steps >= 1
+    assert all(torch.equal(a, b) for a, b in zip(before, snap.after_first)), "skipped step changed weights"
+    # the linear schedule over 4 steps: lr advances once per applied step only
+    applied = result.global_step - result.skipped_steps
+    assert lrs[-1] == pytest.approx(1e-2 * (4 - applied) / 4)
+    assert precision.state_dict()["scaler"]["scale"] < 2.0**40
+
+
+def test_fp16_true_warns_about_tiny_adam_epsilon(tmp_path, caplog):
+    with caplog.at_level("WARNING", logger="lightlike"):
+        ll.Fitter(precision="16-true", max_steps=1, batch_size=8, output_dir=str(tmp_path), loggers=[],
+                  model_summary=False, nonfinite_loss="skip").fit(Classifier(), DictDataset(n=8))
+    assert "adam_epsilon=1e-08 underflows in float16" in caplog.text
+
+
+def test_get_precision_aliases_and_instances():
+    assert get_precision("auto").name == "32-true"
+    assert get_precision("bf16").name == "bf16-mixed"
+    p = MixedPrecision("16")
+    assert get_precision(p) is p
