@@ -248,7 +248,9 @@ class Fitter:
                 with strategy.autocast():
                     outputs = call_module(model, batch, f"at step {step}, micro-batch {i}")
                     loss = check_loss(module.loss(outputs, batch), f"at step {step}, micro-batch {i}")
-                strategy.backward(loss * _weight(counts[i], total, loss.dtype), model)
+                weight = _weight(counts[i], total, loss.dtype)
+                unit = isinstance(weight, float) and weight == 1.0  # one micro-batch: skip the extra op
+                strategy.backward(loss if unit else loss * weight, model)
             self._pending.append((loss.detach(), counts[i], step, i))
         if cfg.nonfinite_loss == "skip":
             window_losses = torch.stack([p[0] for p in self._pending[-len(batches):]])
@@ -518,7 +520,7 @@ def _check_module(module: Any) -> None:
 
 def _weight(count: int | torch.Tensor, total: int | torch.Tensor, dtype: torch.dtype) -> float | torch.Tensor:
     """count / total: a Python float for int counts, else a device tensor (computed in float64)."""
-    if isinstance(count, torch.Tensor) or isinstance(total, torch.Tensor):
+    if isinstance(count, torch.Tensor) or isinstance(total, torch.Tensor):  # no host read: stays a tensor
         return (torch.as_tensor(count, dtype=torch.float64) / torch.as_tensor(total, dtype=torch.float64)).to(dtype)
     return count / total
 

@@ -71,7 +71,8 @@ def build_train_data(
     if data is None:
         raise DataError("fit() needs training data: fit(module, train_dataset, val_dataset)")
     if isinstance(data, DataLoader):
-        _check_nonempty(data.dataset, "training") if not isinstance(data.dataset, IterableDataset) else None
+        if not isinstance(data.dataset, IterableDataset):
+            _check_nonempty(data.dataset, "training")
         sampler = data.sampler if isinstance(data.sampler, ResumableSampler) else None
         n = sampler.n if sampler is not None else None
         return TrainData(data, sampler, n, seed, data.generator)
@@ -111,18 +112,21 @@ def build_eval_loader(
     collate_fn: Callable | None = None,
     name: str = "eval",
 ) -> DataLoader:
-    """In-order loader; on several ranks each takes a disjoint, unpadded share."""
+    """In-order loader; on several ranks each takes a disjoint, unpadded share. It has its own
+    generator: starting an iterator must not draw from the global RNG (that would perturb the
+    training run's dropout stream every time it evaluates)."""
     if isinstance(data, DataLoader):
         return data
     if not isinstance(data, Dataset) and not hasattr(data, "__getitem__"):
         raise DataError(f"{name} data of type {type(data).__name__} is neither a Dataset nor a DataLoader")
     if isinstance(data, IterableDataset):
-        return DataLoader(data, batch_size=batch_size, num_workers=num_workers, collate_fn=collate_fn)
+        return DataLoader(data, batch_size=batch_size, num_workers=num_workers, collate_fn=collate_fn,
+                          generator=torch.Generator())
     n = _check_nonempty(data, name)
     assert n is not None
     sampler = ResumableSampler(n, shuffle=False, rank=rank, world_size=world_size)
     return DataLoader(data, batch_size=batch_size, sampler=sampler, num_workers=num_workers,
-                      pin_memory=pin_memory, collate_fn=collate_fn)
+                      pin_memory=pin_memory, collate_fn=collate_fn, generator=torch.Generator())
 
 
 def normalise_eval_sets(data: Any, default_name: str = "val") -> dict[str, Any]:

@@ -93,9 +93,11 @@ class Strategy:
         gradients before norm clipping (a device tensor, not read here) when clipping by norm or
         when ``want_norm``; otherwise None, so steps that do not log skip the norm."""
         self.precision.unscale_gradients(optimizer)
+        if max_norm is None and max_value is None and not want_norm:
+            return None  # nothing to do: no per-parameter work on this step
         params = [p for p in _params(optimizer) if p.grad is not None]
         if max_value is not None:
-            torch.nn.utils.clip_grad_value_(params, max_value)
+            torch.nn.utils.clip_grad_value_(params, max_value, foreach=True)
         if max_norm is not None:
             return torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
         if want_norm:

@@ -1,0 +1,61 @@
+"""Weights in and out of ``model.safetensors``, with errors that list what does not fit."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from lightlike.errors import CheckpointError
+
+_SHOW = 10
+
+
+def load_module_state(module: nn.Module, state: Mapping[str, torch.Tensor], strict: bool = True,
+                      source: str | None = None) -> None:
+    """Load ``state`` into ``module``; list missing, unexpected and mis-shaped keys on error."""
+    own = module.state_dict()
+    missing = [k for k in own if k not in state]
+    unexpected = [k for k in state if k not in own]
+    mismatched = [f"{k}: checkpoint {tuple(state[k].shape)} vs module {tuple(v.shape)}"
+                  for k, v in own.items() if k in state and tuple(state[k].shape) != tuple(v.shape)]
+    problems = []
+    if strict and missing:
+        problems.append(_listing("missing keys (in the module, not in the checkpoint)", missing))
+    if strict and unexpected:
+        problems.append(_listing("unexpected keys (in the checkpoint, not in the module)", unexpected))
+    if mismatched:
+        problems.append(_listing("shape mismatches", mismatched))
+    if problems:
+        where = f" from {source}" if source else ""
+        raise CheckpointError(f"the weights{where} do not fit {type(module).__name__}:\n" + "\n".join(problems))
+    module.load_state_dict({k: v for k, v in state.items() if k in own}, strict=False)
+
+
+def _listing(title: str, items: list[str]) -> str:
+    more = f" ... and {len(items) - _SHOW} more" if len(items) > _SHOW else ""
+    return f"  {len(items)} {title}: " + ", ".join(items[:_SHOW]) + more
+
+
+def save_safetensors(state: Mapping[str, torch.Tensor], path: str | Path, metadata: dict[str, str] | None = None) -> None:
+    """Save tensors to CPU safetensors; tensors sharing storage (tied weights) are cloned."""
+    from safetensors.torch import save_file
+
+    ptrs: set[int] = set()
+    out: dict[str, torch.Tensor] = {}
+    for k, v in state.items():
+        t = v.detach().to("cpu").contiguous()
+        storage = t.untyped_storage()
+        if storage.data_ptr() in ptrs or storage.nbytes() != t.numel() * t.element_size():
+            t = t.clone()  # shared with another tensor, or a view into a larger buffer
+        ptrs.add(t.untyped_storage().data_ptr())
+        out[k] = t
+    save_file(out, str(path), metadata=metadata)
+
+
+def load_safetensors(path: str | Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(path))
