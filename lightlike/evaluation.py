@@ -21,8 +21,12 @@ if TYPE_CHECKING:
     from lightlike.strategies import Strategy
 
 
-def check_loss(loss: Any, where: str) -> torch.Tensor:
-    """The loss must be a scalar tensor; host-side check only (no device sync)."""
+def check_loss(loss: Any, where: str, *where_args: Any) -> torch.Tensor:
+    """The loss must be a scalar tensor; host-side check only (no device sync). ``where`` is
+    formatted with ``where_args`` only when there is an error to report."""
+    if isinstance(loss, torch.Tensor) and loss.ndim == 0:
+        return loss
+    where = where.format(*where_args)
     if not isinstance(loss, torch.Tensor):
         raise ModuleContractError(
             f"loss() returned {type(loss).__name__} {where}; return a scalar torch.Tensor "
@@ -36,11 +40,12 @@ def check_loss(loss: Any, where: str) -> torch.Tensor:
     return loss
 
 
-def call_module(model: Any, batch: Any, where: str) -> Any:
+def call_module(model: Any, batch: Any, where: str, *where_args: Any) -> Any:
     """``model(batch)``, turning a missing batch key into an error that names it."""
     try:
         return model(batch)
     except KeyError as e:
+        where = where.format(*where_args)
         keys = sorted(batch.keys()) if isinstance(batch, Mapping) else None
         have = f"; the batch has keys {keys}" if keys is not None else ""
         raise DataError(

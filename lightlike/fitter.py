@@ -165,11 +165,11 @@ class Fitter:
                     stepped = self._training_step(window, want_norm=self._is_log_step(state.global_step + 1))
                     if stepped and scheduler is not None:
                         scheduler.step()
-                    samples = sum(_batch_size(b) for b in window) * strategy.world_size
                     state.global_step += 1
                     state.batches_in_epoch += len(window)
-                    state.samples_in_epoch += samples
-                    state.samples_seen += samples
+                    in_epoch = train_data.samples_after(state.batches_in_epoch, strategy.world_size)
+                    state.samples_seen += in_epoch - state.samples_in_epoch
+                    state.samples_in_epoch = in_epoch
                     state.epoch = epoch + (min(1.0, state.batches_in_epoch / batches_per_epoch) if batches_per_epoch else 0.0)
                     callbacks.call("on_step_end", self, state, control)
 
@@ -246,8 +246,8 @@ class Fitter:
         for i, batch in enumerate(batches):
             with strategy.no_sync(model, enabled=i < last):
                 with strategy.autocast():
-                    outputs = call_module(model, batch, f"at step {step}, micro-batch {i}")
-                    loss = check_loss(module.loss(outputs, batch), f"at step {step}, micro-batch {i}")
+                    outputs = call_module(model, batch, "at step {}, micro-batch {}", step, i)
+                    loss = check_loss(module.loss(outputs, batch), "at step {}, micro-batch {}", step, i)
                 weight = _weight(counts[i], total, loss.dtype)
                 unit = isinstance(weight, float) and weight == 1.0  # one micro-batch: skip the extra op
                 strategy.backward(loss if unit else loss * weight, model)
@@ -279,8 +279,11 @@ class Fitter:
             return []
         device = self.strategy.root_device  # type: ignore[union-attr]
         losses = torch.stack([p[0].float() for p in self._pending]).tolist()
-        items = torch.stack([torch.as_tensor(p[1], dtype=torch.float64, device=device)
-                             for p in self._pending]).tolist()
+        counts = [p[1] for p in self._pending]
+        if any(isinstance(n, torch.Tensor) for n in counts):  # token counts on the device
+            items = torch.stack([torch.as_tensor(n, dtype=torch.float64, device=device) for n in counts]).tolist()
+        else:
+            items = [float(n) for n in counts]
         values = [(loss, n, p[2], p[3]) for loss, n, p in zip(losses, items, self._pending, strict=True)]
         if self.config.nonfinite_loss == "raise":
             for loss, _, step, micro in values:
@@ -440,7 +443,8 @@ class Fitter:
         from lightlike.callbacks.progress import ProgressBar
 
         enabled = self.config.progress_bar if self.strategy.is_global_zero else False  # type: ignore[union-attr]
-        return [ProgressBar(enabled=enabled)]
+        bar = ProgressBar(enabled=enabled)
+        return [bar] if bar.active() else []
 
     def _build_loggers(self, resume_step: int | None) -> list[Any]:
         from lightlike.loggers import build_loggers
@@ -523,15 +527,6 @@ def _weight(count: int | torch.Tensor, total: int | torch.Tensor, dtype: torch.d
     if isinstance(count, torch.Tensor) or isinstance(total, torch.Tensor):  # no host read: stays a tensor
         return (torch.as_tensor(count, dtype=torch.float64) / torch.as_tensor(total, dtype=torch.float64)).to(dtype)
     return count / total
-
-
-def _batch_size(batch: Any) -> int:
-    from lightlike.module import batch_length
-
-    try:
-        return batch_length(batch)
-    except TypeError:
-        return 0
 
 
 def _peak_memory(device: torch.device) -> int | None:

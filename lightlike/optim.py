@@ -26,7 +26,8 @@ NORM_TYPES: tuple[type[nn.Module], ...] = (
 
 def param_groups(module: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
     """Two groups: weights that decay, and biases / normalisation weights / other 1-D
-    parameters that never do. Shared (tied) parameters appear once; empty groups are left out."""
+    parameters that never do. Shared (tied) parameters appear once; empty groups are left out.
+    With ``weight_decay == 0`` the two would be identical, so there is one group."""
     no_decay_ids: set[int] = set()
     for mod in module.modules():
         if isinstance(mod, NORM_TYPES):
@@ -40,6 +41,8 @@ def param_groups(module: nn.Module, weight_decay: float) -> list[dict[str, Any]]
             no_decay.append(p)
         else:
             decay.append(p)
+    if weight_decay == 0.0:  # one group does the same work with one optimizer kernel call, not two
+        return [{"params": decay + no_decay, "weight_decay": 0.0}] if decay or no_decay else []
     groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     return [g for g in groups if g["params"]]
 

@@ -63,15 +63,25 @@ class Callback:
         pass
 
 
+def _overrides(cb: Callback, event: str) -> bool:
+    method = getattr(cb, event)
+    return getattr(method, "__func__", method) is not getattr(Callback, event)
+
+
 class CallbackList:
     """Calls an event on every callback, in order."""
 
     def __init__(self, callbacks: list[Callback]):
         self.callbacks = list(callbacks)
+        # per event, the bound methods of the callbacks that override it: an event nobody
+        # listens to costs one dict lookup per step
+        self._handlers: dict[str, list[Any]] = {
+            event: [getattr(cb, event) for cb in self.callbacks if _overrides(cb, event)] for event in EVENTS
+        }
 
     def call(self, event: str, fitter: Fitter, state: FitState, control: Control, *args: Any) -> None:
-        for cb in self.callbacks:
-            getattr(cb, event)(fitter, state, control, *args)
+        for handler in self._handlers[event]:
+            handler(fitter, state, control, *args)
 
     def state_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {}

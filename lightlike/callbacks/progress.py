@@ -21,14 +21,14 @@ class ProgressBar(Callback):
         self.enabled = enabled
         self.bar: Any = None
 
-    def _active(self) -> bool:
+    def active(self) -> bool:
         stream = self.file if self.file is not None else sys.stderr
         if self.enabled is None:
             return bool(getattr(stream, "isatty", lambda: False)())
         return self.enabled
 
     def on_fit_start(self, fitter: Fitter, state: FitState, control: Control) -> None:
-        if not self._active():
+        if not self.active():
             return
         from tqdm.auto import tqdm
 

@@ -29,6 +29,13 @@ class TrainData:
         except TypeError:
             return None
 
+    def samples_after(self, batches: int, world_size: int) -> int:
+        """Global samples consumed after ``batches`` batches on each rank: batches are dealt
+        round-robin from the global order, so this is ``batches * batch_size * world_size``,
+        capped at the epoch's length (the last batch may be short)."""
+        consumed = batches * (self.loader.batch_size or 1) * world_size
+        return min(consumed, self.num_samples) if self.num_samples is not None else consumed
+
     def epoch_iterator(self, epoch: int, start_sample: int = 0) -> Any:
         """An iterator over the batches of ``epoch`` beginning ``start_sample`` samples in."""
         if self.sampler is not None:

@@ -67,7 +67,8 @@ class Strategy:
         return module
 
     def batch_to_device(self, batch: Any) -> Any:
-        batch = move_to_device(batch, self.root_device)
+        if self.root_device.type != "cpu":  # CPU batches are already where they need to be
+            batch = move_to_device(batch, self.root_device)
         return self.precision.convert_input(batch)
 
     # -- a training step -----------------------------------------------------------------------
