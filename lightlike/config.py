@@ -92,7 +92,7 @@ class FitConfig:
         False, "Feed eval outputs to the module's streaming metrics instead of holding them all."
     )
     # -- logging -------------------------------------------------------------------------------
-    log_every: int = _f(50, "Read the (device-side) training loss and log every this many steps.")
+    log_every: int = _f(100, "Read the (device-side) training loss and log every this many steps.")
     loggers: Any = _f("auto", "'auto' (csv + tensorboard if installed), a list of names, or []")
     progress_bar: bool | None = _f(None, "Show a progress bar (None: only when stderr is a TTY).")
     model_summary: bool = _f(True, "Log a table of the module's parameters at fit start.")
@@ -106,6 +106,12 @@ class FitConfig:
     metric_for_best: str | None = _f(None, "Metric key that decides the best checkpoint.")
     greater_is_better: bool | None = _f(None, "Whether larger metric_for_best is better.")
     load_best_at_end: bool = _f(False, "Load the best checkpoint's weights when fit ends.")
+    # -- preemption -------------------------------------------------------------------------------
+    preemption_signals: list = _f(
+        ["SIGTERM", "SIGUSR1"],
+        "Signals that ask for a checkpoint and exit (code 75) at the next step boundary; [] disables.",
+    )
+    requeue_on_preemption: bool = _f(True, "Under SLURM, 'scontrol requeue' the job after a preemption save.")
     # -- performance switches ------------------------------------------------------------------
     gradient_checkpointing: bool = _f(False, "Ask the module to checkpoint activations.")
     compile: bool = _f(False, "torch.compile the module.")

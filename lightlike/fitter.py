@@ -25,6 +25,7 @@ from lightlike.errors import ConfigError, DataError, ModuleContractError, NonFin
 from lightlike.evaluation import call_module, check_loss, is_improvement, run_evaluation
 from lightlike.module import TaskModule
 from lightlike.precision import get_precision
+from lightlike.preemption import Preempted, PreemptionHandler, requeue_slurm_job
 from lightlike.state import Control, FitResult, FitState, PredictionResult
 from lightlike.strategies import Strategy, get_strategy
 from lightlike.utils.seed import seed_everything
@@ -146,6 +147,8 @@ class Fitter:
         if strategy.root_device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(strategy.root_device)
 
+        preemption = PreemptionHandler(cfg.preemption_signals)
+        preemption.install()
         try:
             callbacks.call("on_fit_start", self, state, control)
             model.train()
@@ -179,6 +182,8 @@ class Fitter:
                         last_metrics = self._evaluate_all(eval_sets)
                     if control.should_save or self._is_save_step(state.global_step):
                         self._save_checkpoint()
+                    if strategy.reduce_flag(preemption.received is not None):
+                        self._preempted(preemption.signal_name or "a signal on another rank")
                     if control.should_training_stop or control.should_epoch_stop:
                         break
                 if state.batches_in_epoch == 0 and epoch_exhausted:
@@ -209,6 +214,7 @@ class Fitter:
             callbacks.call("on_exception", self, state, control, error)
             raise
         finally:
+            preemption.uninstall()
             for lg in self.loggers:
                 lg.finalize()
 
@@ -476,6 +482,16 @@ class Fitter:
         log.warning("overwrite_output_dir=True: removing %s", ", ".join(str(p) for p in old))
         for p in old:
             shutil.rmtree(p)
+
+    def _preempted(self, signal_name: str) -> None:
+        """Save (once) at this step boundary, ask SLURM to requeue, exit with code 75."""
+        state = self.state
+        log.warning("%s received: saving a checkpoint at step %d and exiting", signal_name, state.global_step)
+        path = self._save_checkpoint() if state.last_save_step != state.global_step else None
+        checkpoint = str(path) if path else f"{self.config.output_dir}/checkpoint-{state.global_step}"
+        if self.config.requeue_on_preemption and self.strategy.is_global_zero:  # type: ignore[union-attr]
+            requeue_slurm_job()
+        raise Preempted(signal_name, checkpoint)
 
     # -- when to log and save -------------------------------------------------------------------
     def _is_log_step(self, step: int) -> bool:

@@ -1,0 +1,111 @@
+"""A short fit that can SIGKILL itself at a chosen point; used by tests/test_kill_matrix.py.
+
+    python kill_target.py OUT_DIR --precision 32-true --workers 0 [--kill micro:7|eval:3|save:2:4|step:5]
+
+``micro:N``  kill in the N-th training forward (mid-step; mid-window when N is not a window's last)
+``eval:N``   kill in the N-th evaluation forward
+``save:N:K`` kill in the N-th checkpoint save after it has written K files
+``step:N``   kill right after optimizer step N (before its log/eval/save)
+``term:N``, ``usr1:N``  send SIGTERM / SIGUSR1 after step N (preemption: save, exit 75)
+``term2:N``  SIGTERM after step N and again in the middle of the preemption save
+Without --kill it runs (or resumes) to the end and writes OUT_DIR/final.safetensors.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from helpers import Classifier, DictDataset  # noqa: E402
+
+import lightlike as ll  # noqa: E402
+from lightlike.checkpoint import atomic, find_latest_valid  # noqa: E402
+
+COUNTS = {"micro": 0, "eval": 0, "save": 0}
+KILL: list[str] = []
+
+
+def die() -> None:
+    sys.stdout.flush()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+class Net(Classifier):
+    def __init__(self):
+        super().__init__()
+        self.drop = nn.Dropout(0.2)
+
+    def forward(self, batch):
+        kind = "micro" if self.training else "eval"
+        COUNTS[kind] += 1
+        if KILL and KILL[0] == kind and COUNTS[kind] == int(KILL[1]):
+            die()
+        return self.net(self.drop(batch["x"]))
+
+
+class KillAfterStep(ll.Callback):
+    def on_step_end(self, fitter, state, control):
+        if KILL and KILL[0] == "step" and state.global_step == int(KILL[1]):
+            die()
+        if KILL and KILL[0] in ("term", "usr1", "term2") and state.global_step == int(KILL[1]):
+            COUNTS["signalled"] = 1
+            os.kill(os.getpid(), signal.SIGUSR1 if KILL[0] == "usr1" else signal.SIGTERM)
+
+
+def patch_saves() -> None:
+    """Count files written by checkpoint saves; die after K files of the N-th save."""
+    original = atomic.CheckpointWriter.path_for
+    enter = atomic.CheckpointWriter.__enter__
+    files = {"n": 0}
+
+    def counting_enter(self):
+        COUNTS["save"] += 1
+        files["n"] = 0
+        return enter(self)
+
+    def counting_path_for(self, rel):
+        if KILL and KILL[0] == "term2" and COUNTS.get("signalled") and files["n"] == 3:
+            os.kill(os.getpid(), signal.SIGTERM)  # a second signal in the middle of the save
+        if KILL and KILL[0] == "save" and COUNTS["save"] == int(KILL[1]) and files["n"] == int(KILL[2]):
+            die()
+        files["n"] += 1
+        return original(self, rel)
+
+    atomic.CheckpointWriter.__enter__ = counting_enter
+    atomic.CheckpointWriter.path_for = counting_path_for
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("out")
+    p.add_argument("--precision", default="32-true")
+    p.add_argument("--workers", type=int, default=0)
+    p.add_argument("--kill", default="")
+    p.add_argument("--steps", type=int, default=12)
+    args = p.parse_args()
+    KILL.extend(args.kill.split(":") if args.kill else [])
+    patch_saves()
+    torch.manual_seed(0)
+    model = Net()
+    resume = find_latest_valid(args.out) is not None
+    fitter = ll.Fitter(max_steps=args.steps, batch_size=4, grad_accum_steps=2, learning_rate=1e-2, warmup_steps=2,
+                       save_every=2, eval_every=3, log_every=1, loggers=["jsonl", "csv"], output_dir=args.out,
+                       precision=args.precision, num_workers=args.workers, seed=3,
+                       overwrite_output_dir=not resume, model_summary=False, log_level="warning",
+                       callbacks=[KillAfterStep()])
+    # 26 items in batches of 4: 7 batches per epoch, the last one short; 4 steps per epoch, the
+    # last window holding a single batch
+    fitter.fit(model, DictDataset(n=26), DictDataset(n=6, seed=9), resume=resume)
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, os.path.join(args.out, "final.safetensors"))
+
+
+if __name__ == "__main__":
+    main()

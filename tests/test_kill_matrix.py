@@ -1,0 +1,143 @@
+"""Kill anywhere, resume, and finish with exactly the uninterrupted run's weights and logs.
+
+Real processes are SIGKILLed at seeded-random points: mid-step, mid-accumulation window, during
+evaluation, during a checkpoint write, right after a step, and at random wall-clock moments.
+The resumed run must end with bit-identical weights and an identical metrics log (every step
+once). ``pytest --extended`` runs more cases.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from lightlike.checkpoint import list_checkpoints, verify_checkpoint
+from lightlike.preemption import EXIT_PREEMPTED
+
+SCRIPT = Path(__file__).parent / "scripts" / "kill_target.py"
+CONFIGS = [("32-true", 0), ("bf16-mixed", 0), ("32-true", 2), ("bf16-mixed", 2)]
+RANGES = {"micro": (1, 21), "eval": (1, 8), "save": (1, 6), "step": (1, 12)}
+
+
+def run(out, precision, workers, kill=""):
+    cmd = [sys.executable, str(SCRIPT), str(out), "--precision", precision, "--workers", str(workers)]
+    if kill:
+        cmd += ["--kill", kill]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+
+
+def outcome(out):
+    metrics = [json.loads(line) for line in (Path(out) / "logs" / "metrics.jsonl").read_text().splitlines()]
+    return (Path(out) / "final.safetensors").read_bytes(), metrics
+
+
+_REFERENCE: dict = {}
+
+
+def reference(tmp_path_factory, precision, workers):
+    key = (precision, workers)
+    if key not in _REFERENCE:
+        out = tmp_path_factory.mktemp(f"ref-{precision}-{workers}")
+        proc = run(out, precision, workers)
+        assert proc.returncode == 0, proc.stderr
+        _REFERENCE[key] = outcome(out)
+    return _REFERENCE[key]
+
+
+def kill_point(rng):
+    kind = rng.choice(sorted(RANGES))
+    lo, hi = RANGES[kind]
+    n = rng.randint(lo, hi)
+    return f"save:{n}:{rng.randint(0, 8)}" if kind == "save" else f"{kind}:{n}"
+
+
+def cases(extended):
+    rng = random.Random(20261122)
+    out = []
+    for i in range(48 if extended else 12):
+        precision, workers = CONFIGS[i % len(CONFIGS)]
+        kills = [kill_point(rng)]
+        if rng.random() < 0.3:
+            kills.append(kill_point(rng))  # killed again while resuming
+        out.append((precision, workers, kills))
+    return out
+
+
+def pytest_generate_tests(metafunc):
+    if "kill_case" in metafunc.fixturenames:
+        extended = metafunc.config.getoption("--extended")
+        all_cases = cases(extended)
+        metafunc.parametrize("kill_case", all_cases, ids=[f"{p}-w{w}-{'+'.join(k)}" for p, w, k in all_cases])
+
+
+def test_kill_anywhere_resume_is_bit_identical(tmp_path, tmp_path_factory, kill_case):
+    precision, workers, kills = kill_case
+    out = tmp_path / "run"
+    for kill in kills:
+        proc = run(out, precision, workers, kill)
+        assert proc.returncode in (-signal.SIGKILL, 0), proc.stderr
+        for ckpt in list_checkpoints(out):
+            verify_checkpoint(ckpt)  # whatever is visible is complete
+    proc = run(out, precision, workers)
+    assert proc.returncode == 0, proc.stderr
+    weights, metrics = outcome(out)
+    ref_weights, ref_metrics = reference(tmp_path_factory, precision, workers)
+    assert metrics == ref_metrics
+    assert weights == ref_weights
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_kill_at_random_wall_clock_moments(tmp_path, tmp_path_factory, seed):
+    rng = random.Random(seed)
+    out = tmp_path / "run"
+    for _ in range(2):
+        proc = subprocess.Popen([sys.executable, str(SCRIPT), str(out)], stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL)
+        time.sleep(1.0 + 2.0 * rng.random())
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    proc = run(out, "32-true", 0)
+    assert proc.returncode == 0, proc.stderr
+    assert outcome(out) == reference(tmp_path_factory, "32-true", 0)
+
+
+@pytest.mark.parametrize("sig", ["term", "usr1", "term2"])
+def test_preemption_signal_saves_exits_and_resumes(tmp_path, tmp_path_factory, sig):
+    out = tmp_path / "run"
+    proc = run(out, "32-true", 0, f"{sig}:5")
+    assert proc.returncode == EXIT_PREEMPTED, proc.stderr
+    assert "saving a checkpoint at step 5" in proc.stderr
+    assert [p.name for p in list_checkpoints(out)][-1] == "checkpoint-5"
+    verify_checkpoint(out / "checkpoint-5")
+    assert not [p for p in out.iterdir() if p.name.startswith(".")]
+    proc = run(out, "32-true", 0)
+    assert proc.returncode == 0, proc.stderr
+    assert outcome(out) == reference(tmp_path_factory, "32-true", 0)
+
+
+def test_preemption_requeues_under_slurm(tmp_path):
+    """With SLURM_JOB_ID set, the Fitter calls `scontrol requeue <id>` (a stub on PATH here)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    record = tmp_path / "scontrol.log"
+    stub = bin_dir / "scontrol"
+    stub.write_text(f"#!/bin/sh\necho \"$@\" >> {record}\n")
+    stub.chmod(0o755)
+    env = {**os.environ, "SLURM_JOB_ID": "4242", "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+    cmd = [sys.executable, str(SCRIPT), str(tmp_path / "run"), "--kill", "term:3"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == EXIT_PREEMPTED, proc.stderr
+    assert record.read_text().split() == ["requeue", "4242"]
+    # and without scontrol on PATH it still saves and exits cleanly
+    env["PATH"] = os.path.dirname(sys.executable)
+    proc = subprocess.run([sys.executable, str(SCRIPT), str(tmp_path / "run2"), "--kill", "term:3"],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == EXIT_PREEMPTED and "scontrol is not on PATH" in proc.stderr

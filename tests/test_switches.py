@@ -1,0 +1,89 @@
+"""auto_find_batch_size, gradient checkpointing, torch.compile, FitResult figures."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import Classifier, DictDataset, flat_params
+
+import lightlike as ll
+
+
+class OOMAbove(Classifier):
+    """Raises torch's out-of-memory error for micro-batches larger than ``limit``."""
+
+    def __init__(self, limit):
+        super().__init__()
+        self.limit = limit
+        self.sizes = []
+
+    def forward(self, batch):
+        self.sizes.append(len(batch["x"]))
+        if len(batch["x"]) > self.limit:
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return super().forward(batch)
+
+
+def test_auto_find_batch_size_halves_and_restarts_exactly(tmp_path):
+    torch.manual_seed(0)
+    model = OOMAbove(limit=4)
+    fitter = ll.Fitter(max_steps=3, batch_size=16, auto_find_batch_size=True, shuffle=False,
+                       output_dir=str(tmp_path / "a"), loggers=[], learning_rate=1e-2)
+    result = fitter.fit(model, DictDataset(n=48))
+    assert fitter.config.batch_size == 4 and fitter.config.grad_accum_steps == 4
+    assert result.global_step == 3
+    # the same effective batch (16) from the same initial weights as a run at batch 4 x 4
+    torch.manual_seed(0)
+    ref = Classifier()
+    ll.Fitter(max_steps=3, batch_size=4, grad_accum_steps=4, shuffle=False, output_dir=str(tmp_path / "b"),
+              loggers=[], learning_rate=1e-2).fit(ref, DictDataset(n=48))
+    torch.testing.assert_close(flat_params(model), flat_params(ref), rtol=1e-6, atol=1e-7)
+
+
+def test_without_auto_find_oom_propagates(tmp_path):
+    with pytest.raises(torch.OutOfMemoryError):
+        ll.Fitter(max_steps=1, batch_size=16, output_dir=str(tmp_path), loggers=[]).fit(OOMAbove(4), DictDataset(n=32))
+
+
+def test_gradient_checkpointing_same_gradients(tmp_path):
+    class Checkpointed(Classifier):
+        calls = 0
+
+        def forward(self, batch):
+            def body(x):
+                type(self).calls += 1
+                return self.net(x)
+            return self.maybe_checkpoint(body, batch["x"])
+
+    def run(flag):
+        torch.manual_seed(0)
+        m = Checkpointed()
+        Checkpointed.calls = 0
+        ll.Fitter(max_steps=3, batch_size=4, gradient_checkpointing=flag, output_dir=str(tmp_path / str(flag)),
+                  loggers=[]).fit(m, DictDataset(n=12))
+        return flat_params(m), Checkpointed.calls
+
+    plain, plain_calls = run(False)
+    ckpt, ckpt_calls = run(True)
+    assert torch.equal(plain, ckpt)
+    assert plain_calls == 3 and ckpt_calls == 6  # recomputed in backward
+
+
+def test_compile_switch(tmp_path):
+    torch.manual_seed(0)
+    m = Classifier()
+    fitter = ll.Fitter(max_steps=2, batch_size=4, compile=True, output_dir=str(tmp_path), loggers=[])
+    torch._dynamo.reset()
+    result = fitter.fit(m, DictDataset(n=8))
+    assert result.global_step == 2
+    assert type(fitter.model).__name__ == "OptimizedModule" and fitter.module is m
+
+
+def test_fit_result_figures(tmp_path):
+    result = ll.Fitter(max_steps=5, batch_size=4, output_dir=str(tmp_path), loggers=[]).fit(
+        Classifier(), DictDataset(n=40), DictDataset(n=8))
+    assert result.global_step == 5
+    assert result.runtime > 0 and result.steps_per_second > 0
+    assert result.samples_per_second == pytest.approx(result.steps_per_second * 4, rel=1e-9)
+    assert result.peak_memory_bytes is None or result.peak_memory_bytes > 0
+    assert set(result.metrics) == {"val/loss", "val/accuracy", "train/loss"}
