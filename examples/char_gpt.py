@@ -225,14 +225,26 @@ class CharGPT(ll.TaskModule):
 # ------------------------------------------------------------------------------------------------
 # the run
 # ------------------------------------------------------------------------------------------------
+def default_precision() -> str:
+    """``bf16-mixed`` where bfloat16 matmuls are fast, else ``32-true``. On a CPU with AVX-512 it
+    trains this model ~1.3x faster than fp32; on CPUs without, bfloat16 is emulated and slower."""
+    if torch.cuda.is_available():
+        return "bf16-mixed" if torch.cuda.is_bf16_supported() else "32-true"
+    try:
+        return "bf16-mixed" if torch.ops.mkldnn._is_mkldnn_bf16_supported() else "32-true"
+    except (AttributeError, RuntimeError):
+        return "32-true"
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--max-steps", type=int, default=1000, help="optimizer steps (default: 1000)")
+    p.add_argument("--max-steps", type=int, default=1500, help="optimizer steps (default: 1500)")
     p.add_argument("--batch-size", type=int, default=32, help="sequences per batch (default: 32)")
-    p.add_argument("--learning-rate", type=float, default=2e-3, help="peak learning rate (default: 2e-3)")
+    p.add_argument("--learning-rate", type=float, default=3e-3, help="peak learning rate (default: 3e-3)")
     p.add_argument("--output-dir", default="runs/char_gpt", help="checkpoints and logs (default: runs/char_gpt)")
-    p.add_argument("--precision", default="bf16-mixed",
-                   help="'bf16-mixed' (default; fastest on CPUs with bf16 support) or '32-true', ...")
+    p.add_argument("--precision", default=None,
+                   help="'bf16-mixed', '32-true', ... (default: bf16-mixed where bfloat16 is fast, "
+                        "i.e. CUDA with bf16 or a CPU with AVX-512/AMX; else 32-true)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tiny", action="store_true", help="a tiny model on tiny data for a few steps (tests)")
     p.add_argument("--overwrite", action="store_true", help="replace an earlier run in --output-dir")
@@ -241,6 +253,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> ll.FitResult:
     args = parse_args(argv)
+    precision = args.precision or default_precision()
     if args.tiny:
         model_cfg = dict(block_size=32, n_layer=1, n_head=2, n_embd=32)
         train_chars, val_chars, min_count = 40_000, 8_000, 1
@@ -257,7 +270,8 @@ def main(argv: list[str] | None = None) -> ll.FitResult:
     val_data = CharWindows(vocab.encode(val_text), model_cfg["block_size"])
     print(f"data: {len(train_text):,} training / {len(val_text):,} validation characters of the standard "
           f"library, vocabulary {len(vocab)} (ln V = {math.log(len(vocab)):.2f}), "
-          f"{len(train_data):,} / {len(val_data):,} windows of {model_cfg['block_size']}")
+          f"{len(train_data):,} / {len(val_data):,} windows of {model_cfg['block_size']}; "
+          f"precision {precision}, {torch.get_num_threads()} CPU threads")
 
     module = CharGPT(len(vocab), **model_cfg)
     fitter = ll.Fitter(
@@ -270,7 +284,7 @@ def main(argv: list[str] | None = None) -> ll.FitResult:
         lr_scheduler="cosine",
         warmup_steps=max(1, max_steps // 20),
         max_grad_norm=1.0,
-        precision=args.precision,
+        precision=precision,
         eval_every=every,
         save_every=every,
         save_total_limit=2,

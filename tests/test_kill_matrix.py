@@ -123,6 +123,17 @@ def test_preemption_signal_saves_exits_and_resumes(tmp_path, tmp_path_factory, s
     assert outcome(out) == reference(tmp_path_factory, "32-true", 0)
 
 
+def test_preemption_mid_window_saves_at_the_step_boundary(tmp_path, tmp_path_factory):
+    """A checkpoint requested mid-accumulation is taken when the window's step completes: micro-
+    batch 8 is the first of step 5's two-batch window, so the checkpoint is checkpoint-5."""
+    out = tmp_path / "run"
+    proc = run(out, "32-true", 0, "termmicro:8")
+    assert proc.returncode == EXIT_PREEMPTED, proc.stderr
+    assert [p.name for p in list_checkpoints(out)][-1] == "checkpoint-5"
+    assert run(out, "32-true", 0).returncode == 0
+    assert outcome(out) == reference(tmp_path_factory, "32-true", 0)
+
+
 def test_preemption_requeues_under_slurm(tmp_path):
     """With SLURM_JOB_ID set, the Fitter calls `scontrol requeue <id>` (a stub on PATH here)."""
     bin_dir = tmp_path / "bin"

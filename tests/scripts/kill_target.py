@@ -7,6 +7,7 @@
 ``save:N:K`` kill in the N-th checkpoint save after it has written K files
 ``step:N``   kill right after optimizer step N (before its log/eval/save)
 ``term:N``, ``usr1:N``  send SIGTERM / SIGUSR1 after step N (preemption: save, exit 75)
+``termmicro:N``  SIGTERM in the N-th training forward (mid-window): saved after that step
 ``term2:N``  SIGTERM after step N and again in the middle of the preemption save
 Without --kill it runs (or resumes) to the end and writes OUT_DIR/final.safetensors.
 """
@@ -48,6 +49,8 @@ class Net(Classifier):
         COUNTS[kind] += 1
         if KILL and KILL[0] == kind and COUNTS[kind] == int(KILL[1]):
             die()
+        if KILL and KILL[0] == "termmicro" and kind == "micro" and COUNTS[kind] == int(KILL[1]):
+            os.kill(os.getpid(), signal.SIGTERM)  # preemption in the middle of a window
         return self.net(self.drop(batch["x"]))
 
 

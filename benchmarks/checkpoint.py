@@ -1,0 +1,162 @@
+"""Checkpoint cost against the raw libraries, and time to first step after resume.
+
+1. Save and load of a full training checkpoint (weights, AdamW state, scheduler, RNG, state,
+   manifest with sha256, fsync, atomic rename) against writing the same tensors with raw
+   ``safetensors.torch.save_file`` + ``torch.save`` (no hashing, no fsync). Ratio target <= 1.10.
+   Hashing and fsync are what make a checkpoint verifiable and durable, so the ratio is also
+   printed with ``verify_hashes=False`` on load.
+2. Time from ``fit(resume=True)`` to the first optimizer step, for a checkpoint taken at step
+   10 and at step 10,000 of the same run length: the data position is a number, so the sampler
+   seeks in O(1) and the two must be the same.
+
+    python benchmarks/checkpoint.py                # ~50M parameters (about 200 MB of weights)
+    python benchmarks/checkpoint.py --width 1024 --layers 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+from torch.utils.data import Dataset
+
+import lightlike as ll
+from lightlike.checkpoint.training import load_training_checkpoint, save_training_checkpoint
+
+
+class MLP(ll.TaskModule):
+    def __init__(self, width: int, layers: int):
+        super().__init__()
+        self.net = nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)])
+
+    def forward(self, batch):
+        return self.net(batch["x"])
+
+    def loss(self, outputs, batch):
+        return outputs.pow(2).mean()
+
+
+class Data(Dataset):
+    def __init__(self, n: int, width: int):
+        self.x = torch.randn(n, width)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int):
+        return {"x": self.x[i]}
+
+
+class FirstStep(ll.Callback):
+    def __init__(self):
+        self.t = 0.0
+
+    def on_step_end(self, fitter, state, control):
+        if not self.t:
+            self.t = time.perf_counter()
+            control.should_training_stop = True
+
+
+def prepared_fitter(out: str, args: argparse.Namespace, **kw) -> ll.Fitter:
+    torch.manual_seed(0)
+    module = MLP(args.width, args.layers)
+    fitter = ll.Fitter(max_steps=1, batch_size=4, output_dir=out, loggers=[], model_summary=False,
+                       log_level="warning", overwrite_output_dir=True, **kw)
+    fitter.fit(module, Data(16, args.width))  # one step: AdamW state exists
+    return fitter
+
+
+def bench_save_load(args: argparse.Namespace) -> None:
+    root = tempfile.mkdtemp(dir=args.dir)
+    try:
+        fitter = prepared_fitter(os.path.join(root, "run"), args)
+        nbytes = sum(p.numel() * p.element_size() for p in fitter.module.parameters())
+        ours_save, raw_save, ours_load, ours_load_fast, raw_load = [], [], [], [], []
+        for i in range(args.repeats):
+            fitter.state.global_step = 100 + i
+            t = time.perf_counter()
+            path = save_training_checkpoint(fitter)
+            ours_save.append(time.perf_counter() - t)
+
+            raw = Path(root) / f"raw-{i}"
+            raw.mkdir()
+            t = time.perf_counter()
+            save_file({k: v.contiguous() for k, v in fitter.module.state_dict().items()}, str(raw / "model.safetensors"))
+            torch.save(fitter.optimizer.state_dict(), raw / "optimizer.pt")
+            torch.save(fitter.scheduler.state_dict(), raw / "scheduler.pt")
+            raw_save.append(time.perf_counter() - t)
+
+            for hashes, sink in ((True, ours_load), (False, ours_load_fast)):
+                fitter.config = fitter.config.replace(verify_hashes=hashes)
+                t = time.perf_counter()
+                load_training_checkpoint(fitter, path)
+                sink.append(time.perf_counter() - t)
+            t = time.perf_counter()
+            fitter.module.load_state_dict(load_file(str(raw / "model.safetensors")))
+            fitter.optimizer.load_state_dict(torch.load(raw / "optimizer.pt", weights_only=True))
+            fitter.scheduler.load_state_dict(torch.load(raw / "scheduler.pt", weights_only=True))
+            raw_load.append(time.perf_counter() - t)
+            shutil.rmtree(path)
+            shutil.rmtree(raw)
+        m = statistics.median
+        print(f"weights {nbytes / 2**20:.0f} MiB, optimizer state {2 * nbytes / 2**20:.0f} MiB, "
+              f"{args.repeats} repeats, medians")
+        print(f"save: lightlike {m(ours_save):.3f} s   raw {m(raw_save):.3f} s   ratio {m(ours_save) / m(raw_save):.2f}")
+        print(f"load: lightlike {m(ours_load):.3f} s   raw {m(raw_load):.3f} s   ratio {m(ours_load) / m(raw_load):.2f}"
+              f"   (sizes only: {m(ours_load_fast):.3f} s, ratio {m(ours_load_fast) / m(raw_load):.2f})")
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def bench_time_to_first_step(args: argparse.Namespace) -> None:
+    """Resume at step 10 and at step 10,000 of a 20,000-step run; time fit() to its first step."""
+    small = argparse.Namespace(width=64, layers=2)
+    results = {}
+    for at in (10, 10_000):
+        root = tempfile.mkdtemp(dir=args.dir)
+        try:
+            fitter = prepared_fitter(os.path.join(root, "run"), small, max_steps=20_000)
+            data = Data(100_000, 64)
+            fitter.state.global_step = at
+            fitter.state.epoch_index = at * 4 // len(data)
+            fitter.state.batches_in_epoch = (at * 4 % len(data)) // 4
+            fitter.state.samples_in_epoch = at * 4 % len(data)
+            save_training_checkpoint(fitter)
+            times = []
+            for _ in range(args.repeats):
+                clock = FirstStep()
+                torch.manual_seed(0)
+                f2 = ll.Fitter(max_steps=20_000, batch_size=4, output_dir=os.path.join(root, "run"), loggers=[],
+                               model_summary=False, log_level="warning", callbacks=[clock])
+                t = time.perf_counter()
+                f2.fit(MLP(64, 2), data, resume=True)
+                times.append(clock.t - t)
+            results[at] = statistics.median(times)
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
+    print(f"time to first step after resume: at step 10 {results[10] * 1e3:.1f} ms, "
+          f"at step 10,000 {results[10_000] * 1e3:.1f} ms (ratio {results[10_000] / results[10]:.2f})")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--width", type=int, default=2048)
+    p.add_argument("--layers", type=int, default=12)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--dir", default=None, help="where to write (default: the system temp dir)")
+    args = p.parse_args()
+    print(f"torch {torch.__version__}")
+    bench_save_load(args)
+    bench_time_to_first_step(args)
+
+
+if __name__ == "__main__":
+    main()
