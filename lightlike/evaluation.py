@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from lightlike.errors import DataError, ModuleContractError
+from lightlike.errors import ConfigError, DataError, ModuleContractError
 
 if TYPE_CHECKING:
     from lightlike.strategies import Strategy
@@ -119,6 +119,9 @@ def run_evaluation(
     wants_whole_set = type(module).compute_metrics is not _base_compute_metrics()
     collect = keep_outputs or (wants_whole_set and not streaming)
     streams = module.streaming_metrics() if streaming else None
+    if streams and strategy.world_size > 1:
+        raise ConfigError("eval_streaming=True is not supported with several processes yet; "
+                          "use compute_metrics (outputs are gathered in dataset order)")
     if streams:
         for s in streams.values():
             s.reset()
@@ -165,8 +168,10 @@ def run_evaluation(
     names = sorted(sums)
     stacked = strategy.all_reduce(torch.stack([sums[k] for k in names])) / total
     metrics = {f"{prefix}/{k}": float(v) for k, v in zip(names, stacked.tolist(), strict=True)}
-    predictions = _concat(preds) if collect else None
-    label_set = _concat([x for x in labels if x is not None]) if collect and any(x is not None for x in labels) else None
+    predictions = strategy.gather_in_order(_concat(preds)) if collect else None
+    label_set = None
+    if collect and any(x is not None for x in labels):
+        label_set = strategy.gather_in_order(_concat([x for x in labels if x is not None]))
     if wants_whole_set and not streaming:
         extra = module.compute_metrics(predictions, label_set) or {}
         metrics.update({f"{prefix}/{k}": _as_float(v, k) for k, v in extra.items()})

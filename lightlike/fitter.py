@@ -55,6 +55,7 @@ class Fitter:
         self.callbacks = CallbackList([])
         self.train_data: TrainData | None = None
         self.resumed_from: str | None = None
+        self._phase = "set-up"
         # (loss, items, step, micro-batch) of every micro-batch not yet logged; losses stay on the
         # device until a log step reads them all at once
         self._pending: list[tuple[torch.Tensor, int | torch.Tensor, int, int]] = []
@@ -165,6 +166,7 @@ class Fitter:
                         epoch_exhausted = True
                         break
                     callbacks.call("on_step_start", self, state, control)
+                    self._phase = "train step"
                     stepped = self._training_step(window, want_norm=self._is_log_step(state.global_step + 1))
                     if stepped and scheduler is not None:
                         scheduler.step()
@@ -211,6 +213,11 @@ class Fitter:
                 self._load_best_weights()
             callbacks.call("on_fit_end", self, state, control)
         except BaseException as error:
+            if not isinstance(error, (Preempted, KeyboardInterrupt)):
+                # every rank says who failed where; the launcher (torchrun / srun) then ends the
+                # others, and their pending collectives fail instead of waiting
+                log.error("rank %d of %d failed during %s at step %d: %s: %s", strategy.global_rank,
+                          strategy.world_size, self._phase, self.state.global_step, type(error).__name__, error)
             callbacks.call("on_exception", self, state, control, error)
             raise
         finally:
@@ -246,7 +253,7 @@ class Fitter:
         assert strategy is not None and module is not None and optimizer is not None
         batches = [strategy.batch_to_device(b) for b in window]
         counts = [module.num_items(b) for b in batches]
-        total = strategy.sum_items(counts)
+        total = strategy.item_normaliser(counts)
         last = len(batches) - 1
         step = self.state.global_step + 1
         for i, batch in enumerate(batches):
@@ -260,7 +267,8 @@ class Fitter:
             self._pending.append((loss.detach(), counts[i], step, i))
         if cfg.nonfinite_loss == "skip":
             window_losses = torch.stack([p[0] for p in self._pending[-len(batches):]])
-            if not bool(torch.isfinite(window_losses).all()):  # one host read per step, by choice
+            # one host read per step, by choice; every rank skips if any rank saw a non-finite loss
+            if strategy.reduce_flag(not bool(torch.isfinite(window_losses).all())):
                 strategy.zero_grad(optimizer)
                 del self._pending[-len(batches):]
                 self.state.skipped_steps += 1
@@ -284,7 +292,7 @@ class Fitter:
         if not self._pending:
             return []
         device = self.strategy.root_device  # type: ignore[union-attr]
-        losses = torch.stack([p[0].float() for p in self._pending]).tolist()
+        losses = torch.stack([p[0].double() for p in self._pending]).tolist()
         counts = [p[1] for p in self._pending]
         if any(isinstance(n, torch.Tensor) for n in counts):  # token counts on the device
             items = torch.stack([torch.as_tensor(n, dtype=torch.float64, device=device) for n in counts]).tolist()
@@ -334,6 +342,7 @@ class Fitter:
     def _evaluate_all(self, eval_sets: dict[str, Any]) -> dict[str, float]:
         """Evaluate every set; update the best metric; tell loggers and callbacks."""
         self.control.should_evaluate = False
+        self._phase = "evaluation"
         self._read_and_check_pending()
         metrics: dict[str, float] = {}
         for name, loader in eval_sets.items():
@@ -360,7 +369,7 @@ class Fitter:
         return [list(v) for v in self._read_pending()]
 
     def restore_pending_losses(self, pending: list[list[float]]) -> None:
-        self._pending = [(torch.tensor(loss, dtype=torch.float32, device=self.strategy.root_device), n, int(step), int(micro))  # type: ignore[union-attr]
+        self._pending = [(torch.tensor(loss, dtype=torch.float64, device=self.strategy.root_device), n, int(step), int(micro))  # type: ignore[union-attr]
                          for loss, n, step, micro in pending]
 
     def _read_and_check_pending(self) -> None:
@@ -506,6 +515,7 @@ class Fitter:
         from lightlike.checkpoint.training import save_training_checkpoint
 
         self.control.should_save = False
+        self._phase = "checkpoint save"
         self._read_and_check_pending()
         path = save_training_checkpoint(self)
         if path is not None:

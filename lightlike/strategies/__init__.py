@@ -13,11 +13,18 @@ from lightlike.strategies.single import SingleDeviceStrategy
 
 StrategyFactory = Callable[[str, Precision], Strategy]
 
+def _ddp(accelerator: str, precision: Precision) -> Strategy:
+    from lightlike.strategies.ddp import DDPStrategy
+
+    return DDPStrategy(accelerator, precision)
+
+
 STRATEGIES: dict[str, StrategyFactory] = {
     "single": lambda accelerator, precision: SingleDeviceStrategy(accelerator, precision),
+    "ddp": _ddp,
 }
 #: Names the distributed issues fill in; listed so the error for them is precise.
-PLANNED = ("ddp", "fsdp", "fsdp_offload", "hsdp", "deepspeed_zero1", "deepspeed_zero2",
+PLANNED = ("fsdp", "fsdp_offload", "hsdp", "deepspeed_zero1", "deepspeed_zero2",
            "deepspeed_zero2_offload", "deepspeed_zero3", "deepspeed_zero3_offload")
 
 

@@ -116,9 +116,12 @@ class Strategy:
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
         return tensor
 
-    def sum_items(self, counts: list[int | torch.Tensor]) -> int | torch.Tensor:
-        """Items in this optimizer step over all micro-batches (and, distributed, all ranks):
-        the denominator of exact accumulation. Ints stay ints; tensors stay on the device."""
+    def item_normaliser(self, counts: list[int | torch.Tensor]) -> int | torch.Tensor:
+        """The denominator of exact accumulation: micro-batch i's loss is weighted by
+        ``n_i / item_normaliser(counts)``, so that after this strategy's gradient reduction the
+        step's gradient is that of the mean loss over every item of the step (all micro-batches,
+        all ranks). On one process: the sum of the counts (ints stay ints; tensors stay on the
+        device, so no host read)."""
         total = counts[0]
         for c in counts[1:]:
             total = total + c
@@ -130,6 +133,10 @@ class Strategy:
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         return [obj]
+
+    def gather_in_order(self, local: Any) -> Any:
+        """Evaluation outputs of every rank, in dataset order (identity on one process)."""
+        return local
 
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
         return obj

@@ -1,0 +1,182 @@
+"""Data parallel over processes: ``torch.nn.parallel.DistributedDataParallel``.
+
+One process per device, launched by ``torchrun`` or ``srun``. Gradients are all-reduced (averaged)
+by DDP on the last micro-batch of each window only (``no_sync`` on the others). Exact
+accumulation across ranks: the step's item count is all-reduced once per step, and micro-batch i
+is weighted by ``n_i * world_size / N_global``, which DDP's averaging turns into the gradient of
+the mean loss over every item on every rank.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import datetime
+import logging
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from lightlike.errors import ConfigError
+from lightlike.precision import Precision
+from lightlike.strategies.base import Strategy
+from lightlike.strategies.environment import ClusterEnvironment, detect_environment
+
+log = logging.getLogger("lightlike")
+
+
+class DDPStrategy(Strategy):
+    name = "ddp"
+
+    def __init__(
+        self,
+        accelerator: str = "auto",
+        precision: Precision | None = None,
+        *,
+        find_unused_parameters: bool = False,
+        static_graph: bool = False,
+        gradient_as_bucket_view: bool = True,
+        bucket_cap_mb: float = 25.0,
+        timeout_s: float = 600.0,
+        backend: str | None = None,
+    ) -> None:
+        super().__init__(accelerator, precision)
+        self.ddp_kwargs = dict(find_unused_parameters=find_unused_parameters, static_graph=static_graph,
+                               gradient_as_bucket_view=gradient_as_bucket_view, bucket_cap_mb=bucket_cap_mb)
+        self.timeout_s = timeout_s
+        self.backend = backend
+        self.env: ClusterEnvironment | None = None
+        self._owns_group = False
+
+    # -- processes and devices -----------------------------------------------------------------
+    @property
+    def world_size(self) -> int:
+        return self.env.world_size if self.env else 1
+
+    @property
+    def global_rank(self) -> int:
+        return self.env.rank if self.env else 0
+
+    @property
+    def local_rank(self) -> int:
+        return self.env.local_rank if self.env else 0
+
+    def setup_environment(self) -> None:
+        self.env = env = detect_environment()
+        if env.kind != "single":
+            env.export()
+        if self.accelerator in ("auto", "cuda") and torch.cuda.is_available():
+            if env.local_rank >= torch.cuda.device_count():
+                raise ConfigError(f"local rank {env.local_rank} has no CUDA device: {torch.cuda.device_count()} "
+                                  "visible; launch at most that many processes per node")
+            self.root_device = torch.device("cuda", env.local_rank)
+            torch.cuda.set_device(self.root_device)
+        elif self.accelerator in ("auto", "cpu"):
+            self.root_device = torch.device("cpu")
+        else:
+            raise ConfigError(f"accelerator={self.accelerator!r} is not available for strategy='ddp'; use 'auto', "
+                              "'cpu' or 'cuda'")
+        backend = self.backend or ("nccl" if self.root_device.type == "cuda" else "gloo")
+        if not dist.is_initialized():
+            kwargs: dict[str, Any] = {}
+            if backend == "nccl":
+                kwargs["device_id"] = self.root_device
+            dist.init_process_group(backend, rank=env.rank, world_size=env.world_size,
+                                    timeout=datetime.timedelta(seconds=self.timeout_s), **kwargs)
+            self._owns_group = True
+            atexit.register(self.teardown)
+        elif dist.get_world_size() != env.world_size:
+            raise ConfigError(f"a process group of {dist.get_world_size()} already exists but the environment says "
+                              f"WORLD_SIZE={env.world_size}")
+        self.precision.setup(self.root_device)
+        log.debug("rank %d/%d on %s (%s, %s)", env.rank, env.world_size, self.root_device, env.kind, backend)
+
+    def teardown(self) -> None:
+        if self._owns_group and dist.is_initialized():
+            dist.destroy_process_group()
+            self._owns_group = False
+
+    # -- module and optimizer ------------------------------------------------------------------
+    def setup_module(self, module: nn.Module) -> nn.Module:
+        module = super().setup_module(module)
+        ids = [self.root_device.index] if self.root_device.type == "cuda" else None
+        return DistributedDataParallel(module, device_ids=ids, **self.ddp_kwargs)  # type: ignore[arg-type]
+
+    def unwrap(self, module: nn.Module) -> nn.Module:
+        inner = getattr(module, "_orig_mod", module)  # torch.compile
+        return inner.module if isinstance(inner, DistributedDataParallel) else inner
+
+    def no_sync(self, module: nn.Module, enabled: bool) -> contextlib.AbstractContextManager:
+        inner = getattr(module, "_orig_mod", module)
+        return inner.no_sync() if enabled and isinstance(inner, DistributedDataParallel) else contextlib.nullcontext()
+
+    # -- exact accumulation ----------------------------------------------------------------------
+    def item_normaliser(self, counts: list[int | torch.Tensor]) -> torch.Tensor:
+        """``N_global / world_size``: one all-reduce of the step's item count. DDP averages the
+        gradients over ranks, so ``n_i / (N_global / W)`` gives the global item mean."""
+        local = super().item_normaliser(counts)
+        total = torch.as_tensor(local, dtype=torch.float64, device=self.root_device).clone()
+        dist.all_reduce(total)
+        return total / self.world_size
+
+    # -- collectives -------------------------------------------------------------------------------
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+        out = tensor.clone()
+        dist.all_reduce(out, op=ops[op])
+        return out
+
+    def sum_floats(self, values: list[float]) -> list[float]:
+        t = torch.tensor(values, dtype=torch.float64, device=self.root_device)
+        dist.all_reduce(t)
+        return t.tolist()
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj)
+        return out
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        box = [obj]
+        dist.broadcast_object_list(box, src=src)
+        return box[0]
+
+    def barrier(self, name: str = "") -> None:
+        dist.barrier()
+
+    def reduce_flag(self, flag: bool) -> bool:
+        t = torch.tensor([1 if flag else 0], device=self.root_device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return bool(t.item())
+
+    def gather_in_order(self, local: Any) -> Any:
+        """Reassemble per-rank evaluation outputs in dataset order: rank r holds the items at
+        global positions r, r + W, r + 2W, ... (the evaluation sampler deals them round-robin)."""
+        parts = self.all_gather_object(local)
+        return _interleave(parts)
+
+    def __repr__(self) -> str:
+        return (f"DDPStrategy(rank={self.global_rank}/{self.world_size}, device={self.root_device}, "
+                f"precision={self.precision.name!r})")
+
+
+def _interleave(parts: list[Any]) -> Any:
+    if all(p is None for p in parts):
+        return None
+    first = next(p for p in parts if p is not None)
+    if isinstance(first, torch.Tensor):
+        total = sum(len(p) for p in parts)
+        out = first.new_empty((total, *first.shape[1:]))
+        for r, p in enumerate(parts):
+            out[r::len(parts)] = p
+        return out
+    if isinstance(first, dict):
+        return {k: _interleave([p[k] for p in parts]) for k in first}
+    total = sum(len(p) for p in parts)
+    merged: list[Any] = [None] * total
+    for r, p in enumerate(parts):
+        merged[r::len(parts)] = list(p)
+    return merged

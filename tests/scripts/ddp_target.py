@@ -1,0 +1,98 @@
+"""A script the DDP tests launch with torchrun (or plain python for one process).
+
+    torchrun --nproc_per_node 2 ddp_target.py OUT --mode train|eval|fail [options]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from helpers import Classifier, DictDataset, TokenClassifier  # noqa: E402
+
+import lightlike as ll  # noqa: E402
+
+
+class StopAt(ll.Callback):
+    def __init__(self, step):
+        self.step = step
+
+    def on_step_end(self, fitter, state, control):
+        if state.global_step == self.step:
+            control.should_training_stop = True
+
+
+class FailAt(ll.Callback):
+    def __init__(self, rank, step, phase):
+        self.rank, self.step, self.phase = rank, step, phase
+
+    def on_step_end(self, fitter, state, control):
+        if self.phase == "train" and fitter.strategy.global_rank == self.rank and state.global_step == self.step:
+            raise RuntimeError(f"injected failure on rank {self.rank}")
+
+    def on_evaluate(self, fitter, state, control, metrics):
+        pass
+
+
+class F1Module(Classifier):
+    def metrics(self, outputs, batch):
+        return {"accuracy": (outputs.argmax(-1) == batch["y"]).double().mean()}
+
+    def predictions(self, outputs, batch):
+        return outputs.argmax(-1)
+
+    def compute_metrics(self, predictions, labels):
+        return {"n": float(len(predictions)), "first_label": float(labels[0])}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("out")
+    p.add_argument("--mode", default="train")
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--accum", type=int, default=1)
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--stop", type=int, default=0)
+    p.add_argument("--task", default="plain")
+    p.add_argument("--items", type=int, default=48)
+    p.add_argument("--resume", action="store_true")
+    p.add_argument("--save-every", type=int, default=0)
+    p.add_argument("--fail-rank", type=int, default=1)
+    p.add_argument("--fail-step", type=int, default=3)
+    p.add_argument("--max-grad-norm", type=float, default=0.0)
+    args = p.parse_args()
+    rank = int(os.environ.get("RANK", "0"))
+    out = Path(args.out)
+    torch.manual_seed(0)
+    if args.mode == "eval":
+        model = F1Module().double()
+        fitter = ll.Fitter(max_steps=1, eval_batch_size=args.batch, output_dir=str(out), loggers=[], log_level="warning")
+        metrics = fitter.validate(model, DictDataset(n=args.items, dtype=torch.float64))
+        pred = fitter.predict(model, DictDataset(n=args.items, dtype=torch.float64))
+        if rank == 0:
+            (out / "eval.json").write_text(json.dumps({"metrics": metrics, "predictions": pred.predictions.tolist(),
+                                                       "labels": pred.labels.tolist()}))
+        return
+    module_cls = TokenClassifier if args.task == "token" else Classifier
+    model = module_cls().double()
+    callbacks: list = []
+    if args.stop:
+        callbacks.append(StopAt(args.stop))
+    if args.mode == "fail":
+        callbacks.append(FailAt(args.fail_rank, args.fail_step, "train"))
+    fitter = ll.Fitter(max_steps=args.steps, batch_size=args.batch, grad_accum_steps=args.accum, learning_rate=1e-2,
+                       lr_scheduler="constant", output_dir=str(out), loggers=["jsonl"], log_every=1,
+                       save_every=args.save_every or None, max_grad_norm=args.max_grad_norm or None,
+                       log_level="warning", callbacks=callbacks, overwrite_output_dir=not args.resume)
+    fitter.fit(model, DictDataset(n=args.items, dtype=torch.float64), resume=args.resume or None)
+    torch.save({k: v.clone() for k, v in model.state_dict().items()}, out / f"final-rank{rank}.pt")
+
+
+if __name__ == "__main__":
+    main()

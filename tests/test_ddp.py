@@ -1,0 +1,99 @@
+"""DDP on real processes (torchrun, gloo, CPU) against one process: same weights, exact
+evaluation on 1/2/3 processes, resume across world sizes, failing fast."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+SCRIPT = Path(__file__).parent / "scripts" / "ddp_target.py"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(nproc, out, *args, timeout=240):
+    out.mkdir(parents=True, exist_ok=True)
+    if nproc == 1:
+        cmd = [sys.executable, str(SCRIPT), str(out), *args]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+               "--master_addr", "127.0.0.1", "--master_port", str(free_port()), str(SCRIPT), str(out), *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+
+
+def weights(out, rank=0):
+    return torch.load(out / f"final-rank{rank}.pt", weights_only=True)
+
+
+def assert_close(a, b, tol=1e-12):
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=tol, atol=tol, msg=k)
+
+
+@pytest.mark.parametrize("module,accum", [("plain", 1), ("plain", 2), ("token", 2)])
+def test_two_processes_equal_one_with_double_batch(tmp_path, module, accum):
+    """2 ranks x batch 4 == 1 rank x batch 8, in float64 (to 1e-12), with accumulation and
+    uneven item counts (token module: each item holds 1-4 'tokens'); 46 items: a short last batch."""
+    args = ["--task", module, "--accum", str(accum), "--steps", "7", "--items", "46", "--max-grad-norm", "0.5"]
+    p2 = launch(2, tmp_path / "ddp", "--batch", "4", *args)
+    assert p2.returncode == 0, p2.stderr[-3000:]
+    p1 = launch(1, tmp_path / "one", "--batch", "8", *args)
+    assert p1.returncode == 0, p1.stderr[-3000:]
+    ddp0, ddp1, one = weights(tmp_path / "ddp", 0), weights(tmp_path / "ddp", 1), weights(tmp_path / "one")
+    assert all(torch.equal(ddp0[k], ddp1[k]) for k in ddp0), "ranks disagree"
+    assert_close(ddp0, one)
+    # the logged training loss is the mean over all ranks' items: the same numbers
+    logs = [[json.loads(x)["train/loss"] for x in (tmp_path / d / "logs" / "metrics.jsonl").read_text().splitlines()
+             if "train/loss" in x] for d in ("ddp", "one")]
+    assert logs[0] == pytest.approx(logs[1], rel=1e-12)
+
+
+def test_exact_evaluation_on_one_two_three_processes(tmp_path):
+    results = {}
+    for n in (1, 2, 3):
+        proc = launch(n, tmp_path / str(n), "--mode", "eval", "--items", "23", "--batch", "4")
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        results[n] = json.loads((tmp_path / str(n) / "eval.json").read_text())
+    for n in (2, 3):
+        assert results[n]["predictions"] == results[1]["predictions"]
+        assert results[n]["labels"] == results[1]["labels"]
+        for k, v in results[1]["metrics"].items():
+            assert results[n]["metrics"][k] == pytest.approx(v, rel=1e-12, abs=1e-14), k
+    assert results[3]["metrics"]["val/n"] == 23.0  # no padding duplicates counted
+
+
+@pytest.mark.parametrize("before,after", [(2, 1), (1, 2)])
+def test_resume_on_another_world_size(tmp_path, before, after):
+    """Stop at step 4 on `before` processes, resume on `after` with the same global batch:
+    the run continues on the right sample (positions are global)."""
+    common = ["--steps", "8", "--items", "40", "--save-every", "4"]
+    ref = launch(2, tmp_path / "ref", "--batch", "4", *common)
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    out = tmp_path / "run"
+    p = launch(before, out, "--batch", str(8 // before), "--stop", "4", *common)
+    assert p.returncode == 0, p.stderr[-3000:]
+    p = launch(after, out, "--batch", str(8 // after), "--resume", *common)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "not a bit-exact continuation" in p.stderr or after == before
+    assert_close(weights(out), weights(tmp_path / "ref"), tol=1e-10)
+
+
+def test_failure_on_one_rank_ends_all_quickly(tmp_path):
+    start = time.monotonic()
+    p = launch(2, tmp_path / "fail", "--mode", "fail", "--fail-rank", "1", "--fail-step", "3", "--steps", "50",
+               timeout=120)
+    elapsed = time.monotonic() - start
+    assert p.returncode != 0
+    assert "rank 1 of 2 failed during train step at step 3: RuntimeError: injected failure on rank 1" in p.stderr
+    assert elapsed < 60, f"took {elapsed:.0f}s"  # a generous bound on a hang, not a speed claim
