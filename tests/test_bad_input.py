@@ -93,6 +93,8 @@ def test_device_that_does_not_exist(tmp_path):
 
 def test_single_strategy_under_world_size(tmp_path, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("LOCAL_RANK", "0")
     with pytest.raises(ll.ConfigError, match="strategy='single' but WORLD_SIZE=4"):
         fitter(tmp_path, strategy="single").fit(Classifier(), DictDataset())
 

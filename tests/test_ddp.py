@@ -97,3 +97,13 @@ def test_failure_on_one_rank_ends_all_quickly(tmp_path):
     assert p.returncode != 0
     assert "rank 1 of 2 failed during train step at step 3: RuntimeError: injected failure on rank 1" in p.stderr
     assert elapsed < 60, f"took {elapsed:.0f}s"  # a generous bound on a hang, not a speed claim
+
+
+def test_uneven_data_does_not_hang(tmp_path):
+    """41 items on 2 ranks, batch 4: without care rank 0 would take a 6th batch per epoch while
+    rank 1 waits in a collective. The odd item of each epoch's order is left out, with a warning."""
+    p = launch(2, tmp_path / "uneven", "--items", "41", "--batch", "4", "--steps", "14", timeout=120)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "41 training items do not split evenly over 2 processes" in p.stderr, p.stderr[-3000:]
+    w0, w1 = weights(tmp_path / "uneven", 0), weights(tmp_path / "uneven", 1)
+    assert all(torch.equal(w0[k], w1[k]) for k in w0), "ranks disagree"

@@ -1,7 +1,13 @@
-"""A tqdm progress bar; off when the stream is not a terminal (unless forced)."""
+"""A tqdm progress bar over optimizer steps; off when the stream is not a terminal (unless forced).
+
+tqdm is imported in ``on_fit_start`` only when the bar is active, so a disabled bar works
+without tqdm installed.
+"""
 
 from __future__ import annotations
 
+import logging
+import math
 import sys
 from typing import TYPE_CHECKING, Any
 
@@ -11,29 +17,67 @@ if TYPE_CHECKING:
     from lightlike.fitter import Fitter
     from lightlike.state import Control, FitState
 
+log = logging.getLogger("lightlike")
+INSTALL_HINT = "pip install 'lightlike[progress]'"
+# logged keys shown in the bar's postfix, under a short name, in this order
+POSTFIX_KEYS = (("train/loss", "loss"), ("train/lr", "lr"), ("train/grad_norm", "grad_norm"))
+
+
+def _fmt(value: Any) -> str:
+    """A number in a few characters: 0.1235, 1.5e-05, nan; anything else through str()."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        try:
+            value = float(value)
+        except (TypeError, ValueError):
+            return str(value)
+    if isinstance(value, int):
+        return str(value)
+    if not math.isfinite(value):
+        return str(value)
+    return f"{value:.4g}"
+
 
 class ProgressBar(Callback):
     """One bar over optimizer steps. It never reads a tensor: the postfix shows the numbers of
-    the last log step, so the bar costs no host-device synchronisation."""
+    the last log step, so the bar costs no host-device synchronisation.
+
+    ``enabled``: True forces the bar, False turns it off, None (default) shows it only when the
+    output stream is a terminal. ``file``: the stream (default ``sys.stderr``).
+    """
 
     def __init__(self, enabled: bool | None = None, file: Any = None) -> None:
-        self.file = file
         self.enabled = enabled
+        self.file = file
         self.bar: Any = None
 
+    @property
+    def stream(self) -> Any:
+        return self.file if self.file is not None else sys.stderr
+
     def active(self) -> bool:
-        stream = self.file if self.file is not None else sys.stderr
+        """Whether the bar will show (decided without importing tqdm)."""
         if self.enabled is None:
-            return bool(getattr(stream, "isatty", lambda: False)())
-        return self.enabled
+            isatty = getattr(self.stream, "isatty", None)
+            try:
+                return bool(isatty()) if callable(isatty) else False
+            except (OSError, ValueError):  # closed or detached stream
+                return False
+        return bool(self.enabled)
 
     def on_fit_start(self, fitter: Fitter, state: FitState, control: Control) -> None:
+        self._close()
         if not self.active():
             return
-        from tqdm.auto import tqdm
-
-        self.bar = tqdm(total=state.max_steps, initial=state.global_step, unit="step", dynamic_ncols=True,
-                        file=self.file if self.file is not None else sys.stderr, desc="fit")
+        try:
+            from tqdm import tqdm
+        except ImportError as e:
+            if self.enabled:
+                raise ImportError(f"ProgressBar(enabled=True) needs tqdm: {INSTALL_HINT}") from e
+            log.warning("tqdm is not installed: no progress bar (%s)", INSTALL_HINT)
+            return
+        total = state.max_steps or None
+        self.bar = tqdm(total=total, initial=min(state.global_step, total or state.global_step),
+                        unit="step", desc="fit", file=self.stream, dynamic_ncols=True, leave=True)
 
     def on_step_end(self, fitter: Fitter, state: FitState, control: Control) -> None:
         if self.bar is not None:
@@ -41,21 +85,27 @@ class ProgressBar(Callback):
 
     def on_log(self, fitter: Fitter, state: FitState, control: Control, metrics: dict[str, float]) -> None:
         if self.bar is not None:
-            shown = {k.split("/")[-1]: f"{v:.4g}" for k, v in metrics.items() if k in ("train/loss", "train/lr")}
-            self.bar.set_postfix(shown, refresh=False)
+            shown = {short: _fmt(metrics[key]) for key, short in POSTFIX_KEYS if key in metrics}
+            if shown:
+                self.bar.set_postfix(shown, refresh=False)  # drawn at the next refresh/close
 
     def on_evaluate(self, fitter: Fitter, state: FitState, control: Control, metrics: dict[str, float]) -> None:
         if self.bar is not None:
-            text = "  ".join(f"{k}={v:.4g}" for k, v in metrics.items())
-            self.bar.write(f"step {state.global_step}: {text}", file=self.bar.fp)
+            text = "  ".join(f"{k}={_fmt(v)}" for k, v in metrics.items())
+            self.bar.write(f"step {state.global_step}: {text}", file=self.stream)
 
     def _close(self) -> None:
         if self.bar is not None:
-            self.bar.close()
-            self.bar = None
+            try:
+                self.bar.close()
+            finally:
+                self.bar = None
 
     def on_fit_end(self, fitter: Fitter, state: FitState, control: Control) -> None:
         self._close()
 
     def on_exception(self, fitter: Fitter, state: FitState, control: Control, error: BaseException) -> None:
         self._close()
+
+
+__all__ = ["ProgressBar"]

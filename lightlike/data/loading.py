@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -11,6 +12,8 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from lightlike.data.sampler import ResumableSampler
 from lightlike.errors import DataError
+
+log = logging.getLogger("lightlike")
 
 
 @dataclass
@@ -34,7 +37,8 @@ class TrainData:
         round-robin from the global order, so this is ``batches * batch_size * world_size``,
         capped at the epoch's length (the last batch may be short)."""
         consumed = batches * (self.loader.batch_size or 1) * world_size
-        return min(consumed, self.num_samples) if self.num_samples is not None else consumed
+        end = self.sampler.global_end() if self.sampler is not None else self.num_samples
+        return min(consumed, end) if end is not None else consumed
 
     def epoch_iterator(self, epoch: int, start_sample: int = 0) -> Any:
         """An iterator over the batches of ``epoch`` beginning ``start_sample`` samples in."""
@@ -100,8 +104,11 @@ def build_train_data(
             f"drop_last=True with batch_size={batch_size} leaves no batch of the {n} training items; "
             "lower batch_size or set drop_last=False"
         )
-    sampler = ResumableSampler(n, shuffle=shuffle, seed=seed, rank=rank, world_size=world_size,
-                               drop_last=drop_last)
+    sampler = ResumableSampler(n, shuffle=shuffle, seed=seed, rank=rank, world_size=world_size, even=True)
+    if world_size > 1 and n % world_size:
+        log.warning("%d training items do not split evenly over %d processes: %d item(s) of each epoch's "
+                    "shuffled order are left out so every process takes the same number of steps",
+                    n, world_size, n % world_size)
     loader = DataLoader(data, batch_size=batch_size, sampler=sampler, num_workers=num_workers,
                         drop_last=drop_last, pin_memory=pin_memory, collate_fn=collate_fn,
                         generator=generator)

@@ -28,9 +28,11 @@ class ResumableSampler(Sampler[int]):
     """Indices of one epoch for one rank, from a global sample position onward.
 
     With ``world_size`` W the global order is dealt round-robin: rank r takes global positions
-    start + r, start + r + W, ... . ``drop_last`` drops the global tail that does not fill one
-    sample per rank; otherwise the last round is shorter on some ranks (never padded with
-    repeats).
+    start + r, start + r + W, ... . ``even=True`` (training on several ranks) drops the global
+    tail of fewer than W samples so that every rank gets the same number of samples, hence of
+    batches and optimizer steps (no rank waits for a collective the others never join); those
+    samples differ every epoch, since the order does. With ``even=False`` (evaluation) the last
+    round is shorter on some ranks; nothing is ever padded with repeats.
     """
 
     def __init__(
@@ -42,13 +44,14 @@ class ResumableSampler(Sampler[int]):
         rank: int = 0,
         world_size: int = 1,
         drop_last: bool = False,
+        even: bool = False,
     ) -> None:
         self.n = int(num_samples)
         self.shuffle = shuffle
         self.seed = int(seed)
         self.rank = rank
         self.world_size = world_size
-        self.drop_last = drop_last
+        self.drop_last = drop_last or even
         self.epoch = 0
         self.start = 0  # global samples already consumed in this epoch
 
@@ -58,6 +61,10 @@ class ResumableSampler(Sampler[int]):
             raise ValueError(f"start={start} is outside the epoch of {self.n} samples")
         self.epoch = int(epoch)
         self.start = int(start)
+
+    def global_end(self) -> int:
+        """Global samples per epoch that are dealt to ranks."""
+        return self._global_end()
 
     def _global_end(self) -> int:
         if self.drop_last:

@@ -1,10 +1,15 @@
-"""Loggers: CSV/JSONL metrics files, TensorBoard; Python logging; the model summary."""
+"""Loggers: CSV/JSONL metrics files, TensorBoard; Python logging; the model summary.
+
+Importing this package imports neither tensorboard nor tqdm: the TensorBoard logger and the
+progress bar import them when constructed / started.
+"""
 
 from __future__ import annotations
 
 import difflib
 import importlib.util
 import logging
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -16,44 +21,84 @@ LOGGER_NAMES = ("csv", "jsonl", "tensorboard")
 log = logging.getLogger("lightlike")
 
 
+def tensorboard_available() -> bool:
+    """Whether the tensorboard package can be imported (checked without importing it)."""
+    try:
+        return importlib.util.find_spec("tensorboard") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def _unknown(name: str) -> ConfigError:
+    close = difflib.get_close_matches(name, LOGGER_NAMES, n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    return ConfigError(f"unknown logger {name!r}{hint}; valid names: {', '.join(LOGGER_NAMES)}")
+
+
+def _normalise(spec: Any) -> list[str | Logger]:
+    """The spec as a checked list of names and Logger instances (no logger is constructed)."""
+    if spec is None:
+        return []
+    if isinstance(spec, Logger):
+        return [spec]
+    if isinstance(spec, str):
+        text = spec.strip().lower()
+        if text == "auto":
+            names = ["csv"]
+            if tensorboard_available():
+                names.append("tensorboard")
+            else:
+                log.warning("tensorboard is not installed: logging to CSV only "
+                            "(pip install 'lightlike[tensorboard]')")
+            return list(names)
+        if text in ("", "none"):
+            return []
+        spec = [part.strip() for part in text.split(",") if part.strip()]  # "csv,tensorboard"
+    if not isinstance(spec, Iterable) or isinstance(spec, (bytes, dict)):
+        raise ConfigError(f"loggers must be 'auto', a list of names ({', '.join(LOGGER_NAMES)}) and/or "
+                          f"Logger instances, or []; got {spec!r}")
+    out: list[str | Logger] = []
+    for item in spec:
+        if isinstance(item, Logger):
+            out.append(item)
+        elif isinstance(item, str):
+            name = item.strip().lower()
+            if name not in LOGGER_NAMES:
+                raise _unknown(item)
+            if name in out:
+                raise ConfigError(f"logger {name!r} is listed twice; each file would get every row twice")
+            out.append(name)
+        else:
+            raise ConfigError(f"loggers entries must be names ({', '.join(LOGGER_NAMES)}) or Logger "
+                              f"instances, got {type(item).__name__}")
+    return out
+
+
 def _by_name(name: str, log_dir: Path) -> Logger:
     if name == "csv":
         return CSVLogger(log_dir)
     if name == "jsonl":
         return JSONLLogger(log_dir)
-    if name == "tensorboard":
-        from lightlike.loggers.tensorboard import TensorBoardLogger
+    from lightlike.loggers.tensorboard import TensorBoardLogger
 
-        return TensorBoardLogger(log_dir)
-    close = difflib.get_close_matches(name, LOGGER_NAMES, n=1)
-    hint = f" (did you mean {close[0]!r}?)" if close else ""
-    raise ConfigError(f"unknown logger {name!r}{hint}; valid names: {', '.join(LOGGER_NAMES)}")
+    return TensorBoardLogger(log_dir)
 
 
-def build_loggers(spec: Any, output_dir: str, enabled: bool = True) -> list[Logger]:
-    """``'auto'``: CSV, plus TensorBoard when installed; a list of names/instances; [] or None."""
-    if not enabled or spec is None:
+def build_loggers(spec: Any, output_dir: str | Path, enabled: bool = True) -> list[Logger]:
+    """The loggers of a run, writing under ``output_dir/logs/``.
+
+    ``spec``: ``'auto'`` (CSV, plus TensorBoard when installed, else a warning), a list/tuple of
+    names among ``csv``, ``jsonl``, ``tensorboard`` and/or ``Logger`` instances, or ``[]``/None
+    for none. The spec is checked on every process (an invalid one fails everywhere alike); only
+    where ``enabled`` (the main process) are loggers constructed.
+    """
+    if not enabled:
+        if not (isinstance(spec, str) and spec.strip().lower() == "auto"):  # no warning on every rank
+            _normalise(spec)
         return []
+    items = _normalise(spec)
     log_dir = Path(output_dir) / "logs"
-    if spec == "auto":
-        names = ["csv"]
-        if importlib.util.find_spec("tensorboard") is not None:
-            names.append("tensorboard")
-        else:
-            log.warning("tensorboard is not installed: logging to CSV only (pip install 'lightlike[tensorboard]')")
-        spec = names
-    if isinstance(spec, (str, Logger)):
-        spec = [spec]
-    out = []
-    for item in spec:
-        if isinstance(item, Logger):
-            out.append(item)
-        elif isinstance(item, str):
-            out.append(_by_name(item, log_dir))
-        else:
-            raise ConfigError(f"loggers entries must be names ({', '.join(LOGGER_NAMES)}) or Logger instances, "
-                              f"got {type(item).__name__}")
-    return out
+    return [item if isinstance(item, Logger) else _by_name(item, log_dir) for item in items]
 
 
-__all__ = ["LOGGER_NAMES", "CSVLogger", "JSONLLogger", "Logger", "build_loggers"]
+__all__ = ["LOGGER_NAMES", "CSVLogger", "JSONLLogger", "Logger", "build_loggers", "tensorboard_available"]

@@ -1,4 +1,15 @@
-"""The ``Logger`` interface: metrics by step, hyperparameters, resume without duplicates."""
+"""The ``Logger`` interface: metrics by step, hyperparameters, resume without duplicates.
+
+Call order the loop follows (main process only; other ranks get no loggers):
+
+1. construct (cheap: no file is opened, no event file is created);
+2. ``resume(step)`` once, only when the run resumes from a checkpoint taken at ``step``,
+   *before* anything is logged;
+3. ``log_hyperparams(config)``;
+4. ``log_metrics(metrics, step)`` / ``log_text(tag, text, step)`` any number of times;
+5. ``finalize()`` once, also on error. Logging after ``finalize`` reopens the files in append
+   mode, so a second ``fit`` with the same logger keeps working.
+"""
 
 from __future__ import annotations
 
@@ -6,20 +17,24 @@ from typing import Any
 
 
 class Logger:
-    """Receives the numbers the loop logs. Only the main process has loggers."""
+    """Receives the numbers the loop logs. Subclasses implement at least ``log_metrics``."""
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
-        raise NotImplementedError
+        """Record ``metrics`` (name -> number, NaN/inf included) at optimizer step ``step``."""
+        raise NotImplementedError(f"{type(self).__name__} must implement log_metrics(metrics, step)")
 
     def log_hyperparams(self, params: dict[str, Any]) -> None:
-        pass
+        """Record the run's configuration (values may be any type: strings, lists, None...)."""
 
     def log_text(self, tag: str, text: str, step: int) -> None:
-        pass
+        """Record a piece of text; loggers without a text channel ignore it."""
 
     def resume(self, step: int) -> None:
         """Called before the first log of a run resumed from a checkpoint taken at ``step``:
         drop what was logged after ``step``, so no step appears twice and none is missing."""
 
     def finalize(self) -> None:
-        pass
+        """Flush and close; called once when the fit ends (normally or by an exception)."""
+
+
+__all__ = ["Logger"]

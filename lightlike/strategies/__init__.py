@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import difflib
-import os
 from collections.abc import Callable
 
 from lightlike.errors import ConfigError
 from lightlike.precision import Precision
 from lightlike.strategies.base import Strategy, move_to_device
+from lightlike.strategies.environment import detect_environment
 from lightlike.strategies.single import SingleDeviceStrategy
 
 StrategyFactory = Callable[[str, Precision], Strategy]
@@ -41,8 +41,7 @@ def get_strategy(spec: str | Strategy, accelerator: str, precision: Precision | 
         raise ConfigError(f"strategy must be a name or a Strategy instance, got {type(spec).__name__}")
     name = spec
     if name == "auto":
-        world = int(os.environ.get("WORLD_SIZE", "1"))
-        name = "single" if world == 1 else "ddp"
+        name = "single" if detect_environment().world_size == 1 else "ddp"
     if name not in STRATEGIES:
         if name in PLANNED:
             raise ConfigError(f"strategy={spec!r} is not available in this version; available: "

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from lightlike.errors import ConfigError
@@ -21,11 +19,14 @@ class SingleDeviceStrategy(Strategy):
         self.root_device = resolve_device(accelerator)
 
     def setup_environment(self) -> None:
-        world = int(os.environ.get("WORLD_SIZE", "1"))
-        if world > 1:
+        from lightlike.strategies.environment import detect_environment
+
+        env = detect_environment()
+        if env.world_size > 1:
+            what = "WORLD_SIZE" if env.kind == "torchrun" else "SLURM_NTASKS"
             raise ConfigError(
-                f"strategy='single' but WORLD_SIZE={world}: this process was launched as one of "
-                f"{world}; use strategy='ddp' (or 'auto'), or launch a single process"
+                f"strategy='single' but {what}={env.world_size}: this process was launched as one of "
+                f"{env.world_size}; use strategy='ddp' (or 'auto'), or launch a single process"
             )
         if self.root_device.type == "cuda":
             torch.cuda.set_device(self.root_device)

@@ -91,6 +91,7 @@ def main() -> None:
                        save_every=args.save_every or None, max_grad_norm=args.max_grad_norm or None,
                        log_level="warning", callbacks=callbacks, overwrite_output_dir=not args.resume)
     fitter.fit(model, DictDataset(n=args.items, dtype=torch.float64), resume=args.resume or None)
+    rank = fitter.strategy.global_rank  # under SLURM, known once the Fitter has read the environment
     torch.save({k: v.clone() for k, v in model.state_dict().items()}, out / f"final-rank{rank}.pt")
 
 

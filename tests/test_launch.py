@@ -1,0 +1,95 @@
+"""Cluster environments and the launch recipes in strategies/."""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightlike.strategies.environment import detect_environment, slurm_main_address, slurm_port
+
+ROOT = Path(__file__).parent.parent
+SCRIPT = Path(__file__).parent / "scripts" / "ddp_target.py"
+CLEAN = {k: v for k, v in os.environ.items()
+         if not k.startswith(("SLURM_", "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_", "TORCHELASTIC", "GROUP_RANK"))}
+
+
+def test_detect_torchrun(monkeypatch):
+    for k in list(os.environ):
+        if k.startswith("SLURM_"):
+            monkeypatch.delenv(k)
+    env = {"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "1234",
+           "TORCHELASTIC_RUN_ID": "x", "GROUP_RANK": "1"}
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    e = detect_environment()
+    assert (e.kind, e.rank, e.world_size, e.local_rank, e.node_rank, e.main_address, e.main_port) == \
+        ("torchrun", 3, 8, 1, 1, "10.0.0.1", 1234)
+
+
+def test_detect_slurm(monkeypatch):
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(k, raising=False)
+    env = {"SLURM_NTASKS": "64", "SLURM_PROCID": "17", "SLURM_LOCALID": "1", "SLURM_NODEID": "2",
+           "SLURM_JOB_NODELIST": "gpu[003-010]", "SLURM_JOB_ID": "123456", "SLURM_JOB_NAME": "lightlike"}
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setenv("PATH", "/nonexistent")  # no scontrol: the node list is parsed by hand
+    e = detect_environment()
+    assert (e.kind, e.rank, e.world_size, e.local_rank, e.node_rank) == ("slurm", 17, 64, 1, 2)
+    assert e.main_address == "gpu003" and e.main_port == slurm_port("123456") == 15000 + 3456
+
+
+def test_single_process(monkeypatch):
+    for k in list(os.environ):
+        if k.startswith(("SLURM_", "RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC")):
+            monkeypatch.delenv(k)
+    assert detect_environment().kind == "single"
+
+
+@pytest.mark.parametrize("nodelist,first", [("node1", "node1"), ("a[01-04],b7", "a01"), ("x[5,9]", "x5"),
+                                            ("h1,h2", "h1")])
+def test_slurm_nodelist(monkeypatch, nodelist, first):
+    monkeypatch.setenv("PATH", "/nonexistent")
+    assert slurm_main_address(nodelist) == first
+
+
+def test_torchrun_recipe_runs(tmp_path):
+    env = {**CLEAN, "NPROC": "2", "PATH": f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}"}
+    cmd = ["bash", str(ROOT / "strategies" / "torchrun.sh"), str(SCRIPT), str(tmp_path), "--steps", "3"]
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=240)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert (tmp_path / "final-rank0.pt").exists() and (tmp_path / "final-rank1.pt").exists()
+
+
+@pytest.mark.parametrize("recipe", ["slurm_single_node.sbatch", "slurm_multi_node.sbatch"])
+def test_sbatch_recipe_under_simulated_slurm(tmp_path, recipe):
+    """Read the recipe's directives and srun line, then start its tasks the way srun would: one
+    process per task with SLURM_* set (2 tasks on this machine), and train for real over gloo."""
+    text = (ROOT / "strategies" / recipe).read_text()
+    directives = dict(re.findall(r"^#SBATCH --([\w-]+)(?:=(\S+))?", text, re.M))
+    assert "requeue" in directives and directives["signal"].startswith("USR1@")
+    srun = next(line for line in text.splitlines() if line.startswith("srun "))
+    assert "--kill-on-bad-exit=1" in srun
+    argv = shlex.split(srun.replace('"${TRAIN_SCRIPT:-train.py}"', str(SCRIPT)).replace('"$@"', ""))
+    command = argv[argv.index("python3"):]
+    command[0] = sys.executable
+    procs = []
+    for rank in range(2):
+        env = {**CLEAN, "SLURM_NTASKS": "2", "SLURM_PROCID": str(rank), "SLURM_LOCALID": str(rank),
+               "SLURM_NODEID": "0", "SLURM_JOB_NODELIST": "localhost", "SLURM_JOB_ID": str(40000 + os.getpid() % 9999),
+               "SLURM_JOB_NAME": "lightlike"}
+        procs.append(subprocess.Popen([*command, str(tmp_path), "--steps", "3"], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    for p in procs:
+        _, err = p.communicate(timeout=240)
+        assert p.returncode == 0, err[-3000:]
+    w0 = torch.load(tmp_path / "final-rank0.pt", weights_only=True)
+    w1 = torch.load(tmp_path / "final-rank1.pt", weights_only=True)
+    assert all(torch.equal(w0[k], w1[k]) for k in w0)
