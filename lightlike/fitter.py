@@ -148,7 +148,8 @@ class Fitter:
         if strategy.root_device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(strategy.root_device)
 
-        preemption = PreemptionHandler(cfg.preemption_signals)
+        self._preemption = preemption = PreemptionHandler(cfg.preemption_signals)
+        self._stop_agreed = False
         preemption.install()
         try:
             callbacks.call("on_fit_start", self, state, control)
@@ -184,7 +185,7 @@ class Fitter:
                         last_metrics = self._evaluate_all(eval_sets)
                     if control.should_save or self._is_save_step(state.global_step):
                         self._save_checkpoint()
-                    if strategy.reduce_flag(preemption.received is not None):
+                    if self._stop_requested():  # agreed across ranks with this step's item count
                         self._preempted(preemption.signal_name or "a signal on another rank")
                     if control.should_training_stop or control.should_epoch_stop:
                         break
@@ -253,7 +254,7 @@ class Fitter:
         assert strategy is not None and module is not None and optimizer is not None
         batches = [strategy.batch_to_device(b) for b in window]
         counts = [module.num_items(b) for b in batches]
-        total = strategy.item_normaliser(counts)
+        normaliser = strategy.item_normaliser(counts, self._preemption.received is not None)
         last = len(batches) - 1
         step = self.state.global_step + 1
         for i, batch in enumerate(batches):
@@ -261,10 +262,11 @@ class Fitter:
                 with strategy.autocast():
                     outputs = call_module(model, batch, "at step {}, micro-batch {}", step, i)
                     loss = check_loss(module.loss(outputs, batch), "at step {}, micro-batch {}", step, i)
-                weight = _weight(counts[i], total, loss.dtype)
+                weight = _weight(counts[i], normaliser.total(), loss.dtype)
                 unit = isinstance(weight, float) and weight == 1.0  # one micro-batch: skip the extra op
                 strategy.backward(loss if unit else loss * weight, model)
             self._pending.append((loss.detach(), counts[i], step, i))
+        self._stop_agreed = normaliser.stop_flag()
         if cfg.nonfinite_loss == "skip":
             window_losses = torch.stack([p[0] for p in self._pending[-len(batches):]])
             # one host read per step, by choice; every rank skips if any rank saw a non-finite loss
@@ -491,6 +493,16 @@ class Fitter:
         log.warning("overwrite_output_dir=True: removing %s", ", ".join(str(p) for p in old))
         for p in old:
             shutil.rmtree(p)
+
+    def _stop_requested(self) -> bool:
+        """The preemption flag agreed in this step's all-reduce; a device tensor is read every
+        step on CPU and, to avoid a per-step sync, only at log steps on an accelerator."""
+        flag = self._stop_agreed
+        if isinstance(flag, torch.Tensor):
+            if flag.device.type != "cpu" and not self._is_log_step(self.state.global_step):
+                return False
+            return bool(flag.item())
+        return bool(flag)
 
     def _preempted(self, signal_name: str) -> None:
         """Save (once) at this step boundary, ask SLURM to requeue, exit with code 75."""

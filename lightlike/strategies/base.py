@@ -116,16 +116,20 @@ class Strategy:
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
         return tensor
 
-    def item_normaliser(self, counts: list[int | torch.Tensor]) -> int | torch.Tensor:
-        """The denominator of exact accumulation: micro-batch i's loss is weighted by
-        ``n_i / item_normaliser(counts)``, so that after this strategy's gradient reduction the
-        step's gradient is that of the mean loss over every item of the step (all micro-batches,
-        all ranks). On one process: the sum of the counts (ints stay ints; tensors stay on the
-        device, so no host read)."""
+    def item_normaliser(self, counts: list[int | torch.Tensor], flag: bool = False) -> StepNormaliser:
+        """The denominator of exact accumulation, and whether ``flag`` is set on any rank.
+
+        Micro-batch i's loss is weighted by ``n_i / total``, so that after this strategy's
+        gradient reduction the step's gradient is that of the mean loss over every item of the
+        step (all micro-batches, all ranks). On one process: the sum of the counts (ints stay
+        ints; tensors stay on the device, so no host read). ``flag`` (a stop request such as
+        preemption) rides along, so agreeing on it costs no extra collective. A distributed
+        strategy may start its reduction here and finish it when ``total()`` is first called,
+        so it overlaps the first forward pass."""
         total = counts[0]
         for c in counts[1:]:
             total = total + c
-        return total
+        return StepNormaliser(total, flag)
 
     def sum_floats(self, values: list[float]) -> list[float]:
         """Sum host-side numbers over ranks (identity on one process)."""
@@ -168,6 +172,27 @@ class Strategy:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(device={self.root_device}, precision={self.precision.name!r})"
+
+
+class StepNormaliser:
+    """This step's item normaliser and agreed stop flag (see ``Strategy.item_normaliser``)."""
+
+    def __init__(self, total: int | torch.Tensor, flag: Any, wait: Any = None):
+        self._total, self._flag, self._wait = total, flag, wait
+
+    def _finish(self) -> None:
+        if self._wait is not None:
+            self._wait()
+            self._wait = None
+
+    def total(self) -> int | torch.Tensor:
+        self._finish()
+        return self._total
+
+    def stop_flag(self) -> Any:
+        """A bool, or a device tensor (read it only where a host sync is acceptable)."""
+        self._finish()
+        return self._flag
 
 
 def _params(optimizer: torch.optim.Optimizer) -> Iterable[torch.Tensor]:

@@ -22,7 +22,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from lightlike.errors import ConfigError
 from lightlike.precision import Precision
-from lightlike.strategies.base import Strategy
+from lightlike.strategies.base import StepNormaliser, Strategy
 from lightlike.strategies.environment import ClusterEnvironment, detect_environment
 
 log = logging.getLogger("lightlike")
@@ -38,7 +38,7 @@ class DDPStrategy(Strategy):
         *,
         find_unused_parameters: bool = False,
         static_graph: bool = False,
-        gradient_as_bucket_view: bool = True,
+        gradient_as_bucket_view: bool = False,
         bucket_cap_mb: float = 25.0,
         timeout_s: float = 600.0,
         backend: str | None = None,
@@ -114,13 +114,25 @@ class DDPStrategy(Strategy):
         return inner.no_sync() if enabled and isinstance(inner, DistributedDataParallel) else contextlib.nullcontext()
 
     # -- exact accumulation ----------------------------------------------------------------------
-    def item_normaliser(self, counts: list[int | torch.Tensor]) -> torch.Tensor:
-        """``N_global / world_size``: one all-reduce of the step's item count. DDP averages the
-        gradients over ranks, so ``n_i / (N_global / W)`` gives the global item mean."""
-        local = super().item_normaliser(counts)
-        total = torch.as_tensor(local, dtype=torch.float64, device=self.root_device).clone()
-        dist.all_reduce(total)
-        return total / self.world_size
+    def item_normaliser(self, counts: list[int | torch.Tensor], flag: bool = False) -> StepNormaliser:
+        """``N_global / world_size`` and the OR of ``flag`` over ranks, in one all-reduce per step,
+        started here and awaited at first use (after the first micro-batch's forward pass). DDP
+        averages gradients over ranks, so ``n_i / (N_global / W)`` gives the global item mean.
+        The flag stays a device tensor: the Fitter reads it every step on CPU, and on an
+        accelerator only at log steps, where it synchronises anyway."""
+        local = super().item_normaliser(counts).total()
+        packed = torch.stack([torch.as_tensor(local, dtype=torch.float64, device=self.root_device),
+                              torch.tensor(1.0 if flag else 0.0, dtype=torch.float64, device=self.root_device)])
+        work = dist.all_reduce(packed, async_op=True)
+        result = StepNormaliser(packed[0], packed[1], wait=None)
+
+        def finish() -> None:
+            work.wait()
+            result._total = packed[0] / self.world_size
+            result._flag = packed[1] > 0
+
+        result._wait = finish
+        return result
 
     # -- collectives -------------------------------------------------------------------------------
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
