@@ -185,7 +185,7 @@ class Fitter:
                         last_metrics = self._evaluate_all(eval_sets)
                     if control.should_save or self._is_save_step(state.global_step):
                         self._save_checkpoint()
-                    if self._stop_requested():  # agreed across ranks with this step's item count
+                    if self._stop_requested():
                         self._preempted(preemption.signal_name or "a signal on another rank")
                     if control.should_training_stop or control.should_epoch_stop:
                         break
@@ -495,8 +495,12 @@ class Fitter:
             shutil.rmtree(p)
 
     def _stop_requested(self) -> bool:
-        """The preemption flag agreed in this step's all-reduce; a device tensor is read every
-        step on CPU and, to avoid a per-step sync, only at log steps on an accelerator."""
+        """Preemption: on one process, whether a signal has arrived; on several, the flag agreed
+        in this step's item-count all-reduce (a signal that arrives later is agreed one step
+        later). A device tensor is read every step on CPU and, to avoid a per-step sync, only at
+        log steps on an accelerator."""
+        if self.strategy.world_size == 1:  # type: ignore[union-attr]
+            return self._preemption.received is not None
         flag = self._stop_agreed
         if isinstance(flag, torch.Tensor):
             if flag.device.type != "cpu" and not self._is_log_step(self.state.global_step):
