@@ -107,3 +107,22 @@ def test_uneven_data_does_not_hang(tmp_path):
     assert "41 training items do not split evenly over 2 processes" in p.stderr, p.stderr[-3000:]
     w0, w1 = weights(tmp_path / "uneven", 0), weights(tmp_path / "uneven", 1)
     assert all(torch.equal(w0[k], w1[k]) for k in w0), "ranks disagree"
+
+
+@pytest.mark.parametrize("kill_step", [3, 6])
+def test_kill_one_rank_and_resume_is_bit_identical(tmp_path, kill_step):
+    """SIGKILL rank 1 mid-run (after step 3: mid-epoch; after 6: past an epoch boundary), let
+    torchrun end rank 0, resume on 2 processes: the same weights, bit for bit, as without the kill."""
+    common = ["--steps", "9", "--items", "40", "--batch", "4", "--accum", "2", "--save-every", "2", "--task", "token"]
+    ref = launch(2, tmp_path / "ref", *common)
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    out = tmp_path / "run"
+    killed = launch(2, out, *common, "--kill-step", str(kill_step))
+    assert killed.returncode != 0
+    resumed = launch(2, out, *common, "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    for rank in (0, 1):
+        a, b = weights(out, rank), weights(tmp_path / "ref", rank)
+        assert all(torch.equal(a[k], b[k]) for k in a), f"rank {rank} differs"
+    logs = [(tmp_path / d / "logs" / "metrics.jsonl").read_text() for d in ("run", "ref")]
+    assert logs[0] == logs[1]

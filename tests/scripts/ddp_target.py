@@ -40,6 +40,19 @@ class FailAt(ll.Callback):
         pass
 
 
+class KillAt(ll.Callback):
+    """SIGKILL this rank after optimizer step ``step`` (a real kill: torchrun then ends the rest)."""
+
+    def __init__(self, rank, step):
+        self.rank, self.step = rank, step
+
+    def on_step_end(self, fitter, state, control):
+        if fitter.strategy.global_rank == self.rank and state.global_step == self.step:
+            import signal
+
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
 class F1Module(Classifier):
     def metrics(self, outputs, batch):
         return {"accuracy": (outputs.argmax(-1) == batch["y"]).double().mean()}
@@ -66,6 +79,7 @@ def main() -> None:
     p.add_argument("--fail-rank", type=int, default=1)
     p.add_argument("--fail-step", type=int, default=3)
     p.add_argument("--max-grad-norm", type=float, default=0.0)
+    p.add_argument("--kill-step", type=int, default=0)
     args = p.parse_args()
     rank = int(os.environ.get("RANK", "0"))
     out = Path(args.out)
@@ -84,6 +98,8 @@ def main() -> None:
     callbacks: list = []
     if args.stop:
         callbacks.append(StopAt(args.stop))
+    if args.kill_step:
+        callbacks.append(KillAt(args.fail_rank, args.kill_step))
     if args.mode == "fail":
         callbacks.append(FailAt(args.fail_rank, args.fail_step, "train"))
     fitter = ll.Fitter(max_steps=args.steps, batch_size=args.batch, grad_accum_steps=args.accum, learning_rate=1e-2,
