@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 import sysconfig
 import time
 from collections import Counter
@@ -225,6 +226,20 @@ class CharGPT(ll.TaskModule):
 # ------------------------------------------------------------------------------------------------
 # the run
 # ------------------------------------------------------------------------------------------------
+class PrintEvaluations(ll.Callback):
+    """Print each evaluation as it happens when there is no progress bar to show it (output
+    redirected to a file or a CI log), so a run of several minutes is never silent."""
+
+    def on_fit_start(self, fitter, state, control):
+        self.start = time.perf_counter()
+
+    def on_evaluate(self, fitter, state, control, metrics):
+        if not sys.stderr.isatty():
+            print(f"step {state.global_step:>5}/{state.max_steps}  val/loss {metrics['val/loss']:.4f}  "
+                  f"val/accuracy {metrics['val/accuracy']:.3f}  ({time.perf_counter() - self.start:.0f} s)",
+                  flush=True)
+
+
 def default_precision() -> str:
     """``bf16-mixed`` where bfloat16 matmuls are fast, else ``32-true``. On a CPU with AVX-512 it
     trains this model ~1.3x faster than fp32; on CPUs without, bfloat16 is emulated and slower."""
@@ -273,6 +288,7 @@ def main(argv: list[str] | None = None) -> ll.FitResult:
           f"{len(train_data):,} / {len(val_data):,} windows of {model_cfg['block_size']}; "
           f"precision {precision}, {torch.get_num_threads()} CPU threads")
 
+    ll.seed_everything(args.seed)  # fit() seeds too, but only after the weights are initialised here
     module = CharGPT(len(vocab), **model_cfg)
     fitter = ll.Fitter(
         max_steps=max_steps,
@@ -292,6 +308,7 @@ def main(argv: list[str] | None = None) -> ll.FitResult:
         output_dir=args.output_dir,
         overwrite_output_dir=args.overwrite,
         seed=args.seed,
+        callbacks=[PrintEvaluations()],
     )
     start = time.perf_counter()
     result = fitter.fit(module, train_data, val_data)
@@ -301,10 +318,6 @@ def main(argv: list[str] | None = None) -> ll.FitResult:
     (out / "vocab.json").write_text(json.dumps({"chars": vocab.chars}) + "\n")
     print(f"\ntrained {result.global_step} steps in {elapsed:.0f} s "
           f"({result.samples_per_second * model_cfg['block_size']:,.0f} tokens/s)")
-    for entry in (fitter.state.log_history if fitter.state else []):
-        if "val/loss" in entry:
-            print(f"  step {entry['step']:>5}  val/loss {entry['val/loss']:.4f}  "
-                  f"val/accuracy {entry['val/accuracy']:.3f}")
     val_loss = result.metrics["val/loss"]
     print(f"final val loss: {val_loss:.4f} ({result.metrics['val/bits_per_char']:.3f} bits/char, "
           f"accuracy {result.metrics['val/accuracy']:.3f}); training loss (whole fit): "

@@ -254,7 +254,8 @@ class Fitter:
         assert strategy is not None and module is not None and optimizer is not None
         batches = [strategy.batch_to_device(b) for b in window]
         counts = [module.num_items(b) for b in batches]
-        normaliser = strategy.item_normaliser(counts, self._preemption.received is not None)
+        normaliser = strategy.item_normaliser(counts, self._preemption.received is not None,
+                                              uniform=self.train_data.sampler is not None)  # type: ignore[union-attr]
         last = len(batches) - 1
         step = self.state.global_step + 1
         for i, batch in enumerate(batches):
@@ -499,9 +500,15 @@ class Fitter:
         in this step's item-count all-reduce (a signal that arrives later is agreed one step
         later). A device tensor is read every step on CPU and, to avoid a per-step sync, only at
         log steps on an accelerator."""
-        if self.strategy.world_size == 1:  # type: ignore[union-attr]
+        strategy = self.strategy
+        assert strategy is not None
+        if strategy.world_size == 1:
             return self._preemption.received is not None
         flag = self._stop_agreed
+        if flag is None:  # not carried by this step's reduction: agree every 10 steps
+            if self.state.global_step % 10:
+                return False
+            return strategy.reduce_flag(self._preemption.received is not None)
         if isinstance(flag, torch.Tensor):
             if flag.device.type != "cpu" and not self._is_log_step(self.state.global_step):
                 return False

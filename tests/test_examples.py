@@ -63,13 +63,18 @@ def test_char_gpt_tiny_run(tmp_path):
     assert m.group(1).startswith("def ") and len(m.group(1)) > len("def ")
 
 
-def test_char_gpt_refuses_to_overwrite_then_overwrites(tmp_path):
+def test_char_gpt_refuses_to_overwrite_then_overwrites_reproducibly(tmp_path):
     out = tmp_path / "run"
     args = [str(EXAMPLES / "char_gpt.py"), "--tiny", "--output-dir", str(out)]
-    _run(args, cwd=tmp_path)
+    first = _run(args, cwd=tmp_path).stdout
     again = subprocess.run([sys.executable, *args], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert again.returncode != 0 and "overwrite" in again.stderr
-    _run([*args, "--overwrite"], cwd=tmp_path)
+    second = _run([*args, "--overwrite"], cwd=tmp_path).stdout
+
+    def final_line(stdout: str) -> str:
+        return next(line for line in stdout.splitlines() if line.startswith("final val loss"))
+
+    assert final_line(first) == final_line(second)  # same seed, same numbers
 
 
 def test_classifier_example(tmp_path):

@@ -116,7 +116,8 @@ class Strategy:
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
         return tensor
 
-    def item_normaliser(self, counts: list[int | torch.Tensor], flag: bool = False) -> StepNormaliser:
+    def item_normaliser(self, counts: list[int | torch.Tensor], flag: bool = False,
+                        uniform: bool = False) -> StepNormaliser:
         """The denominator of exact accumulation, and whether ``flag`` is set on any rank.
 
         Micro-batch i's loss is weighted by ``n_i / total``, so that after this strategy's
@@ -125,7 +126,9 @@ class Strategy:
         ints; tensors stay on the device, so no host read). ``flag`` (a stop request such as
         preemption) rides along, so agreeing on it costs no extra collective. A distributed
         strategy may start its reduction here and finish it when ``total()`` is first called,
-        so it overlaps the first forward pass."""
+        so it overlaps the first forward pass. ``uniform=True`` promises that every rank holds the
+        same integer counts this step (lightlike's sampler deals equal shares), which lets a
+        distributed strategy skip the reduction; the flag is then returned as None (not agreed)."""
         total = counts[0]
         for c in counts[1:]:
             total = total + c

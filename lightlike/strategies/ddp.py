@@ -114,13 +114,17 @@ class DDPStrategy(Strategy):
         return inner.no_sync() if enabled and isinstance(inner, DistributedDataParallel) else contextlib.nullcontext()
 
     # -- exact accumulation ----------------------------------------------------------------------
-    def item_normaliser(self, counts: list[int | torch.Tensor], flag: bool = False) -> StepNormaliser:
+    def item_normaliser(self, counts: list[int | torch.Tensor], flag: bool = False,
+                        uniform: bool = False) -> StepNormaliser:
         """``N_global / world_size`` and the OR of ``flag`` over ranks, in one all-reduce per step,
         started here and awaited at first use (after the first micro-batch's forward pass). DDP
         averages gradients over ranks, so ``n_i / (N_global / W)`` gives the global item mean.
         The flag stays a device tensor: the Fitter reads it every step on CPU, and on an
         accelerator only at log steps, where it synchronises anyway."""
         local = super().item_normaliser(counts).total()
+        if uniform and not isinstance(local, torch.Tensor):
+            # every rank holds the same count: N_global / W is the local count, no collective
+            return StepNormaliser(local, None)
         packed = torch.stack([torch.as_tensor(local, dtype=torch.float64, device=self.root_device),
                               torch.tensor(1.0 if flag else 0.0, dtype=torch.float64, device=self.root_device)])
         work = dist.all_reduce(packed, async_op=True)
