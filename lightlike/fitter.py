@@ -44,6 +44,9 @@ class Fitter:
         check_keys(kwargs, FitConfig)
         self.config = config.replace(**kwargs) if config is not None else FitConfig(**kwargs)
         self.user_callbacks = list(callbacks or [])
+        # seeded here too (as the HF Trainer does), so a module built after the Fitter, as in
+        # `Fitter(seed=0).fit(Model(), ...)`, starts from the same weights every run
+        seed_everything(self.config.seed, self.config.deterministic)
         self.strategy: Strategy | None = None
         self.module: TaskModule | None = None  # the user's module
         self.model: Any = None  # what the loop calls: the module as wrapped by the strategy
@@ -56,6 +59,7 @@ class Fitter:
         self.train_data: TrainData | None = None
         self.resumed_from: str | None = None
         self._phase = "set-up"
+        self._bar_active = False
         # (loss, items, step, micro-batch) of every micro-batch not yet logged; losses stay on the
         # device until a log step reads them all at once
         self._pending: list[tuple[torch.Tensor, int | torch.Tensor, int, int]] = []
@@ -214,6 +218,8 @@ class Fitter:
                 self._load_best_weights()
             callbacks.call("on_fit_end", self, state, control)
         except BaseException as error:
+            if not isinstance(error, Preempted):
+                strategy.note_failure()
             if not isinstance(error, (Preempted, KeyboardInterrupt)):
                 # every rank says who failed where; the launcher (torchrun / srun) then ends the
                 # others, and their pending collectives fail instead of waiting
@@ -338,6 +344,9 @@ class Fitter:
     def _emit(self, event: str, metrics: dict[str, float]) -> None:
         state = self.state
         state.log_history.append({"step": state.global_step, **metrics})
+        if not self._bar_active:  # no progress bar (not a terminal): one log line per log step
+            log.info("step %d/%d  %s", state.global_step, state.max_steps,
+                     "  ".join(f"{k}={v:.5g}" for k, v in metrics.items()))
         for lg in self.loggers:
             lg.log_metrics(metrics, state.global_step)
         self.callbacks.call(event, self, state, self.control, metrics)
@@ -462,7 +471,8 @@ class Fitter:
 
         enabled = self.config.progress_bar if self.strategy.is_global_zero else False  # type: ignore[union-attr]
         bar = ProgressBar(enabled=enabled)
-        return [bar] if bar.active() else []
+        self._bar_active = bar.active()
+        return [bar] if self._bar_active else []
 
     def _build_loggers(self, resume_step: int | None) -> list[Any]:
         from lightlike.loggers import build_loggers

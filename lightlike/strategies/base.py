@@ -53,6 +53,9 @@ class Strategy:
     def teardown(self) -> None:
         """Release the process group and anything else set up."""
 
+    def note_failure(self) -> None:
+        """The loop is unwinding after an error: teardown must not wait for the other ranks."""
+
     # -- module and optimizer ------------------------------------------------------------------
     def setup_module(self, module: nn.Module) -> nn.Module:
         """Move, convert and wrap the module. Returns the module the loop calls."""

@@ -10,6 +10,7 @@ the mean loss over every item on every rank.
 from __future__ import annotations
 
 import atexit
+import gc
 import contextlib
 import datetime
 import logging
@@ -50,6 +51,7 @@ class DDPStrategy(Strategy):
         self.backend = backend
         self.env: ClusterEnvironment | None = None
         self._owns_group = False
+        self._failed = False
 
     # -- processes and devices -----------------------------------------------------------------
     @property
@@ -95,9 +97,22 @@ class DDPStrategy(Strategy):
         log.debug("rank %d/%d on %s (%s, %s)", env.rank, env.world_size, self.root_device, env.kind, backend)
 
     def teardown(self) -> None:
+        """Destroy the process group once every rank got here: a rank tearing gloo down while a
+        peer still talks to it can abort the peer at exit ("terminate called ...")."""
         if self._owns_group and dist.is_initialized():
+            # free unreachable DDP wrappers (reference cycles) while their process group still
+            # exists: a Reducer destroyed after the group aborts the process at exit
+            gc.collect()
+            if not self._failed:  # after a failure, a peer may sit in another collective: no barrier
+                try:
+                    dist.barrier()
+                except Exception:  # a peer is gone already: nothing to wait for
+                    pass
             dist.destroy_process_group()
             self._owns_group = False
+
+    def note_failure(self) -> None:
+        self._failed = True
 
     # -- module and optimizer ------------------------------------------------------------------
     def setup_module(self, module: nn.Module) -> nn.Module:
