@@ -68,8 +68,11 @@ class FirstStep(ll.Callback):
 def prepared_fitter(out: str, args: argparse.Namespace, **kw) -> ll.Fitter:
     torch.manual_seed(0)
     module = MLP(args.width, args.layers)
-    fitter = ll.Fitter(max_steps=1, batch_size=4, output_dir=out, loggers=[], model_summary=False,
+    kw = {"max_steps": 1, **kw}
+    fitter = ll.Fitter(batch_size=4, output_dir=out, loggers=[], model_summary=False,
                        log_level="warning", overwrite_output_dir=True, **kw)
+    stop = FirstStep()
+    fitter.user_callbacks.append(stop)
     fitter.fit(module, Data(16, args.width))  # one step: AdamW state exists
     return fitter
 
