@@ -82,6 +82,52 @@ def test_epochs_and_training_loss(tmp_path):
     # the fit's training loss is the item-weighted mean over every logged step
     # (batches of 8, 8, 4 items per epoch)
     weights = [8, 8, 4] * 3
-    expected = sum(l * w for l, w in zip(losses, weights)) / sum(weights)
+    expected = sum(x * w for x, w in zip(losses, weights, strict=True)) / sum(weights)
     assert result.training_loss == pytest.approx(expected, rel=1e-6)
     assert result.state.epoch == pytest.approx(3.0)
+
+
+@pytest.mark.parametrize("clip", [{"max_grad_norm": 0.05}, {"max_grad_value": 0.01},
+                                  {"max_grad_norm": 0.05, "max_grad_value": 0.01}])
+def test_clipping_matches_hand_written(tmp_path, clip):
+    """Clipping by value then by global norm, on the true gradients, as torch's utilities do."""
+    data = DictDataset(n=24)
+    torch.manual_seed(1)
+    ours = Classifier()
+    torch.manual_seed(1)
+    ref = Classifier()
+    norms = []
+
+    class Norms(ll.Callback):
+        def on_log(self, fitter, state, control, metrics):
+            norms.append(metrics.get("train/grad_norm"))
+
+    ll.Fitter(max_steps=3, batch_size=8, shuffle=False, learning_rate=1e-2, lr_scheduler="constant", log_every=1,
+              output_dir=str(tmp_path), loggers=[], callbacks=[Norms()], **clip).fit(ours, data)
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.0)
+    ref_norms = []
+    for step in range(3):
+        batch = {k: torch.stack([data[i][k] for i in range(8 * step, 8 * step + 8)]) for k in ("x", "y", "w")}
+        ref.loss(ref(batch), batch).backward()
+        if "max_grad_value" in clip:
+            torch.nn.utils.clip_grad_value_(ref.parameters(), clip["max_grad_value"])
+        if "max_grad_norm" in clip:
+            ref_norms.append(torch.nn.utils.clip_grad_norm_(ref.parameters(), clip["max_grad_norm"]).item())
+        else:
+            ref_norms.append(torch.nn.utils.get_total_norm([p.grad for p in ref.parameters()]).item())
+        opt.step()
+        opt.zero_grad()
+    torch.testing.assert_close(flat_params(ours), flat_params(ref), rtol=1e-6, atol=1e-7)
+    assert norms == pytest.approx(ref_norms, rel=1e-5)
+
+
+def test_eval_on_epoch_end(tmp_path):
+    seen = []
+
+    class Evals(ll.Callback):
+        def on_evaluate(self, fitter, state, control, metrics):
+            seen.append((state.global_step, round(state.epoch, 6)))
+
+    ll.Fitter(max_epochs=3, batch_size=4, eval_on_epoch_end=True, output_dir=str(tmp_path), loggers=[],
+              callbacks=[Evals()]).fit(Classifier(), DictDataset(n=10), DictDataset(n=4))
+    assert seen == [(3, 1.0), (6, 2.0), (9, 3.0)]  # 3 batches per epoch; no extra eval at the end

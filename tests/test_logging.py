@@ -39,7 +39,7 @@ def test_fit_writes_tensorboard_and_csv_with_the_logged_numbers(tmp_path):
     assert [h["step"] for h in history] == [2, 4, 6]
     scalars = tb_scalars(out / "logs")
     assert [s for s, _ in scalars["train/loss"]] == [2, 4, 6]
-    for (step, value), h in zip(scalars["train/loss"], history, strict=True):
+    for (_step, value), h in zip(scalars["train/loss"], history, strict=True):
         assert value == pytest.approx(h["train/loss"], rel=1e-6)
     assert [s for s, _ in scalars["val/accuracy"]] == [3, 6]
     rows = read_csv_metrics(out / "logs" / "metrics.csv")

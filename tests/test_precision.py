@@ -41,7 +41,7 @@ def test_each_precision_trains_on_cpu(tmp_path, name, param_dtype, compute_dtype
     assert DtypeProbe.seen[0] == (param_dtype, compute_dtype)
     assert result.global_step == 6
     assert result.metrics["val/loss"] == result.metrics["val/loss"]  # not NaN
-    changed = [not torch.equal(b, p.detach().float()) for b, p in zip(before, model.parameters())]
+    changed = [not torch.equal(b, p.detach().float()) for b, p in zip(before, model.parameters(), strict=True)]
     assert all(changed), "every parameter should have been updated"
 
 
@@ -82,7 +82,7 @@ def test_fp16_overflow_skips_step_and_not_scheduler(tmp_path):
                        lr_scheduler="linear", output_dir=str(tmp_path), loggers=[], model_summary=False,
                        callbacks=[LR(), snap]).fit(model, DictDataset(n=40))
     assert result.skipped_steps >= 1
-    assert all(torch.equal(a, b) for a, b in zip(before, snap.after_first)), "skipped step changed weights"
+    assert all(torch.equal(a, b) for a, b in zip(before, snap.after_first, strict=True)), "skipped step changed weights"
     # the linear schedule over 4 steps: lr advances once per applied step only
     applied = result.global_step - result.skipped_steps
     assert lrs[-1] == pytest.approx(1e-2 * (4 - applied) / 4)

@@ -10,9 +10,9 @@ the mean loss over every item on every rank.
 from __future__ import annotations
 
 import atexit
-import gc
 import contextlib
 import datetime
+import gc
 import logging
 from typing import Any
 
