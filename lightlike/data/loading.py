@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
+from lightlike.data.iterable import ShardedIterable
 from lightlike.data.sampler import ResumableSampler
 from lightlike.errors import DataError
 
@@ -94,6 +95,8 @@ def build_train_data(
     generator = torch.Generator()
     generator.manual_seed(seed)
     if isinstance(data, IterableDataset):
+        if (world_size > 1 or num_workers > 1) and not getattr(data, "shards_itself", False):
+            data = ShardedIterable(data, rank, world_size)  # each item once over ranks and workers
         loader = DataLoader(data, batch_size=batch_size, num_workers=num_workers, drop_last=drop_last,
                             pin_memory=pin_memory, collate_fn=collate_fn, generator=generator)
         return TrainData(loader, None, None, seed, generator)
