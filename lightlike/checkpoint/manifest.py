@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import re
 import warnings
 from pathlib import Path
@@ -28,6 +29,17 @@ def file_hash(path: str | Path, chunk: int = 4 << 20) -> str:
         while block := f.read(chunk):
             h.update(block)
     return h.hexdigest()
+
+
+def hash_files(paths: list[Path]) -> list[str]:
+    """sha256 of several files at once: hashlib releases the GIL on large buffers, so threads
+    hash in parallel (the big model and optimizer files together)."""
+    if len(paths) <= 1:
+        return [file_hash(p) for p in paths]
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=min(len(paths), os.cpu_count() or 1, 8)) as pool:
+        return list(pool.map(file_hash, paths))
 
 
 def checkpoint_step(path: str | Path) -> int:
@@ -63,8 +75,11 @@ def verify_checkpoint(path: str | Path, hashes: bool = True) -> dict[str, Any]:
         if size != info["size"]:
             raise CheckpointError(f"{p}: file {rel} is truncated or extended: expected {info['size']} bytes, "
                                   f"found {size}")
-        if hashes and file_hash(f) != info["sha256"]:
-            raise CheckpointError(f"{p}: file {rel} has changed contents (sha256 mismatch: a bit flip?)")
+    if hashes:
+        names = list(files)
+        for rel, digest in zip(names, hash_files([p / rel for rel in names]), strict=True):
+            if digest != files[rel]["sha256"]:
+                raise CheckpointError(f"{p}: file {rel} has changed contents (sha256 mismatch: a bit flip?)")
     return manifest
 
 
