@@ -1,152 +1,266 @@
 """Built-in optimizers and learning-rate schedules (the HF Trainer's formulas).
 
-Schedules are ``LambdaLR`` over module-level functions bound with ``functools.partial``, stepped
-once per applied optimizer step; ``scheduler.get_last_lr()`` after ``k`` steps is
-``learning_rate * factor(k)``.
+Schedules are ``LambdaLR`` over module-level functions bound with ``functools.partial``, so a
+scheduler's ``state_dict()`` holds only plain values (``last_epoch``, ``base_lrs``, ...) and
+loads with ``torch.load(weights_only=True)``. The partial's arguments (warmup, total steps, ...)
+are *not* in the state: a resumed run rebuilds the scheduler from its config and total steps,
+then loads the state. The scheduler is stepped once per applied optimizer step;
+``scheduler.get_last_lr()`` after ``k`` steps is ``learning_rate * factor(k)``.
 """
 
 from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 from torch import nn
+from torch.optim.lr_scheduler import LambdaLR, ReduceLROnPlateau
 
+from lightlike.config import OPTIMIZERS, SCHEDULERS
 from lightlike.errors import ConfigError, ModuleContractError
 
+#: Modules whose own parameters never get weight decay (besides biases and 1-D parameters).
 NORM_TYPES: tuple[type[nn.Module], ...] = (
-    nn.LayerNorm, nn.GroupNorm, nn.LocalResponseNorm,
-    nn.modules.batchnorm._NormBase,
+    nn.LayerNorm,
+    nn.GroupNorm,
+    nn.LocalResponseNorm,
+    nn.modules.batchnorm._NormBase,  # BatchNorm1d/2d/3d, SyncBatchNorm, InstanceNorm1d/2d/3d
     *((nn.RMSNorm,) if hasattr(nn, "RMSNorm") else ()),
 )
 
 
+# -- optimizers ------------------------------------------------------------------------------------
 def param_groups(module: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
-    """Two groups: weights that decay, and biases / normalisation weights / other 1-D
-    parameters that never do. Shared (tied) parameters appear once; empty groups are left out.
-    With ``weight_decay == 0`` the two would be identical, so there is one group."""
+    """Split the trainable parameters into ``[decay, no_decay]`` groups (HF Trainer's rule).
+
+    No decay: biases, every parameter owned by a normalisation layer (``NORM_TYPES``) and any
+    other parameter with fewer than 2 dimensions (custom RMSNorm scales, scalars). Embeddings and
+    other weight matrices decay. Frozen parameters are left out; a shared (tied) parameter
+    appears once, under the first name ``named_parameters()`` gives it. Within a group the order
+    is ``named_parameters()`` order. Empty groups are omitted.
+
+    With ``weight_decay == 0`` the split changes nothing, so there is a single group
+    ``{"params": [...all, in named_parameters() order], "weight_decay": 0.0}`` (same dict shape).
+    Note that switching weight_decay between 0 and non-zero changes the number of groups, so an
+    optimizer state saved under one does not load under the other.
+    """
     no_decay_ids: set[int] = set()
     for mod in module.modules():
         if isinstance(mod, NORM_TYPES):
             no_decay_ids.update(id(p) for p in mod.parameters(recurse=False))
-    decay, no_decay, seen = [], [], set()
+    everything: list[nn.Parameter] = []
+    decay: list[nn.Parameter] = []
+    no_decay: list[nn.Parameter] = []
+    seen: set[int] = set()
     for name, p in module.named_parameters():
         if not p.requires_grad or id(p) in seen:
             continue
         seen.add(id(p))
-        if id(p) in no_decay_ids or p.ndim < 2 or name.endswith("bias"):
+        everything.append(p)
+        if id(p) in no_decay_ids or p.ndim < 2 or name.rsplit(".", 1)[-1] == "bias":
             no_decay.append(p)
         else:
             decay.append(p)
-    if weight_decay == 0.0:  # one group does the same work with one optimizer kernel call, not two
-        return [{"params": decay + no_decay, "weight_decay": 0.0}] if decay or no_decay else []
-    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    if weight_decay == 0.0:
+        return [{"params": everything, "weight_decay": 0.0}] if everything else []
+    groups = [{"params": decay, "weight_decay": float(weight_decay)}, {"params": no_decay, "weight_decay": 0.0}]
     return [g for g in groups if g["params"]]
 
 
+def _check_optimizer_settings(config: Any) -> None:
+    def need(cond: bool, msg: str) -> None:
+        if not cond:
+            raise ConfigError(msg)
+
+    need(config.optimizer in OPTIMIZERS,
+         f"optimizer={config.optimizer!r} is not valid; choose one of: {', '.join(OPTIMIZERS)}")
+    need(config.weight_decay >= 0, f"weight_decay must be >= 0, got {config.weight_decay}")
+    if config.optimizer == "adamw":
+        for name in ("adam_beta1", "adam_beta2"):
+            v = getattr(config, name)
+            need(0.0 <= v < 1.0, f"{name} must be in [0, 1), got {v}")
+        need(config.adam_epsilon >= 0, f"adam_epsilon must be >= 0, got {config.adam_epsilon}")
+        need(config.momentum == 0.0, f"momentum={config.momentum} is an SGD setting and AdamW ignores it: "
+             "use optimizer='sgd', or adam_beta1 for AdamW's momentum")
+    else:
+        need(config.momentum >= 0, f"momentum must be >= 0, got {config.momentum}")
+        need(not config.fused, "fused=True applies to optimizer='adamw' only; drop it for 'sgd'")
+
+
 def build_optimizer(module: nn.Module, config: Any) -> torch.optim.Optimizer:
+    """The optimizer ``config.optimizer`` names, over ``param_groups(module, config.weight_decay)``.
+
+    ``"adamw"``: ``AdamW(lr, betas=(adam_beta1, adam_beta2), eps=adam_epsilon)``. ``fused=None``
+    passes ``fused=True`` only when every parameter is on CUDA (so call this after the module is
+    on its device), otherwise nothing (torch's default, foreach where it can). ``fused=True`` is
+    passed as is (torch supports fused AdamW on CUDA and, since 2.4, CPU); ``False`` passes nothing.
+    ``"sgd"``: ``SGD(lr, momentum)``; weight decay there is SGD's coupled L2 term.
+    """
+    _check_optimizer_settings(config)
     groups = param_groups(module, config.weight_decay)
     if not groups:
         raise ModuleContractError("the module has no trainable parameters (requires_grad=True) to optimize")
     if config.optimizer == "sgd":
         return torch.optim.SGD(groups, lr=config.learning_rate, momentum=config.momentum)
-    kwargs: dict[str, Any] = {}
     fused = config.fused
     if fused is None:
-        fused = all(p.is_cuda for g in groups for p in g["params"]) or None
-    if fused:
-        kwargs["fused"] = True
+        fused = all(p.is_cuda for g in groups for p in g["params"])
+    kwargs: dict[str, Any] = {"fused": True} if fused else {}
     return torch.optim.AdamW(groups, lr=config.learning_rate, betas=(config.adam_beta1, config.adam_beta2),
                              eps=config.adam_epsilon, **kwargs)
 
 
+# -- schedules -------------------------------------------------------------------------------------
 def total_warmup_steps(config: Any, total_steps: int) -> int:
+    """``warmup_steps`` if > 0, else ``ceil(warmup_ratio * total_steps)``. The product is rounded
+    to 9 decimals first, so float noise does not add a step (0.07 * 100 is 7, not 8; HF's own
+    ``ceil`` would give 8)."""
     if config.warmup_steps > 0:
         return int(config.warmup_steps)
-    return math.ceil(config.warmup_ratio * total_steps)
+    return math.ceil(round(config.warmup_ratio * total_steps, 9))
 
 
-# -- schedule factors (module-level so partials pickle) ---------------------------------------------
+def _warmup(step: int, warmup: int) -> float:
+    return float(step) / float(max(1, warmup))
+
+
 def _constant(step: int) -> float:
     return 1.0
 
 
 def _constant_with_warmup(step: int, warmup: int) -> float:
-    return step / max(1, warmup) if step < warmup else 1.0
+    return _warmup(step, warmup) if step < warmup else 1.0
 
 
 def _linear(step: int, warmup: int, total: int) -> float:
     if step < warmup:
-        return step / max(1, warmup)
-    return max(0.0, (total - step) / max(1, total - warmup))
+        return _warmup(step, warmup)
+    return max(0.0, float(total - step) / float(max(1, total - warmup)))
 
 
 def _cosine(step: int, warmup: int, total: int, cycles: float) -> float:
     if step < warmup:
-        return step / max(1, warmup)
-    progress = (step - warmup) / max(1, total - warmup)
+        return _warmup(step, warmup)
+    progress = float(step - warmup) / float(max(1, total - warmup))
     return max(0.0, 0.5 * (1.0 + math.cos(math.pi * cycles * 2.0 * progress)))
 
 
 def _cosine_restarts(step: int, warmup: int, total: int, cycles: int) -> float:
     if step < warmup:
-        return step / max(1, warmup)
-    progress = (step - warmup) / max(1, total - warmup)
+        return _warmup(step, warmup)
+    progress = float(step - warmup) / float(max(1, total - warmup))
     if progress >= 1.0:
         return 0.0
-    return max(0.0, 0.5 * (1.0 + math.cos(math.pi * ((cycles * progress) % 1.0))))
+    return max(0.0, 0.5 * (1.0 + math.cos(math.pi * ((float(cycles) * progress) % 1.0))))
 
 
 def _polynomial(step: int, warmup: int, total: int, lr_init: float, lr_end: float, power: float) -> float:
     if step < warmup:
-        return step / max(1, warmup)
+        return _warmup(step, warmup)
     if step > total:
         return lr_end / lr_init
-    decay_steps = total - warmup
-    remaining = 1 - (step - warmup) / max(1, decay_steps)
+    remaining = 1.0 - (step - warmup) / max(1, total - warmup)  # HF divides by 0 when total == warmup
     return ((lr_init - lr_end) * remaining**power + lr_end) / lr_init
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer, config: Any, total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+def build_scheduler(optimizer: torch.optim.Optimizer, config: Any, total_steps: int) -> LambdaLR:
+    """``LambdaLR`` for ``config.lr_scheduler`` over ``total_steps`` optimizer steps, with the
+    formulas of HF transformers' ``get_*_schedule_with_warmup``:
+
+    - ``linear``: warmup, then linear decay to 0 at ``total_steps``.
+    - ``cosine``: warmup, then ``0.5 * (1 + cos(pi * 2 * num_cycles * progress))`` (0.5 = half wave).
+    - ``cosine_with_restarts``: ``num_cycles`` counts hard restarts: ``max(1, int(num_cycles))``,
+      so the default 0.5 means 1 (HF's default) and 2.7 means 2.
+    - ``polynomial``: ``(lr - lr_end) * (1 - progress) ** power + lr_end``, with ``lr`` the
+      optimizer's default lr (= ``learning_rate`` for the built-in optimizers); needs lr_end < lr.
+    - ``constant``: 1 always; with warmup set it raises (use ``constant_with_warmup``).
+    - ``constant_with_warmup``: warmup, then 1.
+    """
     name = config.lr_scheduler
+    if not (isinstance(total_steps, int) and total_steps > 0):
+        raise ConfigError(f"build_scheduler needs total_steps > 0 optimizer steps, got {total_steps!r}")
     warmup = total_warmup_steps(config, total_steps)
+    fn: Callable[[int], float]
     if name == "constant":
         if warmup:
-            raise ConfigError("lr_scheduler='constant' has no warmup; use 'constant_with_warmup' or drop warmup")
-        fn: Any = _constant
+            raise ConfigError(f"lr_scheduler='constant' has no warmup (got {warmup} warmup steps): "
+                              "use lr_scheduler='constant_with_warmup', or set warmup_steps=0 and warmup_ratio=0")
+        fn = _constant
     elif name == "constant_with_warmup":
         fn = functools.partial(_constant_with_warmup, warmup=warmup)
     elif name == "linear":
         fn = functools.partial(_linear, warmup=warmup, total=total_steps)
     elif name == "cosine":
+        if not config.num_cycles > 0:
+            raise ConfigError(f"lr_scheduler='cosine' needs num_cycles > 0, got {config.num_cycles}")
         fn = functools.partial(_cosine, warmup=warmup, total=total_steps, cycles=float(config.num_cycles))
     elif name == "cosine_with_restarts":
-        # num_cycles counts hard restarts here (HF default 1); below 1 means 1
         fn = functools.partial(_cosine_restarts, warmup=warmup, total=total_steps,
                                cycles=max(1, int(config.num_cycles)))
     elif name == "polynomial":
-        if not config.lr_end < config.learning_rate:
-            raise ConfigError(f"lr_scheduler='polynomial' needs lr_end ({config.lr_end}) < "
-                              f"learning_rate ({config.learning_rate})")
-        fn = functools.partial(_polynomial, warmup=warmup, total=total_steps, lr_init=config.learning_rate,
-                               lr_end=config.lr_end, power=config.power)
+        lr_init = float(optimizer.defaults["lr"])
+        if not 0.0 <= config.lr_end < lr_init:
+            raise ConfigError(f"lr_scheduler='polynomial' needs 0 <= lr_end ({config.lr_end}) < "
+                              f"learning_rate ({lr_init})")
+        fn = functools.partial(_polynomial, warmup=warmup, total=total_steps, lr_init=lr_init,
+                               lr_end=float(config.lr_end), power=float(config.power))
     else:
-        raise ConfigError(f"unknown lr_scheduler {name!r}")
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, fn)
+        raise ConfigError(f"lr_scheduler={name!r} is not valid; choose one of: {', '.join(SCHEDULERS)}")
+    return LambdaLR(optimizer, fn)
+
+
+# -- TaskModule.configure_optimizers ---------------------------------------------------------------
+_ACCEPTED = ("return an Optimizer, (optimizer, scheduler), or {'optimizer': ..., 'lr_scheduler': ...} "
+             "(scheduler may be None; it is stepped once per optimizer step), or None for the built-in ones")
+_SCHEDULER_METHODS = ("step", "get_last_lr", "state_dict", "load_state_dict")
+
+
+def _check_scheduler(scheduler: Any, optimizer: torch.optim.Optimizer) -> Any:
+    if scheduler is None:
+        return None
+    if isinstance(scheduler, ReduceLROnPlateau):
+        raise ModuleContractError("configure_optimizers returned ReduceLROnPlateau, which needs a metric at "
+                                  "each step; the Fitter steps schedulers once per optimizer step with no "
+                                  "argument: use a step-based scheduler (e.g. LambdaLR)")
+    missing = [m for m in _SCHEDULER_METHODS if not callable(getattr(scheduler, m, None))]
+    if missing:
+        raise ModuleContractError(f"configure_optimizers returned a scheduler of type {type(scheduler).__name__} "
+                                  f"without {', '.join(m + '()' for m in missing)}; {_ACCEPTED}")
+    if getattr(scheduler, "optimizer", optimizer) is not optimizer:
+        raise ModuleContractError("configure_optimizers returned a scheduler built on a different optimizer "
+                                  "than the one it returned")
+    return scheduler
 
 
 def unwrap_configure_optimizers(result: Any) -> tuple[torch.optim.Optimizer, Any]:
-    """Accept an optimizer, ``(optimizer, scheduler)`` or ``{"optimizer", "lr_scheduler"}``."""
+    """Normalise what ``TaskModule.configure_optimizers`` returned (other than None, which means
+    "use the built-in ones" and is the caller's to handle) to ``(optimizer, scheduler or None)``.
+
+    Accepted: an ``Optimizer``; a 2-tuple/list ``(optimizer, scheduler)``; a mapping with key
+    ``"optimizer"`` and optionally ``"lr_scheduler"``. A scheduler needs ``step()``,
+    ``get_last_lr()``, ``state_dict()`` and ``load_state_dict()`` and must drive that optimizer.
+    Anything else raises ``ModuleContractError``.
+    """
     if isinstance(result, torch.optim.Optimizer):
         return result, None
     if isinstance(result, (tuple, list)) and len(result) == 2 and isinstance(result[0], torch.optim.Optimizer):
-        return result[0], result[1]
+        return result[0], _check_scheduler(result[1], result[0])
     if isinstance(result, Mapping) and isinstance(result.get("optimizer"), torch.optim.Optimizer):
-        return result["optimizer"], result.get("lr_scheduler")
-    raise ModuleContractError(
-        f"configure_optimizers returned {type(result).__name__}; return an Optimizer, "
-        "(optimizer, scheduler), or {'optimizer': ..., 'lr_scheduler': ...}"
-    )
+        unknown = sorted(str(k) for k in result if k not in ("optimizer", "lr_scheduler"))
+        if unknown:
+            raise ModuleContractError(f"configure_optimizers returned a dict with unknown key(s) {unknown}; "
+                                      "only 'optimizer' and 'lr_scheduler' are read")
+        return result["optimizer"], _check_scheduler(result.get("lr_scheduler"), result["optimizer"])
+    raise ModuleContractError(f"configure_optimizers returned {_describe(result)}; {_ACCEPTED}")
+
+
+def _describe(result: Any) -> str:
+    if isinstance(result, (tuple, list)):
+        inner = ", ".join(type(x).__name__ for x in result[:4]) + (", ..." if len(result) > 4 else "")
+        return f"a {type(result).__name__} of {len(result)} ({inner})"
+    if isinstance(result, Mapping):
+        return f"a dict with keys {sorted(str(k) for k in result)} and no Optimizer under 'optimizer'"
+    return f"a {type(result).__name__}"
