@@ -123,12 +123,11 @@ class Fitter:
         module.gradient_checkpointing = cfg.gradient_checkpointing
         self.module = module
         model = strategy.setup_module(module)
+        optimizer, scheduler = self._configure_optimizers(module, max_steps)
+        model, optimizer = strategy.setup_optimizer(model, optimizer)
         if cfg.compile:
             model = torch.compile(model)
-        self.model = model
-        optimizer, scheduler = self._configure_optimizers(module, max_steps)
-        self.optimizer = optimizer = strategy.setup_optimizer(optimizer)
-        self.scheduler = scheduler
+        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
 
         self.state = FitState(max_steps=max_steps)
         control = self.control = Control()

@@ -10,6 +10,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightlike.errors import CheckpointError
+
 
 class TaskModule(nn.Module):
     """Subclass this: ``forward(batch)``, ``loss(outputs, batch)``, optionally ``metrics``.
@@ -111,6 +113,9 @@ class TaskModule(nn.Module):
         from safetensors.torch import load_file
 
         p = Path(path)
+        if p.is_dir() and not (p / "model.safetensors").is_file() and (p / "manifest.json").is_file():
+            raise CheckpointError(f"{p} is a sharded checkpoint: consolidate it first with "
+                                  f"`lightlike export {p} OUT_DIR`, then load OUT_DIR")
         if p.is_dir():
             p = p / "model.safetensors"
         state = load_file(str(p))

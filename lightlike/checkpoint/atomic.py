@@ -38,13 +38,14 @@ class CheckpointWriter:
     """``with CheckpointWriter(output_dir, step) as w: w.save_torch("optimizer.pt", obj)``."""
 
     def __init__(self, output_dir: str | Path, step: int, meta: dict[str, Any] | None = None,
-                 overwrite: bool = False) -> None:
+                 overwrite: bool = False, tmp_name: str | None = None) -> None:
         self.output_dir = Path(output_dir)
         self.step = int(step)
         self.meta = dict(meta or {})
         self.overwrite = overwrite
         self.final_path = self.output_dir / f"checkpoint-{self.step}"
-        self.tmp = self.output_dir / f".checkpoint-{self.step}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+        # several ranks writing one (sharded) checkpoint pass the main rank's tmp_name
+        self.tmp = self.output_dir / (tmp_name or f".checkpoint-{self.step}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
 
     # -- writing ---------------------------------------------------------------------------------
     def __enter__(self) -> CheckpointWriter:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import os
 import shutil
 from pathlib import Path
@@ -9,25 +10,43 @@ from pathlib import Path
 from lightlike.checkpoint.manifest import verify_checkpoint
 from lightlike.errors import CheckpointError
 
+#: Consolidators for sharded layouts (manifest meta ``state_format``): "module:function", called as
+#: ``function(checkpoint_dir, out_file)`` to write one ``model.safetensors`` from the shards.
+CONSOLIDATORS: dict[str, str] = {
+    "dcp": "lightlike.checkpoint.dcp:consolidate_to_safetensors",
+    "deepspeed": "lightlike.checkpoint.zero:consolidate_to_safetensors",
+}
+
 
 def export_weights(checkpoint_dir: str | Path, out_dir: str | Path, hashes: bool = True) -> Path:
     """Verify ``checkpoint_dir`` and write ``out_dir/model.safetensors`` (plus ``hparams.json``
     and ``config.json`` when the checkpoint has them). Each file lands atomically; existing files
     in ``out_dir`` with those names are replaced. Returns the path of the weights.
 
-    Sharded checkpoint formats (the distributed strategies) plug in here by consolidating their
-    shards into the same single file."""
+    Sharded checkpoints (FSDP's DCP shards, DeepSpeed's ZeRO partitions) are consolidated into
+    the same single file by the consolidator their ``state_format`` names."""
     src = Path(checkpoint_dir)
-    verify_checkpoint(src, hashes=hashes)
-    if not (src / "model.safetensors").is_file():
-        raise CheckpointError(f"{src} has no model.safetensors to export")
+    manifest = verify_checkpoint(src, hashes=hashes)
+    fmt = manifest.get("meta", {}).get("state_format", "full")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    if not (src / "model.safetensors").is_file():
+        if fmt not in CONSOLIDATORS:
+            raise CheckpointError(f"{src} has no model.safetensors to export (state_format={fmt!r})")
+        module_name, fn_name = CONSOLIDATORS[fmt].split(":")
+        consolidate = getattr(importlib.import_module(module_name), fn_name)
+        tmp = out / f".model.safetensors.tmp-{os.getpid()}"
+        consolidate(src, tmp)
+        _fsync_replace(tmp, out / "model.safetensors")
     for name in ("model.safetensors", "hparams.json", "config.json"):
         if (src / name).is_file():
             tmp = out / f".{name}.tmp-{os.getpid()}"
             shutil.copyfile(src / name, tmp)
-            with open(tmp, "rb") as fh:
-                os.fsync(fh.fileno())
-            os.replace(tmp, out / name)
+            _fsync_replace(tmp, out / name)
     return out / "model.safetensors"
+
+
+def _fsync_replace(tmp: Path, dest: Path) -> None:
+    with open(tmp, "rb") as fh:
+        os.fsync(fh.fileno())
+    os.replace(tmp, dest)

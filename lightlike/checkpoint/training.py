@@ -3,7 +3,8 @@
 Layout of ``output_dir/checkpoint-{step}/`` (every file listed with size and sha256 in
 ``manifest.json``, which is written last; see ``atomic.py``)::
 
-    model.safetensors     full weights (the Strategy gathers or, later, shards them)
+    model.safetensors     full weights (strategies that shard write their own files instead;
+                          the manifest's meta names the layout: ``state_format``)
     hparams.json          the module's hyperparameters, when it recorded any
     config.json           the FitConfig of the run
     optimizer.pt          optimizer state          \
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -27,7 +29,6 @@ import torch
 from lightlike.checkpoint.atomic import CheckpointWriter
 from lightlike.checkpoint.manifest import find_latest_valid, verify_checkpoint
 from lightlike.checkpoint.rotation import rotate_checkpoints
-from lightlike.checkpoint.weights import load_safetensors
 from lightlike.errors import CheckpointError
 from lightlike.state import FitState
 from lightlike.utils.seed import rng_state, set_rng_state
@@ -45,8 +46,10 @@ CONTINUATION_KEYS = ("batch_size", "grad_accum_steps", "learning_rate", "max_ste
 
 
 def save_training_checkpoint(fitter: Fitter) -> Path | None:
-    """Write ``checkpoint-{global_step}`` atomically, then rotate. Returns its path on the rank
-    that wrote it (the main process), None elsewhere."""
+    """Write ``checkpoint-{global_step}`` atomically, then rotate. Collective: every rank calls
+    it and writes into the main rank's temp directory what its Strategy shards there (nothing,
+    for strategies that gather); the main rank writes the rest and commits once every rank is
+    done. Returns the path on the main rank, None elsewhere."""
     cfg, strategy, state = fitter.config, fitter.strategy, fitter.state
     assert strategy is not None and fitter.optimizer is not None
     step = state.global_step
@@ -55,32 +58,44 @@ def save_training_checkpoint(fitter: Fitter) -> Path | None:
     if state.best_step == step:
         state.best_checkpoint = str(final)
     state.last_save_step = step
-    weights = strategy.module_state_dict(fitter.model)
     full = not cfg.save_only_model
-    if full:
-        rng_all = strategy.all_gather_object(_portable_rng(rng_state()))
-        optimizer_state = strategy.optimizer_state_dict(fitter.optimizer)
-    path: Path | None = None
-    if strategy.is_global_zero:
-        with CheckpointWriter(out, step, meta={"kind": "full" if full else "model"}, overwrite=True) as w:
-            w.save_safetensors("model.safetensors", weights)
+    main = strategy.is_global_zero
+    meta = {"kind": "full" if full else "model", "state_format": strategy.checkpoint_format}
+    writer = CheckpointWriter(out, step, meta=meta, overwrite=True)
+    if strategy.world_size > 1:
+        writer = CheckpointWriter(out, step, meta=meta, overwrite=True,
+                                  tmp_name=strategy.broadcast_object(writer.tmp.name))
+    if main:
+        writer.__enter__()  # creates the temp directory
+    strategy.barrier("save")  # ... before any rank writes into it
+    try:
+        strategy.save_checkpoint_state(writer, fitter.model, fitter.optimizer if full else None)
+        rng_all = strategy.all_gather_object(_portable_rng(rng_state())) if full else None
+        if main:
             if getattr(fitter.module, "hparams", None):
-                w.write_json("hparams.json", _jsonable(fitter.module.hparams))  # type: ignore[union-attr]
-            w.write_json("config.json", cfg.to_dict())
+                writer.write_json("hparams.json", _jsonable(fitter.module.hparams))  # type: ignore[union-attr]
+            writer.write_json("config.json", cfg.to_dict())
             if full:
-                w.save_torch("optimizer.pt", optimizer_state)
                 if fitter.scheduler is not None:
-                    w.save_torch("scheduler.pt", fitter.scheduler.state_dict())
-                w.save_torch("precision.pt", strategy.precision.state_dict())
-                w.save_torch("rng.pt", rng_all)
-                w.save_torch("callbacks.pt", fitter.callbacks.state_dict())
-                w.write_json("trainer_state.json", {
+                    writer.save_torch("scheduler.pt", fitter.scheduler.state_dict())
+                writer.save_torch("precision.pt", strategy.precision.state_dict())
+                writer.save_torch("rng.pt", rng_all)
+                writer.save_torch("callbacks.pt", fitter.callbacks.state_dict())
+                writer.write_json("trainer_state.json", {
                     "state": state.to_dict(),
                     "world_size": strategy.world_size,
                     "pending": fitter.pending_loss_values(),
                     "loss_total": [fitter._loss_total, fitter._items_total],
                 })
-        path = w.final_path
+        strategy.barrier("save")  # every rank's files are written
+    except BaseException:
+        if main:
+            writer.__exit__(*sys.exc_info())  # removes the temp directory
+        raise
+    path: Path | None = None
+    if main:
+        writer.__exit__(None, None, None)  # fsync, hash, manifest, rename
+        path = writer.final_path
         protect = [p for p in (state.best_checkpoint, getattr(fitter, "resumed_from", None)) if p]
         for p in rotate_checkpoints(out, cfg.save_total_limit, protect=protect):
             log.info("deleted old checkpoint %s (save_total_limit=%s)", p, cfg.save_total_limit)
@@ -100,8 +115,7 @@ def load_training_checkpoint(fitter: Fitter, path: Path) -> None:
             f"{path} holds weights only (saved with save_only_model=True) and cannot be resumed; "
             "load its weights with module.load_weights(path) and start a new fit"
         )
-    strategy.load_module_state_dict(fitter.model, load_safetensors(path / "model.safetensors"))
-    strategy.load_optimizer_state_dict(fitter.optimizer, _torch_load(path / "optimizer.pt"))
+    strategy.load_checkpoint_state(path, fitter.model, fitter.optimizer)
     if fitter.scheduler is not None:
         if not (path / "scheduler.pt").exists():
             raise CheckpointError(f"{path} has no scheduler.pt but this run has a scheduler")
@@ -147,7 +161,7 @@ def load_weights_from(fitter: Fitter, path: Path) -> None:
     """Load only the weights of a checkpoint (``load_best_at_end``)."""
     assert fitter.strategy is not None
     verify_checkpoint(path, hashes=fitter.config.verify_hashes)
-    fitter.strategy.load_module_state_dict(fitter.model, load_safetensors(path / "model.safetensors"))
+    fitter.strategy.load_checkpoint_state(path, fitter.model, None)
     log.info("loaded the best checkpoint's weights from %s", path)
 
 

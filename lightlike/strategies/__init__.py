@@ -19,13 +19,28 @@ def _ddp(accelerator: str, precision: Precision) -> Strategy:
     return DDPStrategy(accelerator, precision)
 
 
+def _preset(module: str, cls: str, name: str) -> StrategyFactory:
+    """A factory that imports ``lightlike.strategies.<module>`` only when the name is used
+    (DeepSpeed and DCP are heavy imports) and builds ``<cls>.from_preset(name, ...)``."""
+    def build(accelerator: str, precision: Precision) -> Strategy:
+        import importlib
+
+        klass = getattr(importlib.import_module(f"lightlike.strategies.{module}"), cls)
+        return klass.from_preset(name, accelerator=accelerator, precision=precision)
+
+    return build
+
+
 STRATEGIES: dict[str, StrategyFactory] = {
     "single": lambda accelerator, precision: SingleDeviceStrategy(accelerator, precision),
     "ddp": _ddp,
+    **{name: _preset("fsdp", "FSDPStrategy", name) for name in ("fsdp", "fsdp_offload", "hsdp")},
+    **{name: _preset("deepspeed", "DeepSpeedStrategy", name)
+       for name in ("deepspeed_zero1", "deepspeed_zero2", "deepspeed_zero2_offload", "deepspeed_zero3",
+                    "deepspeed_zero3_offload")},
 }
-#: Names the distributed issues fill in; listed so the error for them is precise.
-PLANNED = ("fsdp", "fsdp_offload", "hsdp", "deepspeed_zero1", "deepspeed_zero2",
-           "deepspeed_zero2_offload", "deepspeed_zero3", "deepspeed_zero3_offload")
+#: Names reserved for strategies not written yet, so the error for them is precise.
+PLANNED: tuple[str, ...] = ()
 
 
 def get_strategy(spec: str | Strategy, accelerator: str, precision: Precision | None) -> Strategy:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterable, Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -62,8 +63,11 @@ class Strategy:
         module = self.precision.convert_module(module)
         return module.to(self.root_device)
 
-    def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-        return optimizer
+    def setup_optimizer(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[nn.Module, torch.optim.Optimizer]:
+        """Wrap the optimizer built over ``setup_module``'s parameters. Returns the module the
+        loop calls and the optimizer it steps: an engine that owns both (DeepSpeed) may replace
+        the module here too."""
+        return model, optimizer
 
     def unwrap(self, module: nn.Module) -> nn.Module:
         """The user's TaskModule inside whatever wrapper ``setup_module`` added."""
@@ -159,6 +163,33 @@ class Strategy:
         return flag
 
     # -- checkpoint state --------------------------------------------------------------------------
+    #: how ``save_checkpoint_state`` lays out weights and optimizer state; recorded in the
+    #: manifest's meta as ``state_format`` ("full": ``model.safetensors`` + ``optimizer.pt``)
+    checkpoint_format: str = "full"
+
+    def save_checkpoint_state(self, writer: Any, module: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+        """Write the weights, and the optimizer state unless ``optimizer`` is None, into the
+        checkpoint that ``writer`` (a ``CheckpointWriter`` whose temp directory every rank shares)
+        is assembling. Called on every rank, so it may be collective; files go to
+        ``writer.path_for(rel)``. This default gathers the full state and lets the main rank write
+        ``model.safetensors`` and ``optimizer.pt``; sharded strategies write each rank's shards."""
+        weights = self.module_state_dict(module)
+        optim_state = self.optimizer_state_dict(optimizer) if optimizer is not None else None
+        if self.is_global_zero:
+            writer.save_safetensors("model.safetensors", weights)
+            if optim_state is not None:
+                writer.save_torch("optimizer.pt", optim_state)
+
+    def load_checkpoint_state(self, path: Path, module: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+        """Restore what ``save_checkpoint_state`` wrote into a verified checkpoint at ``path``
+        (weights only when ``optimizer`` is None). Called on every rank."""
+        from lightlike.checkpoint.weights import load_safetensors
+
+        self.load_module_state_dict(module, load_safetensors(path / "model.safetensors"))
+        if optimizer is not None:
+            state = torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True)
+            self.load_optimizer_state_dict(optimizer, state)
+
     def module_state_dict(self, module: nn.Module) -> dict[str, torch.Tensor]:
         """Full, unsharded weights of the user's module (on CPU), for ``model.safetensors``."""
         return {k: v.detach() for k, v in self.unwrap(module).state_dict().items()}
