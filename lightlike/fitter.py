@@ -433,6 +433,7 @@ class Fitter:
             cfg = self.config
             precision = None if cfg.precision == "auto" else get_precision(cfg.precision)
             strategy = get_strategy(cfg.strategy, cfg.accelerator, precision)
+            strategy.configure(cfg)
             strategy.setup_environment()
             from lightlike.loggers.console import setup_logging
 

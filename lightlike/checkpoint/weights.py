@@ -16,6 +16,14 @@ _SHOW = 10
 def load_module_state(module: nn.Module, state: Mapping[str, torch.Tensor], strict: bool = True,
                       source: str | None = None) -> None:
     """Load ``state`` into ``module``; list missing, unexpected and mis-shaped keys on error."""
+    own = check_fits(module, state, strict, source)
+    module.load_state_dict({k: v for k, v in state.items() if k in own}, strict=False)
+
+
+def check_fits(module: nn.Module, state: Mapping[str, torch.Tensor], strict: bool = True,
+               source: str | None = None) -> dict[str, torch.Tensor]:
+    """Raise one error listing missing, unexpected and mis-shaped keys; returns the module's
+    state dict (shapes are global ones, also for sharded parameters)."""
     own = module.state_dict()
     missing = [k for k in own if k not in state]
     unexpected = [k for k in state if k not in own]
@@ -31,7 +39,7 @@ def load_module_state(module: nn.Module, state: Mapping[str, torch.Tensor], stri
     if problems:
         where = f" from {source}" if source else ""
         raise CheckpointError(f"the weights{where} do not fit {type(module).__name__}:\n" + "\n".join(problems))
-    module.load_state_dict({k: v for k, v in state.items() if k in own}, strict=False)
+    return own
 
 
 def _listing(title: str, items: list[str]) -> str:

@@ -47,6 +47,10 @@ class Strategy:
     def is_global_zero(self) -> bool:
         return self.global_rank == 0
 
+    def configure(self, config: Any) -> None:
+        """Receive the run's ``FitConfig`` before anything is set up, for strategies that must
+        generate settings from it (DeepSpeed's config: batch sizes, accumulation, clipping)."""
+
     def setup_environment(self) -> None:
         """Start the process group (if any), bind the device and set up the precision plugin."""
         self.precision.setup(self.root_device)
@@ -182,8 +186,15 @@ class Strategy:
 
     def load_checkpoint_state(self, path: Path, module: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
         """Restore what ``save_checkpoint_state`` wrote into a verified checkpoint at ``path``
-        (weights only when ``optimizer`` is None). Called on every rank."""
+        (weights only when ``optimizer`` is None). Called on every rank. A sharded DCP
+        checkpoint (written by FSDP) loads too: its names do not depend on the sharding."""
         from lightlike.checkpoint.weights import load_safetensors
+
+        if (path / "dcp").is_dir():
+            from lightlike.checkpoint.dcp import load_dcp_state
+
+            load_dcp_state(path / "dcp", self.unwrap(module), optimizer)
+            return
 
         self.load_module_state_dict(module, load_safetensors(path / "model.safetensors"))
         if optimizer is not None:
@@ -206,6 +217,15 @@ class Strategy:
 
     def load_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state: Mapping[str, Any]) -> None:
         optimizer.load_state_dict(state)  # type: ignore[arg-type]
+
+    def memory_footprint(self, module: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, int]:
+        """Bytes of parameters, gradients and optimizer state that *this rank* holds (its local
+        shards under sharded strategies), for memory comparisons between strategies."""
+        params = list(self.unwrap(module).parameters())
+        opt_tensors = [] if optimizer is None else [
+            t for s in optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+        return {"params": _nbytes(params), "grads": _nbytes([p.grad for p in params if p.grad is not None]),
+                "optimizer": _nbytes(opt_tensors)}
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(device={self.root_device}, precision={self.precision.name!r})"
@@ -230,6 +250,15 @@ class StepNormaliser:
         """A bool, or a device tensor (read it only where a host sync is acceptable)."""
         self._finish()
         return self._flag
+
+
+def _nbytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes held locally: a DTensor (FSDP2 shard) counts its local shard only."""
+    total = 0
+    for t in tensors:
+        local = t.to_local() if hasattr(t, "to_local") else t
+        total += local.numel() * local.element_size()
+    return total
 
 
 def _params(optimizer: torch.optim.Optimizer) -> Iterable[torch.Tensor]:

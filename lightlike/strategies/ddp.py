@@ -86,6 +86,8 @@ class DDPStrategy(Strategy):
             kwargs: dict[str, Any] = {}
             if backend == "nccl":
                 kwargs["device_id"] = self.root_device
+            if env.kind == "single":  # one plain process (no launcher): an in-memory store, no port
+                kwargs["store"] = dist.HashStore()
             dist.init_process_group(backend, rank=env.rank, world_size=env.world_size,
                                     timeout=datetime.timedelta(seconds=self.timeout_s), **kwargs)
             self._owns_group = True

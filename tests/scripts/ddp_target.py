@@ -53,6 +53,19 @@ class KillAt(ll.Callback):
             os.kill(os.getpid(), signal.SIGKILL)
 
 
+class Footprint(ll.Callback):
+    """Record this rank's parameter + gradient + optimizer bytes just before the last optimizer
+    step, when gradients and optimizer state both exist."""
+
+    def __init__(self, out):
+        self.out = out
+
+    def on_before_optimizer_step(self, fitter, state, control, optimizer):
+        if state.global_step + 1 == state.max_steps:
+            footprint = fitter.strategy.memory_footprint(fitter.model, fitter.optimizer)
+            (self.out / f"footprint-rank{fitter.strategy.global_rank}.json").write_text(json.dumps(footprint))
+
+
 class F1Module(Classifier):
     def metrics(self, outputs, batch):
         return {"accuracy": (outputs.argmax(-1) == batch["y"]).double().mean()}
@@ -80,6 +93,12 @@ def main() -> None:
     p.add_argument("--fail-step", type=int, default=3)
     p.add_argument("--max-grad-norm", type=float, default=0.0)
     p.add_argument("--kill-step", type=int, default=0)
+    p.add_argument("--strategy", default="auto")
+    p.add_argument("--precision", default="auto")
+    p.add_argument("--dtype", default="float64", choices=["float64", "float32"])
+    p.add_argument("--width", type=int, default=16)
+    p.add_argument("--meta", action="store_true", help="build the module on the meta device")
+    p.add_argument("--gradient-checkpointing", action="store_true")
     args = p.parse_args()
     rank = int(os.environ.get("RANK", "0"))
     out = Path(args.out)
@@ -94,8 +113,19 @@ def main() -> None:
                                                        "labels": pred.labels.tolist()}))
         return
     module_cls = TokenClassifier if args.task == "token" else Classifier
-    model = module_cls().double()
+    dtype = getattr(torch, args.dtype)
+    if args.meta:
+        with torch.device("meta"):
+            model = module_cls(width=args.width).to(dtype)
+    else:
+        model = module_cls(width=args.width).to(dtype)
+    strategy = args.strategy
+    if strategy.startswith("hsdp:"):  # hsdp:<shard size>
+        from lightlike.strategies.fsdp import FSDPStrategy
+
+        strategy = FSDPStrategy(hybrid=True, shard_size=int(strategy.split(":")[1]))
     callbacks: list = []
+    callbacks.append(Footprint(out))
     if args.stop:
         callbacks.append(StopAt(args.stop))
     if args.kill_step:
@@ -105,10 +135,15 @@ def main() -> None:
     fitter = ll.Fitter(max_steps=args.steps, batch_size=args.batch, grad_accum_steps=args.accum, learning_rate=1e-2,
                        lr_scheduler="constant", output_dir=str(out), loggers=["jsonl"], log_every=1,
                        save_every=args.save_every or None, max_grad_norm=args.max_grad_norm or None,
-                       log_level="warning", callbacks=callbacks, overwrite_output_dir=not args.resume)
-    fitter.fit(model, DictDataset(n=args.items, dtype=torch.float64), resume=args.resume or None)
-    rank = fitter.strategy.global_rank  # under SLURM, known once the Fitter has read the environment
-    torch.save({k: v.clone() for k, v in model.state_dict().items()}, out / f"final-rank{rank}.pt")
+                       log_level="warning", callbacks=callbacks, overwrite_output_dir=not args.resume,
+                       strategy=strategy, precision=args.precision,
+                       gradient_checkpointing=args.gradient_checkpointing)
+    fitter.fit(model, DictDataset(n=args.items, dtype=dtype), resume=args.resume or None)
+    strategy = fitter.strategy
+    rank = strategy.global_rank  # under SLURM, known once the Fitter has read the environment
+    # full weights (gathered from the shards under FSDP/ZeRO: collective, so every rank asks)
+    full = {k: v.detach().clone().cpu() for k, v in strategy.module_state_dict(fitter.model).items()}
+    torch.save(full, out / f"final-rank{rank}.pt")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,284 @@
+"""Fully sharded data parallel on FSDP2: ``torch.distributed.fsdp.fully_shard`` over a DeviceMesh.
+
+Each rank holds 1/N of every parameter, gradient and optimizer state (DTensors sharded on dim 0).
+Shard units (by default the module's repeated blocks, then the root) all-gather their parameters
+for forward and backward and reduce-scatter gradients, averaged over ranks as DDP averages them,
+so the Fitter's exact-accumulation weighting (``DDPStrategy.item_normaliser``) applies unchanged.
+
+- HSDP (``hsdp``): a 2-D mesh (replicate × shard), shard within a node and replicate across nodes.
+- Precision: ``bf16-mixed``/``16-mixed`` become a ``MixedPrecisionPolicy`` (parameters all-gathered
+  in the low dtype, gradients reduced in fp32, sharded master weights and optimizer state in fp32);
+  the plugin's autocast stays on, so ops autocast keeps in fp32 (softmax, losses) stay there.
+  ``16-mixed`` uses ``ShardedGradScaler``, whose inf check is agreed over ranks.
+- Accumulation: on micro-steps before the last, gradients are neither reduce-scattered nor
+  resharded (``set_requires_gradient_sync(False)``, ``set_reshard_after_backward(False)``): no
+  communication until the window's last backward, at the cost of holding unsharded gradients.
+- Clipping by norm uses the true global norm over all shards.
+- Checkpoints: each rank writes its shards through ``torch.distributed.checkpoint`` into the
+  shared temp directory (``lightlike.checkpoint.dcp``); loading reshards onto any world size.
+- Large models: build the module under ``torch.device("meta")``; ``setup_module`` shards it,
+  allocates only the local shards and initialises them (``TaskModule.init_weights()`` if defined,
+  else every submodule's ``reset_parameters()``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightlike.errors import ConfigError
+from lightlike.precision import Precision
+from lightlike.strategies.base import _params
+from lightlike.strategies.ddp import DDPStrategy
+
+log = logging.getLogger("lightlike")
+
+#: class-name suffixes of submodules that become shard units when nothing else is said
+DEFAULT_UNIT_SUFFIXES = ("Block", "DecoderLayer", "EncoderLayer", "TransformerLayer")
+
+PRESETS: dict[str, dict[str, Any]] = {
+    "fsdp": {"offload": False, "hybrid": False},
+    "fsdp_offload": {"offload": True, "hybrid": False},
+    "hsdp": {"offload": False, "hybrid": True},
+}
+
+UnitSpec = str | list[str] | tuple[str, ...] | Callable[[nn.Module], bool] | None
+
+
+class FSDPStrategy(DDPStrategy):
+    name = "fsdp"
+    checkpoint_format = "dcp"
+
+    def __init__(
+        self,
+        accelerator: str = "auto",
+        precision: Precision | None = None,
+        *,
+        shard_units: UnitSpec = None,
+        reshard_after_forward: bool = True,
+        offload: bool = False,
+        hybrid: bool = False,
+        shard_size: int | None = None,
+        activation_checkpointing: bool | None = None,
+        timeout_s: float = 600.0,
+        backend: str | None = None,
+    ) -> None:
+        super().__init__(accelerator, precision, timeout_s=timeout_s, backend=backend)
+        self.shard_units = shard_units
+        self.reshard_after_forward = reshard_after_forward
+        self.offload = offload
+        self.hybrid = hybrid
+        self.shard_size = shard_size
+        self.activation_checkpointing = activation_checkpointing
+        self.mesh: Any = None
+        self._syncing: bool | None = None
+        self.name = "hsdp" if hybrid else "fsdp"
+
+    @classmethod
+    def from_preset(cls, name: str, **kwargs: Any) -> FSDPStrategy:
+        if name not in PRESETS:
+            raise ConfigError(f"unknown FSDP preset {name!r}; presets: {', '.join(PRESETS)}")
+        return cls(**{**PRESETS[name], **kwargs})
+
+    @classmethod
+    def from_file(cls, path: str | Path, **kwargs: Any) -> FSDPStrategy:
+        """Options from a TOML file such as ``strategies/fsdp.toml`` (its ``[fsdp]`` table)."""
+        import tomllib
+
+        table = tomllib.loads(Path(path).read_text()).get("fsdp", {})
+        allowed = {"shard_units", "reshard_after_forward", "offload", "hybrid", "shard_size",
+                   "activation_checkpointing", "timeout_s", "backend"}
+        unknown = sorted(set(table) - allowed)
+        if unknown:
+            raise ConfigError(f"{path}: unknown [fsdp] keys {unknown}; valid: {sorted(allowed)}")
+        return cls(**{**table, **kwargs})
+
+    def configure(self, config: Any) -> None:
+        if self.activation_checkpointing is None:
+            self.activation_checkpointing = bool(config.gradient_checkpointing)
+
+    # -- processes, devices, mesh ----------------------------------------------------------------
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        from torch.distributed.device_mesh import init_device_mesh
+
+        if self.offload and self.root_device.type == "cpu":
+            raise ConfigError(f"strategy={'fsdp_offload'!r} offloads to the CPU from an accelerator, but this run "
+                              "is on the CPU already; use strategy='fsdp'")
+        world = self.world_size
+        if self.hybrid:
+            shard = self.shard_size or int(os.environ.get("LOCAL_WORLD_SIZE", world))
+            if shard < 1 or world % shard:
+                raise ConfigError(f"hsdp: shard_size={shard} must divide the world size {world}; set "
+                                  "FSDPStrategy(hybrid=True, shard_size=...) to the processes per node")
+            self.mesh = init_device_mesh(self.root_device.type, (world // shard, shard),
+                                         mesh_dim_names=("replicate", "shard"))
+        else:
+            self.mesh = init_device_mesh(self.root_device.type, (world,), mesh_dim_names=("shard",))
+        if self.precision.name == "16-mixed":
+            from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+            # the inf check must be agreed over ranks, or ranks would skip different steps
+            self.precision.scaler = ShardedGradScaler(self.root_device.type)  # type: ignore[attr-defined]
+
+    # -- module and optimizer ------------------------------------------------------------------
+    def setup_module(self, module: nn.Module) -> nn.Module:
+        from torch.distributed.fsdp import (
+            CPUOffloadPolicy,
+            FSDPModule,
+            MixedPrecisionPolicy,
+            OffloadPolicy,
+            fully_shard,
+        )
+
+        if isinstance(module, FSDPModule):  # sharded already (e.g. validate() after fit())
+            return module
+        on_meta = any(p.is_meta for p in module.parameters())
+        module = self.precision.convert_module(module)
+        if not on_meta:
+            module = module.to(self.root_device)
+        units = self._units(module)
+        if self.activation_checkpointing:
+            from torch.distributed._composable.checkpoint_activation import checkpoint
+
+            for unit in units:
+                checkpoint(unit)  # hooks, no wrapper module: parameter names stay the same
+            if hasattr(module, "gradient_checkpointing"):
+                module.gradient_checkpointing = False  # checkpointed here; not twice
+        compute = getattr(self.precision, "compute_dtype", None)
+        mp = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32) if compute else MixedPrecisionPolicy()
+        offload = CPUOffloadPolicy() if self.offload else OffloadPolicy()
+        kwargs = dict(mesh=self.mesh, mp_policy=mp, offload_policy=offload)
+        for unit in units:
+            fully_shard(unit, reshard_after_forward=self.reshard_after_forward, **kwargs)
+        fully_shard(module, reshard_after_forward=False, **kwargs)  # the root is needed first in backward
+        if on_meta:
+            self._materialise(module)
+        return module
+
+    def _units(self, module: nn.Module) -> list[nn.Module]:
+        """Submodules that become shard units, outermost first and none inside another."""
+        spec = self.shard_units
+        hook = getattr(module, "fsdp_units", None)
+        if spec is None and callable(hook):
+            return list(hook())
+        if spec is None:
+            def pick(m: nn.Module) -> bool:
+                return type(m).__name__.endswith(DEFAULT_UNIT_SUFFIXES)
+        elif callable(spec):
+            pick = spec
+        else:
+            names = {spec} if isinstance(spec, str) else set(spec)
+            known = {type(m).__name__ for m in module.modules()}
+            if not names & known:
+                raise ConfigError(f"shard_units={sorted(names)} matches no submodule class; classes in this "
+                                  f"module: {sorted(known)}")
+
+            def pick(m: nn.Module) -> bool:
+                return type(m).__name__ in names
+        chosen: list[nn.Module] = []
+        inside: set[int] = set()
+        for m in module.modules():
+            if m is module or id(m) in inside:
+                continue
+            if pick(m):
+                chosen.append(m)
+                inside.update(id(s) for s in m.modules())
+        return chosen
+
+    def _materialise(self, module: nn.Module) -> None:
+        """Allocate the local shards of a meta-device module and initialise them."""
+        module.to_empty(device=self.root_device)
+        init = getattr(module, "init_weights", None)
+        with torch.no_grad():
+            if callable(init):
+                init()
+            else:
+                for m in module.modules():
+                    reset = getattr(m, "reset_parameters", None)
+                    if callable(reset):
+                        reset()
+        log.debug("materialised a meta-device module shard by shard on %s", self.root_device)
+
+    def unwrap(self, module: nn.Module) -> nn.Module:
+        return getattr(module, "_orig_mod", module)  # FSDP2 shards in place: no wrapper
+
+    def no_sync(self, module: nn.Module, enabled: bool) -> contextlib.AbstractContextManager:
+        sync = not enabled
+        if sync != self._syncing:  # only when it changes: the calls walk every submodule
+            inner = self.unwrap(module)
+            inner.set_requires_gradient_sync(sync)  # type: ignore[operator]
+            inner.set_reshard_after_backward(sync)  # type: ignore[operator]
+            self._syncing = sync
+        return contextlib.nullcontext()
+
+    # -- a training step -----------------------------------------------------------------------
+    def clip_gradients(self, module: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float | None,
+                       max_value: float | None, want_norm: bool = False) -> torch.Tensor | None:
+        """Clip on the global norm over every rank's shards (a per-shard norm would be wrong)."""
+        self.precision.unscale_gradients(optimizer)
+        if max_norm is None and max_value is None and not want_norm:
+            return None
+        params = [p for p in _params(optimizer) if p.grad is not None]
+        if max_value is not None:
+            torch.nn.utils.clip_grad_value_(params, max_value, foreach=True)
+        if max_norm is None and not want_norm:
+            return None
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
+        if hasattr(norm, "full_tensor"):
+            norm = norm.full_tensor()  # the partial norms of the shards, reduced over the mesh
+        if max_norm is not None:
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
+        return norm
+
+    # -- checkpoint state --------------------------------------------------------------------------
+    def save_checkpoint_state(self, writer: Any, module: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+        from lightlike.checkpoint.dcp import DCP_DIR, save_dcp_state
+
+        save_dcp_state(writer.path_for(DCP_DIR), self.unwrap(module), optimizer)
+
+    def load_checkpoint_state(self, path: Path, module: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+        from lightlike.checkpoint.dcp import DCP_DIR, load_dcp_state
+
+        if (path / DCP_DIR).is_dir():
+            load_dcp_state(path / DCP_DIR, self.unwrap(module), optimizer)
+            return
+        if optimizer is not None:
+            from lightlike.errors import CheckpointError
+
+            raise CheckpointError(f"{path} was written by a strategy that gathers the full state (model.safetensors"
+                                  " + optimizer.pt); FSDP resumes from its own sharded checkpoints. To start from "
+                                  "these weights, call module.load_weights(path) before fit()")
+        from lightlike.checkpoint.weights import load_safetensors
+
+        self.load_module_state_dict(module, load_safetensors(path / "model.safetensors"))
+
+    def module_state_dict(self, module: nn.Module) -> dict[str, torch.Tensor]:
+        """Full weights, all-gathered from the shards (collective; every rank gets them)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        full = get_model_state_dict(self.unwrap(module), options=StateDictOptions(full_state_dict=True))
+        return {k: v.detach().cpu() for k, v in full.items()}
+
+    def load_module_state_dict(self, module: nn.Module, state: Any, strict: bool = True) -> None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        from lightlike.checkpoint.weights import check_fits
+
+        inner = self.unwrap(module)
+        check_fits(inner, state, strict=strict)
+        set_model_state_dict(inner, dict(state), options=StateDictOptions(full_state_dict=True, strict=strict))
+
+    def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        raise NotImplementedError("FSDP optimizer state is saved sharded, through save_checkpoint_state")
+
+    def __repr__(self) -> str:
+        return (f"FSDPStrategy(rank={self.global_rank}/{self.world_size}, mesh={tuple(self.mesh.shape) if self.mesh else None}, "
+                f"precision={self.precision.name!r}, offload={self.offload})")

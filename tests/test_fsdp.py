@@ -1,0 +1,197 @@
+"""FSDP2 (``fully_shard``) on real processes (torchrun, gloo, CPU): the same weights as DDP, half
+the memory per rank on 2 ranks, kill-anywhere resume bit for bit, resharding 2→1 and 1→2 through
+``torch.distributed.checkpoint``, export to one ``model.safetensors``, precisions, meta-device init."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import tomllib
+import torch
+from helpers import Classifier
+from test_ddp import assert_close, launch, weights
+from torch import nn
+
+from lightlike.errors import CheckpointError, ConfigError
+
+ROOT = Path(__file__).resolve().parent.parent
+COMMON = ["--items", "46", "--accum", "2", "--max-grad-norm", "0.5", "--task", "token", "--steps", "7"]
+
+
+def run_ok(nproc, out, *args):
+    p = launch(nproc, out, *args)
+    assert p.returncode == 0, p.stderr[-4000:]
+    return p
+
+
+@pytest.mark.parametrize("strategy", ["fsdp", "hsdp:1"])
+def test_same_weights_as_ddp(tmp_path, strategy):
+    """FSDP (shard over 2) and HSDP (replicate 2 × shard 1) against DDP on 2 ranks, float64,
+    with accumulation, norm clipping, uneven item counts and a partial last window: to 1e-12.
+    The logged training loss is the same too."""
+    run_ok(2, tmp_path / "ddp", "--strategy", "ddp", "--batch", "4", *COMMON)
+    run_ok(2, tmp_path / "fsdp", "--strategy", strategy, "--batch", "4", *COMMON)
+    ref, got = weights(tmp_path / "ddp"), weights(tmp_path / "fsdp")
+    assert all(torch.equal(got[k], weights(tmp_path / "fsdp", 1)[k]) for k in got), "ranks disagree"
+    assert_close(got, ref, tol=1e-12)
+    losses = [[json.loads(x)["train/loss"] for x in (tmp_path / d / "logs" / "metrics.jsonl").read_text().splitlines()
+               if "train/loss" in x] for d in ("ddp", "fsdp")]
+    assert losses[1] == pytest.approx(losses[0], rel=1e-12)
+
+
+def test_memory_per_rank_is_half_of_ddp(tmp_path):
+    """Parameter + gradient + optimizer bytes held by each rank (its local shards), measured just
+    before the last optimizer step: FSDP on 2 ranks ≤ (1/2 + 5 %) of DDP's."""
+    args = ["--width", "256", "--steps", "2", "--items", "16", "--batch", "4", "--dtype", "float32"]
+    run_ok(2, tmp_path / "ddp", "--strategy", "ddp", *args)
+    run_ok(2, tmp_path / "fsdp", "--strategy", "fsdp", *args)
+    for rank in (0, 1):
+        ddp = json.loads((tmp_path / "ddp" / f"footprint-rank{rank}.json").read_text())
+        fsdp = json.loads((tmp_path / "fsdp" / f"footprint-rank{rank}.json").read_text())
+        assert ddp["grads"] == ddp["params"] and ddp["optimizer"] == 2 * ddp["params"] + 16  # AdamW: 2 moments + steps
+        assert sum(fsdp.values()) <= 0.55 * sum(ddp.values()), (fsdp, ddp)
+        assert fsdp["params"] > 0.45 * ddp["params"]  # a shard, not nothing
+
+
+@pytest.mark.parametrize("kill_step", [3, 6])
+def test_kill_and_resume_is_bit_identical(tmp_path, kill_step):
+    """SIGKILL rank 1 after step 3 (mid-epoch) or 6 (past an epoch boundary); torchrun ends rank
+    0; resume from the newest sharded checkpoint: the same weights and logs, bit for bit."""
+    common = ["--strategy", "fsdp", "--steps", "9", "--items", "40", "--batch", "4", "--accum", "2",
+              "--save-every", "2", "--task", "token", "--dtype", "float32"]
+    run_ok(2, tmp_path / "ref", *common)
+    out = tmp_path / "run"
+    killed = launch(2, out, *common, "--kill-step", str(kill_step))
+    assert killed.returncode != 0
+    run_ok(2, out, *common, "--resume")
+    for rank in (0, 1):
+        a, b = weights(out, rank), weights(tmp_path / "ref", rank)
+        assert all(torch.equal(a[k], b[k]) for k in a), f"rank {rank} differs"
+    logs = [(tmp_path / d / "logs" / "metrics.jsonl").read_text() for d in ("run", "ref")]
+    assert logs[0] == logs[1]
+
+
+@pytest.mark.parametrize("before,after,resume_strategy", [(2, 1, "fsdp"), (1, 2, "fsdp"), (2, 2, "ddp")])
+def test_resume_reshards(tmp_path, before, after, resume_strategy):
+    """Stop at step 4 on `before` FSDP ranks, resume on `after` ranks (same global batch): DCP
+    reshards weights and AdamW state onto the new layout, and the run ends where the
+    uninterrupted one does. The sharded checkpoint also resumes under DDP (same names)."""
+    common = ["--steps", "8", "--items", "40", "--save-every", "4"]
+    run_ok(2, tmp_path / "ref", "--strategy", "ddp", "--batch", "4", *common)
+    out = tmp_path / "run"
+    run_ok(before, out, "--strategy", "fsdp", "--batch", str(8 // before), "--stop", "4", *common)
+    manifest = json.loads((out / "checkpoint-4" / "manifest.json").read_text())
+    assert manifest["meta"]["state_format"] == "dcp"
+    assert not (out / "checkpoint-4" / "model.safetensors").exists()  # sharded: nothing gathered
+    run_ok(after, out, "--strategy", resume_strategy, "--batch", str(8 // after), "--resume", *common)
+    assert_close(weights(out), weights(tmp_path / "ref"), tol=1e-10)
+
+
+def test_export_consolidates_shards(tmp_path):
+    """``lightlike export`` on a sharded checkpoint writes one model.safetensors equal to the
+    run's full weights, which loads into a fresh module."""
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file
+
+    out = tmp_path / "run"
+    run_ok(2, out, "--strategy", "fsdp", "--batch", "4", *COMMON, "--save-every", "7")
+    exported = tmp_path / "export"
+    cli = subprocess.run([sys.executable, "-m", "lightlike.cli", "export", str(out / "checkpoint-7"), str(exported)],
+                         capture_output=True, text=True)
+    assert cli.returncode == 0, cli.stderr
+    got, ref = load_file(str(exported / "model.safetensors")), weights(out)
+    assert set(got) == set(ref) and all(torch.equal(got[k], ref[k]) for k in ref)
+    fresh = Classifier().double()
+    fresh.load_weights(exported)
+    assert torch.equal(fresh.net[0].weight, ref["net.0.weight"])
+    with pytest.raises(CheckpointError, match="lightlike export"):
+        Classifier().double().load_weights(out / "checkpoint-7")
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed", "bf16-true"])
+def test_precisions(tmp_path, precision):
+    """Each precision this CPU supports trains under FSDP: finite losses, ranks agree, and the
+    result is close to the fp32 run (the low-precision error, not a different computation)."""
+    args = ["--strategy", "fsdp", "--dtype", "float32", "--batch", "4", "--steps", "6", "--items", "48"]
+    run_ok(2, tmp_path / "ref", *args)
+    run_ok(2, tmp_path / "low", *args, "--precision", precision)
+    got, ref = weights(tmp_path / "low"), weights(tmp_path / "ref")
+    assert all(torch.equal(got[k], weights(tmp_path / "low", 1)[k]) for k in got)
+    for k in ref:
+        assert torch.isfinite(got[k]).all()
+        torch.testing.assert_close(got[k].float(), ref[k], atol=0.05, rtol=0.05)
+    losses = [json.loads(x)["train/loss"] for x in (tmp_path / "low" / "logs" / "metrics.jsonl").read_text().splitlines()
+              if "train/loss" in x]
+    assert len(losses) == 6 and all(map(lambda v: v == v, losses))
+
+
+def test_offload_on_cpu_is_a_clear_error(tmp_path):
+    p = launch(2, tmp_path / "off", "--strategy", "fsdp_offload", "--steps", "1")
+    assert p.returncode != 0
+    assert "is on the CPU already; use strategy='fsdp'" in p.stderr
+
+
+def test_meta_device_init_materialises_shards(tmp_path):
+    """A module built on the meta device is sharded first, then each rank allocates and
+    initialises only its shard; it trains, and the gathered weights agree on both ranks."""
+    run_ok(2, tmp_path / "meta", "--strategy", "fsdp", "--meta", "--width", "64", "--steps", "3", "--batch", "4")
+    w0, w1 = weights(tmp_path / "meta", 0), weights(tmp_path / "meta", 1)
+    assert all(torch.equal(w0[k], w1[k]) for k in w0)
+    assert all(torch.isfinite(v).all() and v.abs().sum() > 0 for v in w0.values())
+    assert w0["net.0.weight"].shape == (64, 8)
+
+
+def test_activation_checkpointing_gives_the_same_weights(tmp_path):
+    """Activation checkpointing (applied to the shard units before sharding) recomputes the
+    forward in backward; the numbers are the same as without it."""
+    args = ["--strategy", "fsdp", "--batch", "4", "--steps", "4", "--items", "32"]
+    run_ok(2, tmp_path / "plain", *args)
+    run_ok(2, tmp_path / "ckpt", *args, "--gradient-checkpointing")
+    a, b = weights(tmp_path / "plain"), weights(tmp_path / "ckpt")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+# -- in-process: shard-unit choice and presets ------------------------------------------------
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner = nn.Linear(4, 4)
+
+
+class Stack(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Linear(4, 4)
+        self.blocks = nn.ModuleList([Block(), Block()])
+
+
+def test_shard_units_default_by_name_and_callable():
+    from lightlike.strategies.fsdp import FSDPStrategy
+
+    m = Stack()
+    assert FSDPStrategy()._units(m) == list(m.blocks)  # "...Block": the repeated layers
+    assert FSDPStrategy(shard_units="Linear")._units(m) == [m.embed, m.blocks[0].inner, m.blocks[1].inner]
+    assert FSDPStrategy(shard_units=lambda s: s is m.embed)._units(m) == [m.embed]
+    with pytest.raises(ConfigError, match="matches no submodule class"):
+        FSDPStrategy(shard_units="Blok")._units(m)
+
+
+def test_preset_files_agree_with_named_presets(tmp_path):
+    """Every strategies/fsdp*.toml is the preset of the same name, and loads."""
+    from lightlike.strategies.fsdp import PRESETS, FSDPStrategy
+
+    files = sorted((ROOT / "strategies").glob("*sdp*.toml"))
+    assert {f.stem for f in files} == set(PRESETS)
+    fields = ("offload", "hybrid", "reshard_after_forward", "shard_units", "shard_size")
+    for f in files:
+        from_file, named = FSDPStrategy.from_file(f), FSDPStrategy.from_preset(f.stem)
+        assert {k: getattr(from_file, k) for k in fields} == {k: getattr(named, k) for k in fields}, f.name
+        assert tomllib.loads(f.read_text())["strategy"] == f.stem
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[fsdp]\noffload = true\nreshard = false\n")
+    with pytest.raises(ConfigError, match="unknown \\[fsdp\\] keys"):
+        FSDPStrategy.from_file(bad)
