@@ -21,13 +21,14 @@ import torch
 from lightlike.callbacks.base import Callback, CallbackList
 from lightlike.config import FitConfig, check_keys
 from lightlike.data.loading import TrainData, build_eval_loader, build_train_data, normalise_eval_sets
-from lightlike.errors import ConfigError, DataError, ModuleContractError, NonFiniteLossError, OutputDirError
+from lightlike.errors import ConfigError, DataError, NonFiniteLossError, OutputDirError
 from lightlike.evaluation import call_module, check_loss, is_improvement, run_evaluation
-from lightlike.module import TaskModule
+from lightlike.module import TaskModule, check_task_module
 from lightlike.precision import get_precision
 from lightlike.preemption import Preempted, PreemptionHandler, requeue_slurm_job
 from lightlike.state import Control, FitResult, FitState, PredictionResult
 from lightlike.strategies import Strategy, get_strategy
+from lightlike.utils.memory import peak_memory_bytes
 from lightlike.utils.seed import seed_everything
 
 log = logging.getLogger("lightlike")
@@ -96,7 +97,7 @@ class Fitter:
         cfg = self.config
         # ---- set up: processes and devices, output dir, data, module, optimizer ----------------
         strategy = self._setup_strategy()
-        _check_module(module)
+        check_task_module(module)
         resume_from = self._resume_source(resume)
         if resume_from is None:
             self._prepare_output_dir()
@@ -133,6 +134,7 @@ class Fitter:
         control = self.control = Control()
         self.callbacks = callbacks = CallbackList(self._default_callbacks() + self.user_callbacks)
         self._pending = []
+        self._checkpoint_in_flight: Any = None
         self._loss_total, self._items_total = 0.0, 0.0
         self.resumed_from = None
         if resume_from is not None:
@@ -187,7 +189,7 @@ class Fitter:
                     if control.should_evaluate or (cfg.eval_every and state.global_step % cfg.eval_every == 0):
                         last_metrics = self._evaluate_all(eval_sets)
                     if control.should_save or self._is_save_step(state.global_step):
-                        self._save_checkpoint()
+                        self._save_checkpoint(wait=False)
                     if self._stop_requested():
                         self._preempted(preemption.signal_name or "a signal on another rank")
                     if control.should_training_stop or control.should_epoch_stop:
@@ -206,13 +208,14 @@ class Fitter:
                     state.epoch_index, state.batches_in_epoch, state.samples_in_epoch = epoch, 0, 0
                     state.epoch = float(epoch)
                     if cfg.save_strategy == "epoch" and state.last_save_step != state.global_step:
-                        self._save_checkpoint()
+                        self._save_checkpoint(wait=False)
             # ---- end of training -------------------------------------------------------------
             self._log_training(final=True)
             if eval_sets and state.last_eval_step != state.global_step:
                 last_metrics = self._evaluate_all(eval_sets)
             if cfg.save_strategy == "steps" and cfg.save_every and state.last_save_step != state.global_step:
                 self._save_checkpoint()
+            self._commit_checkpoint()  # an asynchronous write still in flight
             if cfg.load_best_at_end and state.best_checkpoint:
                 self._load_best_weights()
             callbacks.call("on_fit_end", self, state, control)
@@ -242,7 +245,7 @@ class Fitter:
             runtime=runtime,
             samples_per_second=(state.samples_seen - start_samples) / runtime if runtime else 0.0,
             steps_per_second=steps / runtime if runtime else 0.0,
-            peak_memory_bytes=_peak_memory(strategy.root_device),
+            peak_memory_bytes=peak_memory_bytes(strategy.root_device),
             skipped_steps=state.skipped_steps,
             best_checkpoint=state.best_checkpoint,
             state=state,
@@ -371,7 +374,7 @@ class Fitter:
                 state.best_metric, state.best_step = metrics[key], state.global_step
         self._emit("on_evaluate", metrics)
         if cfg.save_strategy == "best" and state.best_step == state.global_step:
-            self._save_checkpoint()
+            self._save_checkpoint(wait=False)
         return metrics
 
     def pending_loss_values(self) -> list[list[float]]:
@@ -418,7 +421,7 @@ class Fitter:
         return metrics
 
     def _prepare_for_eval(self, module: TaskModule) -> Any:
-        _check_module(module)
+        check_task_module(module)
         if self.module is module and self.model is not None:
             return self.model
         self.module = module
@@ -530,6 +533,7 @@ class Fitter:
         state = self.state
         log.warning("%s received: saving a checkpoint at step %d and exiting", signal_name, state.global_step)
         path = self._save_checkpoint() if state.last_save_step != state.global_step else None
+        self._commit_checkpoint()  # this step's save may still be in flight
         checkpoint = str(path) if path else f"{self.config.output_dir}/checkpoint-{state.global_step}"
         if self.config.requeue_on_preemption and self.strategy.is_global_zero:  # type: ignore[union-attr]
             requeue_slurm_job()
@@ -544,16 +548,31 @@ class Fitter:
         return cfg.save_strategy == "steps" and cfg.save_every is not None and step % cfg.save_every == 0
 
     # -- checkpoints (lightlike/checkpoint/training.py does the work) ---------------------------------
-    def _save_checkpoint(self) -> Path | None:
+    def _save_checkpoint(self, wait: bool = True) -> Path | None:
+        """Save at this step boundary. ``wait=False`` lets a strategy that writes asynchronously
+        return before its shards are on disk; the checkpoint is committed by the next save or at
+        the end of the fit (``_commit_checkpoint``)."""
         from lightlike.checkpoint.training import save_training_checkpoint
 
+        self._commit_checkpoint()
         self.control.should_save = False
         self._phase = "checkpoint save"
         self._read_and_check_pending()
-        path = save_training_checkpoint(self)
+        path = save_training_checkpoint(self, wait=wait)
         if path is not None:
             self.callbacks.call("on_save", self, self.state, self.control, str(path))
         return path
+
+    def _commit_checkpoint(self) -> None:
+        """Finish and commit an asynchronous checkpoint write, if one is in flight."""
+        if self._checkpoint_in_flight is None:
+            return
+        from lightlike.checkpoint.training import commit_pending_checkpoint
+
+        self._phase = "checkpoint save"
+        path = commit_pending_checkpoint(self)
+        if path is not None:
+            self.callbacks.call("on_save", self, self.state, self.control, str(path))
 
     def _load_checkpoint(self, path: Path) -> None:
         from lightlike.checkpoint.training import load_training_checkpoint
@@ -573,27 +592,9 @@ class Fitter:
         load_weights_from(self, Path(self.state.best_checkpoint))  # type: ignore[arg-type]
 
 
-def _check_module(module: Any) -> None:
-    if not isinstance(module, TaskModule):
-        raise ModuleContractError(
-            f"fit/validate/test/predict take a lightlike.TaskModule, got {type(module).__name__}; "
-            "subclass ll.TaskModule and define forward(batch) and loss(outputs, batch)"
-        )
-
-
 def _weight(count: int | torch.Tensor, total: int | torch.Tensor, dtype: torch.dtype) -> float | torch.Tensor:
     """count / total: a Python float for int counts, else a device tensor (computed in float64)."""
     if isinstance(count, torch.Tensor) or isinstance(total, torch.Tensor):  # no host read: stays a tensor
         return (torch.as_tensor(count, dtype=torch.float64) / torch.as_tensor(total, dtype=torch.float64)).to(dtype)
     return count / total
 
-
-def _peak_memory(device: torch.device) -> int | None:
-    if device.type == "cuda":
-        return int(torch.cuda.max_memory_allocated(device))
-    try:
-        import resource
-
-        return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
-    except (ImportError, OSError):
-        return None

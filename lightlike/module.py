@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightlike.errors import CheckpointError
+from lightlike.errors import CheckpointError, ModuleContractError
 
 
 class TaskModule(nn.Module):
@@ -155,3 +155,11 @@ def _maybe_len(v: Any) -> int | None:
         except TypeError:
             return None
     return None
+
+
+def check_task_module(module: Any) -> None:
+    if not isinstance(module, TaskModule):
+        raise ModuleContractError(
+            f"fit/validate/test/predict take a lightlike.TaskModule, got {type(module).__name__}; "
+            "subclass ll.TaskModule and define forward(batch) and loss(outputs, batch)"
+        )

@@ -27,9 +27,12 @@ def _options(**kwargs: Any) -> Any:
     return StateDictOptions(**kwargs)
 
 
-def save_dcp_state(directory: Path, module: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+def save_dcp_state(directory: Path, module: nn.Module, optimizer: torch.optim.Optimizer | None,
+                   async_group: Any = None) -> Any:
     """Every rank writes its own shards of the module (and optimizer) state into ``directory``.
-    Collective when a process group exists."""
+    Collective when a process group exists. With ``async_group`` (a process group kept for
+    checkpointing, so its collectives never interleave with training's), the state is copied to
+    CPU memory here and written by a background thread: returns a future to wait on."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
@@ -38,7 +41,11 @@ def save_dcp_state(directory: Path, module: nn.Module, optimizer: torch.optim.Op
     else:
         model_sd, optim_sd = get_state_dict(module, optimizer)
         state = {"model": model_sd, "optim": optim_sd}
-    dcp.save(state, storage_writer=dcp.FileSystemWriter(directory, sync_files=True))
+    writer = dcp.FileSystemWriter(directory, sync_files=True)
+    if async_group is not None:
+        return dcp.async_save(state, storage_writer=writer, process_group=async_group)
+    dcp.save(state, storage_writer=writer)
+    return None
 
 
 def load_dcp_state(directory: Path, module: nn.Module, optimizer: torch.optim.Optimizer | None,

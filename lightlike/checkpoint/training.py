@@ -45,11 +45,18 @@ CONTINUATION_KEYS = ("batch_size", "grad_accum_steps", "learning_rate", "max_ste
                      "shuffle", "drop_last")
 
 
-def save_training_checkpoint(fitter: Fitter) -> Path | None:
+def save_training_checkpoint(fitter: Fitter, wait: bool = True) -> Path | None:
     """Write ``checkpoint-{global_step}`` atomically, then rotate. Collective: every rank calls
     it and writes into the main rank's temp directory what its Strategy shards there (nothing,
     for strategies that gather); the main rank writes the rest and commits once every rank is
-    done. Returns the path on the main rank, None elsewhere."""
+    done. Returns the path on the main rank, None elsewhere.
+
+    A strategy that saves asynchronously (``FSDPStrategy(async_save=True)``) returns a pending
+    write from ``save_checkpoint_state``; with ``wait=False`` training then goes on while the
+    shards are written, and the checkpoint is committed (manifest, rename, rotation) by
+    ``commit_pending_checkpoint`` at the next save or at the end of the fit. Until then it is
+    invisible: a kill in between leaves the previous checkpoint as the newest valid one."""
+    commit_pending_checkpoint(fitter)
     cfg, strategy, state = fitter.config, fitter.strategy, fitter.state
     assert strategy is not None and fitter.optimizer is not None
     step = state.global_step
@@ -69,7 +76,7 @@ def save_training_checkpoint(fitter: Fitter) -> Path | None:
         writer.__enter__()  # creates the temp directory
     strategy.barrier("save")  # ... before any rank writes into it
     try:
-        strategy.save_checkpoint_state(writer, fitter.model, fitter.optimizer if full else None)
+        pending = strategy.save_checkpoint_state(writer, fitter.model, fitter.optimizer if full else None)
         rng_all = strategy.all_gather_object(_portable_rng(rng_state())) if full else None
         if main:
             if getattr(fitter.module, "hparams", None):
@@ -87,13 +94,43 @@ def save_training_checkpoint(fitter: Fitter) -> Path | None:
                     "pending": fitter.pending_loss_values(),
                     "loss_total": [fitter._loss_total, fitter._items_total],
                 })
+        if pending is not None and not wait:
+            fitter._checkpoint_in_flight = (writer, pending)
+            return None
+        if pending is not None:
+            pending.result()
         strategy.barrier("save")  # every rank's files are written
     except BaseException:
         if main:
             writer.__exit__(*sys.exc_info())  # removes the temp directory
         raise
+    return _commit(fitter, writer)
+
+
+def commit_pending_checkpoint(fitter: Fitter) -> Path | None:
+    """Wait for an asynchronous checkpoint write to finish on every rank, then commit it.
+    Collective; a no-op when nothing is in flight. Returns the committed path on the main rank."""
+    in_flight = getattr(fitter, "_checkpoint_in_flight", None)
+    if in_flight is None:
+        return None
+    fitter._checkpoint_in_flight = None
+    writer, pending = in_flight
+    try:
+        pending.result()  # this rank's shards are on disk
+        fitter.strategy.barrier("save")  # type: ignore[union-attr]  # ... and every rank's
+    except BaseException:
+        if fitter.strategy.is_global_zero:  # type: ignore[union-attr]
+            writer.__exit__(*sys.exc_info())
+        raise
+    return _commit(fitter, writer)
+
+
+def _commit(fitter: Fitter, writer: CheckpointWriter) -> Path | None:
+    cfg, strategy, state = fitter.config, fitter.strategy, fitter.state
+    assert strategy is not None
+    out = Path(cfg.output_dir)
     path: Path | None = None
-    if main:
+    if strategy.is_global_zero:
         writer.__exit__(None, None, None)  # fsync, hash, manifest, rename
         path = writer.final_path
         protect = [p for p in (state.best_checkpoint, getattr(fitter, "resumed_from", None)) if p]

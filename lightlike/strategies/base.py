@@ -171,12 +171,14 @@ class Strategy:
     #: manifest's meta as ``state_format`` ("full": ``model.safetensors`` + ``optimizer.pt``)
     checkpoint_format: str = "full"
 
-    def save_checkpoint_state(self, writer: Any, module: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+    def save_checkpoint_state(self, writer: Any, module: nn.Module, optimizer: torch.optim.Optimizer | None) -> Any:
         """Write the weights, and the optimizer state unless ``optimizer`` is None, into the
         checkpoint that ``writer`` (a ``CheckpointWriter`` whose temp directory every rank shares)
         is assembling. Called on every rank, so it may be collective; files go to
         ``writer.path_for(rel)``. This default gathers the full state and lets the main rank write
-        ``model.safetensors`` and ``optimizer.pt``; sharded strategies write each rank's shards."""
+        ``model.safetensors`` and ``optimizer.pt``; sharded strategies write each rank's shards.
+        Returns None when the files are written, or a future (``.result()``) for a write still
+        going on in the background, which the checkpoint layer waits on before committing."""
         weights = self.module_state_dict(module)
         optim_state = self.optimizer_state_dict(optimizer) if optimizer is not None else None
         if self.is_global_zero:

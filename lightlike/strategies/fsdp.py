@@ -16,6 +16,9 @@ so the Fitter's exact-accumulation weighting (``DDPStrategy.item_normaliser``) a
 - Clipping by norm uses the true global norm over all shards.
 - Checkpoints: each rank writes its shards through ``torch.distributed.checkpoint`` into the
   shared temp directory (``lightlike.checkpoint.dcp``); loading reshards onto any world size.
+  ``async_save=True``: shards are copied to CPU memory at the step boundary and written by a
+  background thread while training goes on; the checkpoint is committed (manifest, rename) at
+  the next save or the end of the fit, and stays invisible until then.
 - Large models: build the module under ``torch.device("meta")``; ``setup_module`` shards it,
   allocates only the local shards and initialises them (``TaskModule.init_weights()`` if defined,
   else every submodule's ``reset_parameters()``).
@@ -67,6 +70,7 @@ class FSDPStrategy(DDPStrategy):
         hybrid: bool = False,
         shard_size: int | None = None,
         activation_checkpointing: bool | None = None,
+        async_save: bool = False,
         timeout_s: float = 600.0,
         backend: str | None = None,
     ) -> None:
@@ -77,6 +81,8 @@ class FSDPStrategy(DDPStrategy):
         self.hybrid = hybrid
         self.shard_size = shard_size
         self.activation_checkpointing = activation_checkpointing
+        self.async_save = async_save
+        self._checkpoint_group: Any = None
         self.mesh: Any = None
         self._syncing: bool | None = None
         self.name = "hsdp" if hybrid else "fsdp"
@@ -94,7 +100,7 @@ class FSDPStrategy(DDPStrategy):
 
         table = tomllib.loads(Path(path).read_text()).get("fsdp", {})
         allowed = {"shard_units", "reshard_after_forward", "offload", "hybrid", "shard_size",
-                   "activation_checkpointing", "timeout_s", "backend"}
+                   "activation_checkpointing", "async_save", "timeout_s", "backend"}
         unknown = sorted(set(table) - allowed)
         if unknown:
             raise ConfigError(f"{path}: unknown [fsdp] keys {unknown}; valid: {sorted(allowed)}")
@@ -122,6 +128,10 @@ class FSDPStrategy(DDPStrategy):
                                          mesh_dim_names=("replicate", "shard"))
         else:
             self.mesh = init_device_mesh(self.root_device.type, (world,), mesh_dim_names=("shard",))
+        if self.async_save:  # the background writer's collectives get their own (CPU) group
+            import torch.distributed as dist
+
+            self._checkpoint_group = dist.new_group(backend="gloo")
         if self.precision.name == "16-mixed":
             from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
@@ -239,10 +249,12 @@ class FSDPStrategy(DDPStrategy):
         return norm
 
     # -- checkpoint state --------------------------------------------------------------------------
-    def save_checkpoint_state(self, writer: Any, module: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+    def save_checkpoint_state(self, writer: Any, module: nn.Module, optimizer: torch.optim.Optimizer | None) -> Any:
+        """Each rank writes its shards (DCP). With ``async_save=True`` the state is staged to CPU
+        memory and written in the background; the returned future is waited on before commit."""
         from lightlike.checkpoint.dcp import DCP_DIR, save_dcp_state
 
-        save_dcp_state(writer.path_for(DCP_DIR), self.unwrap(module), optimizer)
+        return save_dcp_state(writer.path_for(DCP_DIR), self.unwrap(module), optimizer, self._checkpoint_group)
 
     def load_checkpoint_state(self, path: Path, module: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
         from lightlike.checkpoint.dcp import DCP_DIR, load_dcp_state

@@ -124,6 +124,10 @@ def main() -> None:
         from lightlike.strategies.fsdp import FSDPStrategy
 
         strategy = FSDPStrategy(hybrid=True, shard_size=int(strategy.split(":")[1]))
+    elif strategy == "fsdp:async":
+        from lightlike.strategies.fsdp import FSDPStrategy
+
+        strategy = FSDPStrategy(async_save=True)
     callbacks: list = []
     callbacks.append(Footprint(out))
     if args.stop:
