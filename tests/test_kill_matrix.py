@@ -27,10 +27,12 @@ CONFIGS = [("32-true", 0), ("bf16-mixed", 0), ("32-true", 2), ("bf16-mixed", 2)]
 RANGES = {"micro": (1, 21), "eval": (1, 8), "save": (1, 6), "step": (1, 12)}
 
 
-def run(out, precision, workers, kill=""):
+def run(out, precision, workers, kill="", async_save=False):
     cmd = [sys.executable, str(SCRIPT), str(out), "--precision", precision, "--workers", str(workers)]
     if kill:
         cmd += ["--kill", kill]
+    if async_save:
+        cmd += ["--async-save"]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
 
 
@@ -67,7 +69,7 @@ def cases(extended):
         kills = [kill_point(rng)]
         if rng.random() < 0.3:
             kills.append(kill_point(rng))  # killed again while resuming
-        out.append((precision, workers, kills))
+        out.append((precision, workers, kills, i % 3 == 2))  # every third: background commits
     return out
 
 
@@ -75,18 +77,20 @@ def pytest_generate_tests(metafunc):
     if "kill_case" in metafunc.fixturenames:
         extended = metafunc.config.getoption("--extended")
         all_cases = cases(extended)
-        metafunc.parametrize("kill_case", all_cases, ids=[f"{p}-w{w}-{'+'.join(k)}" for p, w, k in all_cases])
+        metafunc.parametrize("kill_case", all_cases, ids=[f"{p}-w{w}-{'+'.join(k)}{'-async' if a else ''}" for p, w, k, a in all_cases])
 
 
 def test_kill_anywhere_resume_is_bit_identical(tmp_path, tmp_path_factory, kill_case):
-    precision, workers, kills = kill_case
+    """With background commits (async_save) too: the same weights and logs as the synchronous,
+    uninterrupted reference run."""
+    precision, workers, kills, async_save = kill_case
     out = tmp_path / "run"
     for kill in kills:
-        proc = run(out, precision, workers, kill)
+        proc = run(out, precision, workers, kill, async_save)
         assert proc.returncode in (-signal.SIGKILL, 0), proc.stderr
         for ckpt in list_checkpoints(out):
             verify_checkpoint(ckpt)  # whatever is visible is complete
-    proc = run(out, precision, workers)
+    proc = run(out, precision, workers, async_save=async_save)
     assert proc.returncode == 0, proc.stderr
     weights, metrics = outcome(out)
     ref_weights, ref_metrics = reference(tmp_path_factory, precision, workers)

@@ -51,11 +51,12 @@ def save_training_checkpoint(fitter: Fitter, wait: bool = True) -> Path | None:
     for strategies that gather); the main rank writes the rest and commits once every rank is
     done. Returns the path on the main rank, None elsewhere.
 
-    A strategy that saves asynchronously (``FSDPStrategy(async_save=True)``) returns a pending
-    write from ``save_checkpoint_state``; with ``wait=False`` training then goes on while the
-    shards are written, and the checkpoint is committed (manifest, rename, rotation) by
-    ``commit_pending_checkpoint`` at the next save or at the end of the fit. Until then it is
-    invisible: a kill in between leaves the previous checkpoint as the newest valid one."""
+    ``wait=False`` with ``async_save=True`` (the Fitter's periodic saves): a strategy that
+    shards (FSDP) stages its state to CPU memory and writes it in the background, committed by
+    ``commit_pending_checkpoint`` at the next save or at the end of the fit; a strategy that
+    gathers writes its files here, then the main rank fsyncs, hashes, writes the manifest and
+    renames in a background thread. Either way the checkpoint is invisible until committed: a
+    kill in between leaves the previous checkpoint as the newest valid one."""
     commit_pending_checkpoint(fitter)
     cfg, strategy, state = fitter.config, fitter.strategy, fitter.state
     assert strategy is not None and fitter.optimizer is not None
@@ -95,7 +96,7 @@ def save_training_checkpoint(fitter: Fitter, wait: bool = True) -> Path | None:
                     "loss_total": [fitter._loss_total, fitter._items_total],
                 })
         if pending is not None and not wait:
-            fitter._checkpoint_in_flight = (writer, pending)
+            fitter._checkpoint_in_flight = (writer, pending, None)
             return None
         if pending is not None:
             pending.result()
@@ -104,6 +105,16 @@ def save_training_checkpoint(fitter: Fitter, wait: bool = True) -> Path | None:
         if main:
             writer.__exit__(*sys.exc_info())  # removes the temp directory
         raise
+    if not wait and cfg.async_save:
+        committing = None
+        if main:
+            from concurrent.futures import ThreadPoolExecutor
+
+            pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lightlike-commit")
+            committing = pool.submit(writer.__exit__, None, None, None)  # fsync, hash, manifest, rename
+            pool.shutdown(wait=False)
+        fitter._checkpoint_in_flight = (writer, None, committing)
+        return None
     return _commit(fitter, writer)
 
 
@@ -114,24 +125,29 @@ def commit_pending_checkpoint(fitter: Fitter) -> Path | None:
     if in_flight is None:
         return None
     fitter._checkpoint_in_flight = None
-    writer, pending = in_flight
-    try:
-        pending.result()  # this rank's shards are on disk
-        fitter.strategy.barrier("save")  # type: ignore[union-attr]  # ... and every rank's
-    except BaseException:
-        if fitter.strategy.is_global_zero:  # type: ignore[union-attr]
-            writer.__exit__(*sys.exc_info())
-        raise
-    return _commit(fitter, writer)
+    writer, pending, committing = in_flight
+    if pending is not None:
+        try:
+            pending.result()  # this rank's shards are on disk
+            fitter.strategy.barrier("save")  # type: ignore[union-attr]  # ... and every rank's
+        except BaseException:
+            if fitter.strategy.is_global_zero:  # type: ignore[union-attr]
+                writer.__exit__(*sys.exc_info())
+            raise
+    return _commit(fitter, writer, committing)
 
 
-def _commit(fitter: Fitter, writer: CheckpointWriter) -> Path | None:
+def _commit(fitter: Fitter, writer: CheckpointWriter, committing: Any = None) -> Path | None:
+    """Commit on the main rank (or wait for the background commit), then rotate."""
     cfg, strategy, state = fitter.config, fitter.strategy, fitter.state
     assert strategy is not None
     out = Path(cfg.output_dir)
     path: Path | None = None
     if strategy.is_global_zero:
-        writer.__exit__(None, None, None)  # fsync, hash, manifest, rename
+        if committing is not None:
+            committing.result()  # raises what the commit raised
+        else:
+            writer.__exit__(None, None, None)  # fsync, hash, manifest, rename
         path = writer.final_path
         protect = [p for p in (state.best_checkpoint, getattr(fitter, "resumed_from", None)) if p]
         for p in rotate_checkpoints(out, cfg.save_total_limit, protect=protect):

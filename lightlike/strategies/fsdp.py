@@ -107,6 +107,7 @@ class FSDPStrategy(DDPStrategy):
         return cls(**{**table, **kwargs})
 
     def configure(self, config: Any) -> None:
+        self.async_save = self.async_save or bool(config.async_save)
         if self.activation_checkpointing is None:
             self.activation_checkpointing = bool(config.gradient_checkpointing)
 

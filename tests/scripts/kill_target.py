@@ -93,6 +93,7 @@ def main() -> None:
     p.add_argument("--workers", type=int, default=0)
     p.add_argument("--kill", default="")
     p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--async-save", action="store_true", help="commit checkpoints in a background thread")
     args = p.parse_args()
     KILL.extend(args.kill.split(":") if args.kill else [])
     patch_saves()
@@ -103,7 +104,7 @@ def main() -> None:
                        save_every=2, eval_every=3, log_every=1, loggers=["jsonl", "csv"], output_dir=args.out,
                        precision=args.precision, num_workers=args.workers, seed=3,
                        overwrite_output_dir=not resume, model_summary=False, log_level="warning",
-                       callbacks=[KillAfterStep()])
+                       callbacks=[KillAfterStep()], async_save=args.async_save)
     # 26 items in batches of 4: 7 batches per epoch, the last one short; 4 steps per epoch, the
     # last window holding a single batch
     fitter.fit(model, DictDataset(n=26), DictDataset(n=6, seed=9), resume=resume)
