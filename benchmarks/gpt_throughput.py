@@ -1,0 +1,112 @@
+"""Tokens/s and MFU of a GPT-style model through the Fitter: one device, or FSDP under torchrun.
+
+The model is ``examples/char_gpt.py``'s CharGPT (pre-norm blocks, tied embedding), trained on
+random tokens with ``precision="bf16-mixed"`` and ``compile=True`` (on CUDA). MFU counts the
+model FLOPs of a training step as ``6 * N + 12 * n_layer * n_embd * T`` per token (PaLM's
+formula: matmuls forward and backward, plus attention) against the device's peak dense bf16
+FLOP/s (``--peak-tflops``; H100/H200 SXM: 989).
+
+    python benchmarks/gpt_throughput.py                                  # one device
+    torchrun --nproc_per_node 8 benchmarks/gpt_throughput.py --strategy fsdp
+    python benchmarks/gpt_throughput.py --tiny                           # CPU smoke run
+
+On a machine without CUDA it runs on the CPU in fp32 (no MFU is reported).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+
+import torch
+from torch.utils.data import Dataset
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
+from char_gpt import CharGPT  # noqa: E402
+
+import lightlike as ll  # noqa: E402
+
+PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "L40S": 362.0}
+
+
+class RandomTokens(Dataset):
+    def __init__(self, n: int, block: int, vocab: int):
+        g = torch.Generator().manual_seed(0)
+        self.data = torch.randint(0, vocab, (n, block + 1), generator=g)
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, i: int):
+        row = self.data[i]
+        return {"idx": row[:-1], "targets": row[1:]}
+
+
+class Throughput(ll.Callback):
+    def __init__(self, warmup: int):
+        self.warmup, self.t0, self.t1, self.steps = warmup, 0.0, 0.0, 0
+
+    def on_step_end(self, fitter, state, control):
+        if state.global_step == self.warmup:
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            self.t0 = time.perf_counter()
+        elif state.global_step > self.warmup:
+            self.steps = state.global_step - self.warmup
+
+    def on_fit_end(self, fitter, state, control):
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        self.t1 = time.perf_counter()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--strategy", default="auto")
+    p.add_argument("--n-layer", type=int, default=12)
+    p.add_argument("--n-embd", type=int, default=768)
+    p.add_argument("--n-head", type=int, default=12)
+    p.add_argument("--block", type=int, default=1024)
+    p.add_argument("--vocab", type=int, default=50304)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--warmup", type=int, default=20)
+    p.add_argument("--peak-tflops", type=float, default=None)
+    p.add_argument("--no-compile", action="store_true")
+    p.add_argument("--tiny", action="store_true", help="a small model and few steps (a smoke run)")
+    args = p.parse_args()
+    if args.tiny:
+        args.n_layer, args.n_embd, args.n_head, args.block, args.vocab = 2, 64, 2, 64, 256
+        args.batch_size, args.steps, args.warmup = 4, 8, 3
+    cuda = torch.cuda.is_available()
+    model = CharGPT(args.vocab, block_size=args.block, n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd)
+    n_params = sum(p.numel() for p in model.parameters())
+    clock = Throughput(args.warmup)
+    with tempfile.TemporaryDirectory() as out:
+        fitter = ll.Fitter(strategy=args.strategy, precision="bf16-mixed" if cuda else "32-true",
+                           compile=cuda and not args.no_compile, max_steps=args.steps, batch_size=args.batch_size,
+                           learning_rate=3e-4, output_dir=out, loggers=[], progress_bar=False,
+                           model_summary=False, log_level="warning", callbacks=[clock])
+        fitter.fit(model, RandomTokens(args.batch_size * args.steps * 8, args.block, args.vocab))
+    strategy = fitter.strategy
+    world = strategy.world_size
+    tokens = clock.steps * args.batch_size * args.block * world
+    tok_s = tokens / (clock.t1 - clock.t0)
+    flops_per_token = 6 * n_params + 12 * args.n_layer * args.n_embd * args.block
+    if strategy.is_global_zero:
+        device = torch.cuda.get_device_name() if cuda else "CPU"
+        print(f"{device} x {world}, strategy {strategy.name}, {n_params / 1e6:.1f} M parameters, "
+              f"batch {args.batch_size} x {args.block} tokens per rank, {clock.steps} timed steps")
+        print(f"tokens/s: {tok_s:,.0f} ({tok_s / world:,.0f} per device)")
+        peak = args.peak_tflops or next((v for k, v in PEAK_TFLOPS.items() if k in device), None)
+        if cuda and peak:
+            mfu = flops_per_token * tok_s / world / (peak * 1e12)
+            print(f"MFU: {100 * mfu:.1f} % of {peak:.0f} TFLOP/s bf16 per device; "
+                  f"peak memory {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB")
+
+
+if __name__ == "__main__":
+    main()
