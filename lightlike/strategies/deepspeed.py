@@ -1,0 +1,516 @@
+"""DeepSpeed ZeRO (stages 1, 2, 3; optimizer and parameter offload to CPU) behind the Strategy contract.
+
+``strategy="deepspeed_zero3"`` (or ``DeepSpeedStrategy(stage=3, config="ds.json")``) is the only
+change to a training script. lightlike keeps the loop: the process group is DDP's (torchrun, SLURM,
+or one plain process), DeepSpeed reuses it; the DeepSpeed config is generated from the Fitter's
+settings (``deepspeed_config.py``: micro-batch, accumulation, clipping, precision, stage), and a
+user config may add settings but not contradict those; the optimizer and the LR scheduler are
+lightlike's (the torch optimizer is handed to ``deepspeed.initialize``, which wraps it in the ZeRO
+optimizer; lightlike's ``LambdaLR`` keeps setting ``lr`` in the param groups that the ZeRO
+optimizer steps with — the same dict objects, checked at set-up).
+
+A step: ``no_sync`` sets DeepSpeed's accumulation boundary explicitly (the last window of an epoch
+may be partial); ``backward`` is ``engine.backward(loss, scale_wrt_gas=False)`` because the Fitter
+already weights each micro-batch by its share of the step's items over all ranks (DeepSpeed
+averages gradients over ranks as DDP does, so ``DDPStrategy.item_normaliser`` applies unchanged);
+``engine.step()`` clips by the global norm (config ``gradient_clipping`` = ``max_grad_norm``) and
+steps; the norm it computed is returned through the tensor ``clip_gradients`` handed out (filled
+in place after the step); ``optimizer_step`` returns False when DeepSpeed skipped the step (fp16
+overflow). ``max_grad_value`` is not supported by DeepSpeed (error).
+
+Checkpoints (``state_format="deepspeed"``): every rank calls ``engine.save_checkpoint`` into
+``deepspeed/`` of the shared temp directory (tag ``state``): the module states and each rank's
+ZeRO partitions (fp32 master weights, optimizer state). lightlike's own state (RNG, data position,
+scheduler, FitState) is written next to it by ``checkpoint/training.py`` — that is the "client
+state" — and the manifest/rename commit covers all of it. Weights-only checkpoints
+(``save_only_model``) hold ``model.safetensors`` gathered in fp32. Export: ``checkpoint/zero.py``
+(DeepSpeed's zero-to-fp32). Resume on another world size: see ``load_checkpoint_state``.
+
+DeepSpeed is imported only inside methods: ``import lightlike`` does not import it.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import datetime
+import json
+import logging
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightlike.errors import CheckpointError, ConfigError
+from lightlike.precision import Precision
+from lightlike.strategies import deepspeed_config as dsc
+from lightlike.strategies import deepspeed_fixes as ds_fixes
+from lightlike.strategies.base import Strategy
+from lightlike.strategies.ddp import DDPStrategy
+from lightlike.strategies.environment import detect_environment
+
+log = logging.getLogger("lightlike")
+
+#: where ``save_checkpoint_state`` puts DeepSpeed's files inside a checkpoint, and the tag
+DS_DIR, DS_TAG, META = "deepspeed", "state", "deepspeed_meta.json"
+
+
+class DeepSpeedStrategy(DDPStrategy):
+    """ZeRO data parallelism through a DeepSpeed engine.
+
+    ``stage`` (1: optimizer state sharded; 2: + gradients; 3: + parameters), ``offload_optimizer``
+    (optimizer state and fp32 master weights in CPU memory, stepped there), ``offload_params``
+    (stage 3: parameters in CPU memory). Each is taken from the argument, else from ``config``,
+    else stage 2 without offload. ``config``: a dict or the path of a DeepSpeed JSON file, merged
+    with the generated config (``lightlike.strategies.deepspeed_config``)."""
+
+    checkpoint_format = "deepspeed"
+
+    def __init__(
+        self,
+        accelerator: str = "auto",
+        precision: Precision | None = None,
+        *,
+        stage: int | None = None,
+        offload_optimizer: bool | None = None,
+        offload_params: bool | None = None,
+        config: Mapping[str, Any] | str | Path | None = None,
+        timeout_s: float = 600.0,
+        backend: str | None = None,
+        name: str | None = None,
+    ) -> None:
+        super().__init__(accelerator, precision, timeout_s=timeout_s, backend=backend)
+        self.config_source = f"file {str(config)!r}" if isinstance(config, (str, Path)) else (
+            "the dict passed as config" if config else "none")
+        self.user_config = dsc.load_user_config(config)
+        dsc.check_refused(self.user_config, self.config_source)
+        self.stage, self.offload_optimizer_device, self.offload_params_device = dsc.strategy_settings(
+            self.user_config, stage, offload_optimizer, offload_params, self.config_source)
+        self.offload_optimizer = self.offload_optimizer_device is not None
+        self.offload_params = self.offload_params_device is not None
+        self.name = name or f"deepspeed_zero{self.stage}" + ("_offload" if self.offload_optimizer else "")
+        self.fit_config: Any = None
+        self.ds_config: dict[str, Any] | None = None
+        self.engine: Any = None
+        self._norm: torch.Tensor | None = None
+
+    @classmethod
+    def from_preset(cls, name: str, **kwargs: Any) -> DeepSpeedStrategy:
+        """The registered names: ``deepspeed_zero1``, ``deepspeed_zero2``, ``deepspeed_zero2_offload``,
+        ``deepspeed_zero3``, ``deepspeed_zero3_offload`` (also as JSON files in ``strategies/``)."""
+        if name not in dsc.PRESETS:
+            raise ConfigError(f"unknown DeepSpeed preset {name!r}; valid names: {', '.join(dsc.PRESETS)}")
+        return cls(**{**dsc.PRESETS[name], **kwargs}, name=name)
+
+    @property
+    def settings(self) -> dict[str, Any]:
+        """What the preset names fix: stage and offloads."""
+        return {"stage": self.stage, "offload_optimizer": self.offload_optimizer, "offload_params": self.offload_params}
+
+    # -- set-up ----------------------------------------------------------------------------------------
+    def configure(self, config: Any) -> None:
+        if config.max_grad_value is not None:
+            raise ConfigError(f"max_grad_value={config.max_grad_value} is not supported with strategy={self.name!r}: "
+                              "DeepSpeed clips by the global norm only (gradient_clipping); use max_grad_norm")
+        if getattr(config, "compile", False):
+            raise ConfigError(f"compile=True is not supported with strategy={self.name!r}: the Fitter would compile the "
+                              "DeepSpeed engine, whose hooks torch.compile does not see through; drop compile")
+        if getattr(config, "auto_find_batch_size", False):
+            raise ConfigError(f"auto_find_batch_size=True is not supported with strategy={self.name!r}: a retry would "
+                              "build a second engine on a module ZeRO has already partitioned; set batch_size")
+        self.fit_config = config
+
+    def setup_environment(self) -> None:
+        env = detect_environment()
+        backend = self.backend or ("nccl" if self.accelerator in ("auto", "cuda") and torch.cuda.is_available()
+                                   else "gloo")
+        if env.world_size == 1 and not dist.is_initialized():
+            # one plain process (no launcher): DeepSpeed still needs a process group; a private
+            # in-memory one, so no address or port is needed
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
+                                    timeout=datetime.timedelta(seconds=self.timeout_s))
+            self._owns_group = True
+            atexit.register(self.teardown)
+        super().setup_environment()
+        os.environ.setdefault("LOCAL_RANK", str(self.local_rank))  # DeepSpeed's engine insists on it
+        from deepspeed.accelerator import get_accelerator
+
+        if self.fit_config is None or self.fit_config.log_level != "debug":
+            logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+        accel = get_accelerator()
+        if accel.device_name() != self.root_device.type:
+            raise ConfigError(f"strategy={self.name!r} on {self.root_device.type}: DeepSpeed chose its "
+                              f"{accel.device_name()!r} accelerator; set DS_ACCELERATOR={self.root_device.type} "
+                              "or accelerator= to match")
+        ds_fixes.init_deepspeed_comm()
+        fp16_ok = bool(accel.is_fp16_supported())
+        self._precision_sections = dsc.precision_sections(self.precision.name, fp16_ok, str(self.root_device),
+                                                          self.name)
+        if self.fit_config is not None:
+            self.ds_config = self.build_config(self.fit_config, self.world_size)
+
+    def build_config(self, fit_config: Any, world_size: int, fp16_ok: bool = False) -> dict[str, Any]:
+        """The DeepSpeed config for ``fit_config`` on ``world_size`` ranks: generated values merged
+        with the user config (errors name both values of a contradiction)."""
+        sections = getattr(self, "_precision_sections", None) or dsc.precision_sections(
+            self.precision.name, fp16_ok, str(self.root_device), self.name)
+        generated = dsc.generated_config(
+            batch_size=fit_config.batch_size, grad_accum_steps=fit_config.grad_accum_steps, world_size=world_size,
+            max_grad_norm=fit_config.max_grad_norm, stage=self.stage, offload_optimizer=self.offload_optimizer_device,
+            offload_params=self.offload_params_device, precision=sections)
+        return dsc.merge(generated, self.user_config, self.config_source)
+
+    def setup_module(self, module: nn.Module) -> nn.Module:
+        # no wrapper yet: the engine wraps module and optimizer together in setup_optimizer
+        return Strategy.setup_module(self, module)
+
+    def setup_optimizer(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[nn.Module, torch.optim.Optimizer]:
+        import copy
+
+        import deepspeed
+
+        if self.ds_config is None:
+            raise ConfigError(f"strategy={self.name!r} needs the run's settings before set-up: the Fitter calls "
+                              "strategy.configure(config) before setup_environment()")
+        groups = list(optimizer.param_groups)
+        engine, ds_optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer,
+                                                          config=copy.deepcopy(self.ds_config),
+                                                          dist_init_required=False)
+        # lightlike's scheduler sets lr in these dicts; the ZeRO optimizer must step with them
+        if len(ds_optimizer.param_groups) != len(groups) or any(
+                a is not b for a, b in zip(ds_optimizer.param_groups, groups, strict=True)):
+            raise ConfigError(f"{type(ds_optimizer).__name__} does not step with the param groups of the "
+                              "optimizer lightlike built: the LR schedule would not reach it")
+        self.engine = engine
+        ds_fixes.share_zero3_master_partitions(ds_optimizer)
+        return engine, ds_optimizer
+
+    def unwrap(self, module: nn.Module) -> nn.Module:
+        inner = getattr(module, "_orig_mod", module)  # torch.compile
+        if self.engine is not None and inner is self.engine:
+            return self.engine.module
+        return inner
+
+    def teardown(self) -> None:
+        self.engine = None
+        super().teardown()
+
+    # -- a training step ---------------------------------------------------------------------------------
+    def _engine(self) -> Any:
+        if self.engine is None:
+            raise RuntimeError("the DeepSpeed engine is not set up (setup_optimizer has not run)")
+        return self.engine
+
+    def no_sync(self, module: nn.Module, enabled: bool) -> contextlib.AbstractContextManager:
+        """DeepSpeed's accumulation boundary, set explicitly before each micro-batch (the last
+        window of an epoch may hold fewer micro-batches than ``gradient_accumulation_steps``).
+        ZeRO-2/3 reduce-scatter on every micro-batch anyway; ZeRO-1 waits for the boundary."""
+        self._engine().set_gradient_accumulation_boundary(not enabled)
+        return contextlib.nullcontext()
+
+    def backward(self, loss: torch.Tensor, module: nn.Module) -> None:
+        # the Fitter's weights already make the window's gradient the item mean: no 1/GAS here
+        self._engine().backward(loss, scale_wrt_gas=False)
+
+    def clip_gradients(self, module: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float | None,
+                       max_value: float | None, want_norm: bool = False) -> torch.Tensor | None:
+        """DeepSpeed clips inside ``engine.step()`` with the configured ``gradient_clipping``; this
+        checks that the Fitter asks for the same and hands out a tensor that ``optimizer_step``
+        fills with the global norm (before clipping) once DeepSpeed has computed it."""
+        if max_value is not None:
+            raise ConfigError(f"max_grad_value is not supported with strategy={self.name!r}: DeepSpeed clips by the "
+                              "global norm only; use max_grad_norm")
+        configured = float(self.ds_config["gradient_clipping"]) if self.ds_config else 0.0
+        if float(max_norm or 0.0) != configured:
+            raise ConfigError(f"max_grad_norm={max_norm} but the DeepSpeed engine was set up with "
+                              f"gradient_clipping={configured}; it cannot change after set-up")
+        if max_norm is None and not want_norm:
+            self._norm = None
+            return None
+        self._norm = torch.full((), float("nan"), dtype=torch.float32, device=self.root_device)
+        return self._norm
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer, module: nn.Module) -> bool:
+        engine = self._engine()
+        engine.step()
+        if self._norm is not None:
+            norm = engine.get_global_grad_norm()
+            if isinstance(norm, torch.Tensor):
+                self._norm.copy_(norm.detach().reshape(()))
+            elif norm is not None:
+                self._norm.fill_(float(norm))
+            self._norm = None
+        return bool(engine.was_step_applied())
+
+    def zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
+        # engine.step() has cleared them already; this matters after a skipped (non-finite) step
+        optimizer.zero_grad(set_to_none=True)
+
+    # -- full weights ----------------------------------------------------------------------------------
+    def _named_params(self, inner: nn.Module) -> dict[str, nn.Parameter]:
+        return dict(inner.named_parameters(remove_duplicate=False))
+
+    def _full_param(self, p: nn.Parameter) -> torch.Tensor:
+        """The exact full value of one parameter on every rank (collective under ZeRO): the fp32
+        master weights for trained parameters, the parameter itself for frozen ones."""
+        from deepspeed.utils import safe_get_full_fp32_param
+
+        zero3 = hasattr(p, "ds_id")
+        shape = p.ds_shape if zero3 else p.shape
+        if not zero3 and p.dtype == torch.float32:
+            return p.detach().clone()  # ZeRO-1/2 with fp32 parameters: a full copy of the master weights
+        full = safe_get_full_fp32_param(p) if p.requires_grad else None
+        if full is None:  # frozen: not in the optimizer, no master copy
+            if zero3:
+                import deepspeed
+
+                with deepspeed.zero.GatheredParameters([p]):
+                    return p.detach().clone()
+            return p.detach().clone()
+        return full.detach().reshape(shape).clone()
+
+    def module_state_dict(self, module: nn.Module) -> dict[str, torch.Tensor]:
+        """Full weights with the user's keys on every rank (collective): trained parameters from the
+        fp32 master partitions (exact: no 16-bit round trip), buffers as the module holds them."""
+        if self.engine is None:
+            return super().module_state_dict(module)
+        inner = self.engine.module
+        params = self._named_params(inner)
+        cache: dict[int, torch.Tensor] = {}
+        out: dict[str, torch.Tensor] = {}
+        for key, value in inner.state_dict().items():
+            p = params.get(key)
+            if p is None:
+                out[key] = value.detach().cpu().clone()
+                continue
+            if id(p) not in cache:
+                cache[id(p)] = self._full_param(p).cpu()
+            out[key] = cache[id(p)]
+        return out
+
+    def load_module_state_dict(self, module: nn.Module, state: Mapping[str, torch.Tensor], strict: bool = True) -> None:
+        """Set full weights on every rank (collective): the module's parameters (gathered and
+        re-partitioned under ZeRO-3) and the fp32 master partitions the optimizer steps."""
+        if self.engine is None:
+            return super().load_module_state_dict(module, state, strict)
+        from deepspeed.utils import safe_set_full_fp32_param
+
+        inner = self.engine.module
+        params = self._named_params(inner)
+        own = inner.state_dict()
+        shapes = {k: tuple(params[k].ds_shape) if hasattr(params.get(k), "ds_id") else tuple(v.shape)
+                  for k, v in own.items()}
+        _check_keys(type(inner).__name__, shapes, state, strict)
+        done: set[int] = set()
+        buffers = {}
+        for key in own:
+            if key not in state:
+                continue
+            p = params.get(key)
+            if p is None:
+                buffers[key] = state[key]
+                continue
+            if id(p) in done:
+                continue
+            done.add(id(p))
+            value = state[key].to(device=p.device)
+            if hasattr(p, "ds_id"):
+                import deepspeed
+
+                with deepspeed.zero.GatheredParameters([p], modifier_rank=0):
+                    if self.global_rank == 0:
+                        p.data.copy_(value.to(p.dtype).reshape(p.shape))
+            else:
+                p.data.copy_(value.to(p.dtype).reshape(p.shape))
+            if p.requires_grad:
+                if hasattr(p, "ds_id") and p.ds_numel % self.world_size:
+                    ds_fixes.set_zero3_master_padded(p, value)
+                else:
+                    safe_set_full_fp32_param(p, value.float())
+        if buffers:
+            inner.load_state_dict(buffers, strict=False)
+
+    # -- checkpoints -----------------------------------------------------------------------------------
+    def save_checkpoint_state(self, writer: Any, module: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+        """Every rank: ``engine.save_checkpoint`` into ``deepspeed/`` (tag ``state``), synchronous,
+        so each rank's files are closed when it returns. Weights only (``optimizer=None``): the
+        gathered fp32 weights as ``model.safetensors``, written by the main rank."""
+        if optimizer is None:
+            weights = self.module_state_dict(module)
+            if self.is_global_zero:
+                writer.save_safetensors("model.safetensors", weights)
+            return
+        engine = self._engine()
+        from deepspeed.checkpoint.constants import (
+            UNIVERSAL_CHECKPOINT_INFO,
+            UNIVERSAL_CHECKPOINT_VERSION_KEY,
+            UNIVERSAL_CHECKPOINT_VERSION_VALUE,
+        )
+
+        # the universal-checkpoint marker lets DeepSpeed's converter (resume on another world size) read it
+        client_state = {UNIVERSAL_CHECKPOINT_INFO: {UNIVERSAL_CHECKPOINT_VERSION_KEY: UNIVERSAL_CHECKPOINT_VERSION_VALUE}}
+        engine.save_checkpoint(str(writer.path_for(DS_DIR)), tag=DS_TAG, client_state=client_state, save_latest=False)
+        if self.is_global_zero:
+            writer.write_json(META, {"world_size": self.world_size, "stage": self.stage, "dir": DS_DIR, "tag": DS_TAG,
+                                     "precision": self.precision.name, "deepspeed_config": self.ds_config})
+
+    def load_checkpoint_state(self, path: Path, module: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+        """Restore a checkpoint saved by this strategy.
+
+        - Same world size: ``engine.load_checkpoint`` (module strict, ZeRO partitions with fp32
+          master weights and optimizer state; not DeepSpeed's LR scheduler: lightlike restores its
+          own): a bit-exact continuation.
+        - Another world size (2 -> 1, 1 -> 2, ...) or ZeRO stage: DeepSpeed cannot re-partition its ZeRO files
+          directly, so the main rank converts them into DeepSpeed's *universal checkpoint* (per-
+          parameter fp32 weights and Adam moments, ``deepspeed.checkpoint.ds_to_universal``) in a
+          temp directory next to the checkpoint, and every rank loads that with
+          ``load_universal``. Weights and optimizer state carry over; the run continues as the
+          uninterrupted one would, up to float rounding (gradients are reduced over a different
+          number of ranks) and the RNG note ``training.py`` logs. The checkpoint is not modified.
+        - ``optimizer=None`` (weights only, e.g. ``load_best_at_end``): ``model.safetensors`` if the
+          checkpoint has it, else the fp32 weights consolidated from the partitions (zero-to-fp32).
+        - A checkpoint of another strategy (``model.safetensors`` + ``optimizer.pt``): its weights;
+          the optimizer state starts again from zero, with a warning.
+        """
+        from lightlike.checkpoint.weights import load_safetensors
+
+        meta_file = path / META
+        meta = json.loads(meta_file.read_text()) if meta_file.is_file() else None
+        if meta is None or optimizer is None:
+            if (path / "model.safetensors").is_file():
+                self.load_module_state_dict(module, load_safetensors(path / "model.safetensors"))
+                if optimizer is not None:
+                    log.warning("%s was not saved by a DeepSpeed strategy: its weights are loaded, the optimizer "
+                                "state (moments) starts again from zero", path)
+                return
+            if meta is None:
+                raise CheckpointError(f"{path} holds neither model.safetensors nor a DeepSpeed checkpoint "
+                                      f"({META} is missing)")
+            from lightlike.checkpoint.zero import consolidated_state_dict
+
+            weights = consolidated_state_dict(path) if self.is_global_zero else None
+            self.load_module_state_dict(module, self.broadcast_object(weights) if self.world_size > 1 else weights)
+            return
+        engine = self._engine()
+        if meta["world_size"] == self.world_size and meta.get("stage") == self.stage:
+            load_dir, tag = str(path / meta["dir"]), meta["tag"]
+            load_path, _ = engine.load_checkpoint(load_dir, tag=tag, load_module_strict=True,
+                                                  load_optimizer_states=True, load_lr_scheduler_states=False)
+        else:
+            load_path = self._load_resharded(path, meta["world_size"], meta.get("stage"))
+        if load_path is None:
+            raise CheckpointError(f"DeepSpeed could not load the checkpoint in {path / meta['dir']}")
+
+    def _load_resharded(self, path: Path, saved_world_size: int, saved_stage: int | None) -> Any:
+        import secrets
+        import shutil
+
+        from lightlike.checkpoint.zero import to_universal
+
+        log.warning("resuming a DeepSpeed checkpoint saved on %d process(es) with ZeRO-%s on %d with ZeRO-%d: "
+                    "converting it to DeepSpeed's universal checkpoint format to re-partition weights and optimizer "
+                    "state", saved_world_size, saved_stage, self.world_size, self.stage)
+        engine = self._engine()
+        tmp: Any = None
+        error: str | None = None
+        if self.is_global_zero:
+            # a name cleanup_stale_temps removes if this process dies before removing it
+            tmp = path.parent / f".checkpoint-universal.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+            try:
+                to_universal(path, tmp)
+            except Exception as e:  # noqa: BLE001 - reported on every rank below
+                error = f"{type(e).__name__}: {e}"
+        tmp, error = self.broadcast_object((str(tmp), error)) if self.world_size > 1 else (str(tmp), error)
+        try:
+            if error is not None:
+                raise CheckpointError(f"converting {path} to DeepSpeed's universal checkpoint failed: {error}")
+            engine._config.load_universal_checkpoint = True  # read by load_checkpoint, fixed at initialize otherwise
+            try:
+                load_path, _ = engine.load_checkpoint(tmp, tag="state", load_module_strict=True,
+                                                      load_optimizer_states=True, load_lr_scheduler_states=False)
+            finally:
+                engine._config.load_universal_checkpoint = False
+            if self.stage == 3:
+                ds_fixes.repair_zero3_universal_load(engine.optimizer, Path(tmp) / "state" / "zero" / "optimizer_state.pt")
+        finally:
+            self.barrier()
+            if self.is_global_zero:
+                shutil.rmtree(tmp, ignore_errors=True)
+        return load_path
+
+    # -- memory --------------------------------------------------------------------------------------------
+    def memory_footprint(self, module: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, int]:
+        """Bytes of storage this rank holds (device and, when offloading, host memory alike), each
+        storage counted once, in the first category that holds it:
+
+        - ``params``: the module's parameters as this rank holds them: full under ZeRO-1/2; under
+          ZeRO-3 the local partitions (``ds_tensor``) plus any parameter held whole (DeepSpeed keeps
+          parameters smaller than ``stage3_param_persistence_threshold`` on every rank).
+        - ``optimizer``: the fp32 master partitions (none extra when they are the parameter
+          partitions themselves, as under fp32 ZeRO-3) and the wrapped optimizer's state (moments).
+        - ``grads``: gradients held now: ``.grad`` of parameters and master partitions, and ZeRO's
+          gradient partition buffers (ZeRO-3 keeps its flat one allocated between steps).
+        Padding of the flat partitions is included (whole storages are counted)."""
+        if self.engine is None:
+            return super().memory_footprint(module, optimizer)
+        zero = self.engine.optimizer
+        inner = self.engine.module
+        seen: set[int] = set()
+
+        def count(tensors: Any) -> int:
+            total = 0
+            for t in _tensors(tensors):
+                storage = t.untyped_storage()
+                if storage.nbytes() == 0 or storage.data_ptr() in seen:
+                    continue
+                seen.add(storage.data_ptr())
+                total += storage.nbytes()
+            return total
+
+        params = list(inner.parameters())
+        local = [p.ds_tensor for p in params if hasattr(p, "ds_tensor")] + [p.data for p in params]
+        out = {"params": count(local)}
+        masters = getattr(zero, "single_partition_of_fp32_groups", None) or getattr(zero, "fp32_partitioned_groups_flat", [])
+        inner_opt = getattr(zero, "optimizer", zero)
+        out["optimizer"] = count([masters, [s for s in inner_opt.state.values()]])
+        grad_buffers = [getattr(zero, name, None) for name in
+                        ("grad_partitions_flat_buffer", "grads_in_partition", "averaged_gradients", "ipg_buffer",
+                         "accumulated_grads_in_cpu")]
+        out["grads"] = count([[p.grad for p in params], [m.grad for m in _tensors(masters)], grad_buffers])
+        return out
+
+    def __repr__(self) -> str:
+        return (f"DeepSpeedStrategy({self.name!r}, stage={self.stage}, rank={self.global_rank}/{self.world_size}, "
+                f"device={self.root_device}, precision={self.precision.name!r})")
+
+
+def _tensors(obj: Any) -> list[torch.Tensor]:
+    """Every tensor in a (nested) list/tuple/dict; None and other values skipped."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, Mapping):
+        return [t for v in obj.values() for t in _tensors(v)]
+    if isinstance(obj, (list, tuple)):
+        return [t for v in obj for t in _tensors(v)]
+    return []
+
+
+def _check_keys(owner: str, shapes: Mapping[str, tuple[int, ...]], state: Mapping[str, torch.Tensor],
+                strict: bool) -> None:
+    missing = [k for k in shapes if k not in state]
+    unexpected = [k for k in state if k not in shapes]
+    mismatched = [f"{k}: checkpoint {tuple(state[k].shape)} vs module {shapes[k]}"
+                  for k in shapes if k in state and tuple(state[k].shape) != shapes[k]]
+    problems = []
+    if strict and missing:
+        problems.append(f"  {len(missing)} missing keys: {', '.join(missing[:10])}")
+    if strict and unexpected:
+        problems.append(f"  {len(unexpected)} unexpected keys: {', '.join(unexpected[:10])}")
+    if mismatched:
+        problems.append(f"  {len(mismatched)} shape mismatches: {', '.join(mismatched[:10])}")
+    if problems:
+        raise CheckpointError(f"the weights do not fit {owner}:\n" + "\n".join(problems))
