@@ -66,6 +66,13 @@ class Fitter:
         self._pending: list[tuple[torch.Tensor, int | torch.Tensor, int, int]] = []
         self._loss_total, self._items_total = 0.0, 0.0
 
+    def init_module(self) -> Any:
+        """Context in which to build a module too large for one device: ``with
+        fitter.init_module(): module = Model()``. The strategy decides (FSDP: on the meta device,
+        materialised shard by shard in ``fit``; DeepSpeed ZeRO-3: partitioned as it is built;
+        others: as usual). Sets up the process group first."""
+        return self._setup_strategy().module_init_context()
+
     # ==========================================================================================
     # fit
     # ==========================================================================================

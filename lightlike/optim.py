@@ -60,7 +60,8 @@ def param_groups(module: nn.Module, weight_decay: float) -> list[dict[str, Any]]
             continue
         seen.add(id(p))
         everything.append(p)
-        if id(p) in no_decay_ids or p.ndim < 2 or name.rsplit(".", 1)[-1] == "bias":
+        ndim = len(getattr(p, "ds_shape", p.shape))  # a ZeRO-3 partition keeps its full shape there
+        if id(p) in no_decay_ids or ndim < 2 or name.rsplit(".", 1)[-1] == "bias":
             no_decay.append(p)
         else:
             decay.append(p)

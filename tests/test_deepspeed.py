@@ -122,6 +122,17 @@ def test_same_weights_as_ddp(runs, strategy):
         assert [r[key] for r in rows] == pytest.approx([r[key] for r in ref_rows], rel=rel), key
 
 
+def test_zero3_init_module_partitions_while_building(runs, no_persistence):
+    """``with fitter.init_module():`` under ZeRO-3 is ``deepspeed.zero.Init``: each rank holds only
+    its partition of every parameter from construction on; the initial weights are those of a
+    plain build (same seed), so training still matches DDP."""
+    ddp, zero3 = runs("ddp"), runs("deepspeed_zero3", "--ds-config", no_persistence, "--init-module")
+    assert_close(weights(zero3), weights(ddp))
+    for rank in (0, 1):
+        ref, got = footprint(ddp, rank), footprint(zero3, rank)
+        assert got["params"] <= 0.55 * ref["params"], (got, ref)
+
+
 def test_zero3_memory_per_rank_is_half_of_ddp(runs, no_persistence):
     """Parameter + gradient + optimizer bytes each rank holds (its local partitions), measured just
     before every optimizer step (largest kept) and after the run: ZeRO-3 on 2 ranks ≤ (1/2 + 5 %)

@@ -137,10 +137,12 @@ def test_offload_on_cpu_is_a_clear_error(tmp_path):
     assert "is on the CPU already; use strategy='fsdp'" in p.stderr
 
 
-def test_meta_device_init_materialises_shards(tmp_path):
-    """A module built on the meta device is sharded first, then each rank allocates and
-    initialises only its shard; it trains, and the gathered weights agree on both ranks."""
-    run_ok(2, tmp_path / "meta", "--strategy", "fsdp", "--meta", "--width", "64", "--steps", "3", "--batch", "4")
+@pytest.mark.parametrize("how", ["--meta", "--init-module"])
+def test_meta_device_init_materialises_shards(tmp_path, how):
+    """A module built on the meta device (by hand, or in ``fitter.init_module()``) is sharded
+    first, then each rank allocates and initialises only its shard; it trains, and the gathered
+    weights agree on both ranks."""
+    run_ok(2, tmp_path / "meta", "--strategy", "fsdp", how, "--width", "64", "--steps", "3", "--batch", "4")
     w0, w1 = weights(tmp_path / "meta", 0), weights(tmp_path / "meta", 1)
     assert all(torch.equal(w0[k], w1[k]) for k in w0)
     assert all(torch.isfinite(v).all() and v.abs().sum() > 0 for v in w0.values())

@@ -62,6 +62,11 @@ class Strategy:
         """The loop is unwinding after an error: teardown must not wait for the other ranks."""
 
     # -- module and optimizer ------------------------------------------------------------------
+    def module_init_context(self) -> contextlib.AbstractContextManager:
+        """Where ``Fitter.init_module()`` builds the module: as usual, unless a sharded strategy
+        can build it without materialising it whole on one device."""
+        return contextlib.nullcontext()
+
     def setup_module(self, module: nn.Module) -> nn.Module:
         """Move, convert and wrap the module. Returns the module the loop calls."""
         module = self.precision.convert_module(module)

@@ -164,8 +164,23 @@ class DeepSpeedStrategy(DDPStrategy):
             offload_params=self.offload_params_device, precision=sections)
         return dsc.merge(generated, self.user_config, self.config_source)
 
+    def module_init_context(self) -> contextlib.AbstractContextManager:
+        """ZeRO-3: ``deepspeed.zero.Init``, which partitions each submodule's parameters over the
+        ranks as soon as it is built (initialised whole once, then broadcast from rank 0 and split),
+        so the full model never sits on one device. Other stages: as usual."""
+        if self.stage != 3:
+            return contextlib.nullcontext()
+        import deepspeed
+
+        # dtype from the config's bf16/fp16 sections: an explicit dtype is ignored where the
+        # accelerator lacks fp16 (zero.Init's _set_dtype, DeepSpeed 0.19.8: bf16 on this CPU)
+        return deepspeed.zero.Init(config_dict_or_path=self.ds_config, dtype=None,
+                                   remote_device="cpu" if self.offload_params else None)
+
     def setup_module(self, module: nn.Module) -> nn.Module:
         # no wrapper yet: the engine wraps module and optimizer together in setup_optimizer
+        if any(hasattr(p, "ds_id") for p in module.parameters()):
+            return module  # built under zero.Init: partitioned already, in the right dtype
         return Strategy.setup_module(self, module)
 
     def setup_optimizer(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[nn.Module, torch.optim.Optimizer]:

@@ -174,6 +174,10 @@ class FSDPStrategy(DDPStrategy):
             self._materialise(module)
         return module
 
+    def module_init_context(self) -> contextlib.AbstractContextManager:
+        """On the meta device: no memory until ``setup_module`` allocates each rank's shards."""
+        return torch.device("meta")
+
     def _units(self, module: nn.Module) -> list[nn.Module]:
         """Submodules that become shard units, outermost first and none inside another."""
         spec = self.shard_units

@@ -98,6 +98,7 @@ def main() -> None:
     p.add_argument("--dtype", default="float64", choices=["float64", "float32"])
     p.add_argument("--width", type=int, default=16)
     p.add_argument("--meta", action="store_true", help="build the module on the meta device")
+    p.add_argument("--init-module", action="store_true", help="build the module in fitter.init_module()")
     p.add_argument("--gradient-checkpointing", action="store_true")
     args = p.parse_args()
     rank = int(os.environ.get("RANK", "0"))
@@ -117,6 +118,8 @@ def main() -> None:
     if args.meta:
         with torch.device("meta"):
             model = module_cls(width=args.width).to(dtype)
+    elif args.init_module:
+        model = None  # built below, once the Fitter (and its process group) exists
     else:
         model = module_cls(width=args.width).to(dtype)
     strategy = args.strategy
@@ -142,6 +145,13 @@ def main() -> None:
                        log_level="warning", callbacks=callbacks, overwrite_output_dir=not args.resume,
                        strategy=strategy, precision=args.precision,
                        gradient_checkpointing=args.gradient_checkpointing)
+    if model is None:
+        context = fitter.init_module()  # sets up the process group (which may draw random numbers)
+        torch.manual_seed(0)  # the same initial weights as the other runs
+        with context:
+            model = module_cls(width=args.width)
+            if dtype != torch.float32:
+                model = model.to(dtype)
     fitter.fit(model, DictDataset(n=args.items, dtype=dtype), resume=args.resume or None)
     strategy = fitter.strategy
     rank = strategy.global_rank  # under SLURM, known once the Fitter has read the environment
