@@ -351,3 +351,18 @@ def test_import_lightlike_does_not_import_deepspeed():
             "assert 'deepspeed' not in sys.modules, 'deepspeed was imported'\n")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert p.returncode == 0, p.stderr[-2000:]
+
+
+@pytest.mark.parametrize("strategy", ["deepspeed_zero2", "deepspeed_zero3"])
+def test_resume_one_rank_on_two(runs, tmp_path, strategy):
+    """The other direction: a 1-process run (batch 8) stopped after its checkpoint-4, resumed on 2
+    ranks (batch 4 each) through the universal checkpoint, ends where the 2-rank run does."""
+    ref = runs(strategy)
+    out = tmp_path / "grow"
+    args = [*COMMON, *SAVES]
+    one = list(args)
+    one[one.index("--batch") + 1] = "8"
+    run_ok(1, out, "--strategy", strategy, *one, "--stop", "4")
+    p = run_ok(2, out, "--strategy", strategy, *args, "--resume")
+    assert "converting it to DeepSpeed's universal checkpoint format" in p.stderr
+    assert_close(weights(out), weights(ref), tol=TOL)
