@@ -91,6 +91,7 @@ def bench_save_load(args: argparse.Namespace) -> None:
         stall, committed = [], []
         for i in range(args.repeats):
             fitter.state.global_step = 100 + i
+            os.sync()  # every timed save starts with no dirty pages waiting for write-back
             t = time.perf_counter()
             path = save_training_checkpoint(fitter)
             ours_save.append(time.perf_counter() - t)
@@ -99,6 +100,7 @@ def bench_save_load(args: argparse.Namespace) -> None:
             # manifest and the rename run in a thread while training would go on
             fitter.config = fitter.config.replace(async_save=True)
             fitter.state.global_step = 1000 + i
+            os.sync()
             t = time.perf_counter()
             save_training_checkpoint(fitter, wait=False)
             stall.append(time.perf_counter() - t)
@@ -109,6 +111,7 @@ def bench_save_load(args: argparse.Namespace) -> None:
 
             raw = Path(root) / f"raw-{i}"
             raw.mkdir()
+            os.sync()
             t = time.perf_counter()
             save_file({k: v.contiguous() for k, v in fitter.module.state_dict().items()}, str(raw / "model.safetensors"))
             torch.save(fitter.optimizer.state_dict(), raw / "optimizer.pt")
