@@ -1,0 +1,108 @@
+"""``LengthGroupedSampler``: batches of similar length (less padding), resumable like
+``ResumableSampler``.
+
+The epoch's global order is a pure function of (lengths, seed, epoch): shuffle all indices
+(``epoch_permutation``, the default sampler's convention), cut the shuffled order into
+megabatches of ``mega * batch_size * world_size`` indices, and sort each megabatch by length,
+longest first. Consecutive runs of ``batch_size * world_size`` indices (one global batch) then
+hold similar lengths, and since ranks are dealt positions round-robin from the global order,
+each rank's batch of ``batch_size`` is length-homogeneous too. Seeking to a sample position is
+slicing that order: O(1) in consumed batches, nothing is replayed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+import torch
+
+from lightlike.data.sampler import ResumableSampler, epoch_permutation
+from lightlike.errors import DataError
+
+
+class LengthGroupedSampler(ResumableSampler):
+    """Indices of one epoch for one rank, grouped into batches of similar length.
+
+    ``lengths[i]`` is the length of item i (e.g. ``len(dataset[i]["input_ids"])``).
+    ``batch_size`` must be the DataLoader's (per-rank) batch size, so that its batches line up
+    with the groups. ``mega`` global batches form a megabatch, the unit that is sorted: larger
+    means more homogeneous batches and less randomness. ``longest_first=True`` moves the longest
+    item to the front of the epoch (as the HF Trainer does), so an out-of-memory error shows on
+    the first step rather than hours in.
+
+    The interface is ``ResumableSampler``'s (it is one): ``set_epoch(epoch, start)`` with
+    ``start`` in global samples; ``rank``/``world_size`` sharding, by default this process's
+    place in the job as torchrun or srun set it (iterating refuses to start when
+    torch.distributed runs another number of processes); and ``even=True`` (default: this is a
+    training sampler), dropping the global tail of fewer than ``world_size`` samples so every
+    rank takes the same number of steps. A DataLoader built on it and passed to ``Fitter.fit``
+    resumes mid-epoch on the right sample.
+    """
+
+    def __init__(
+        self,
+        lengths: Sequence[int] | torch.Tensor,
+        batch_size: int,
+        *,
+        mega: int = 50,
+        shuffle: bool = True,
+        seed: int = 0,
+        rank: int | None = None,
+        world_size: int | None = None,
+        drop_last: bool = False,
+        even: bool = True,
+        longest_first: bool = True,
+    ) -> None:
+        lengths_t = torch.as_tensor(lengths)
+        if lengths_t.ndim != 1 or lengths_t.is_floating_point() or lengths_t.is_complex():
+            raise ValueError(f"lengths must be a 1-D sequence of ints (one per item), got shape "
+                             f"{tuple(lengths_t.shape)} and dtype {lengths_t.dtype}")
+        if len(lengths_t) == 0:
+            raise ValueError("lengths is empty: LengthGroupedSampler needs at least one item")
+        if not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+        if not isinstance(mega, int) or mega < 1:
+            raise ValueError(f"mega must be a positive int, got {mega!r}")
+        if rank is None or world_size is None:
+            from lightlike.strategies.environment import detect_environment
+
+            env = detect_environment()  # torchrun's RANK/WORLD_SIZE, SLURM's, or a single process
+            rank = env.rank if rank is None else rank
+            world_size = env.world_size if world_size is None else world_size
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank={rank} is outside world_size={world_size}")
+        super().__init__(len(lengths_t), shuffle=shuffle, seed=seed, rank=rank, world_size=world_size,
+                         drop_last=drop_last, even=even)
+        self.lengths = lengths_t.long()
+        self.batch_size = batch_size
+        self.mega = mega
+        self.longest_first = longest_first
+
+    def global_order(self, epoch: int | None = None) -> torch.Tensor:
+        """The order of all samples of ``epoch`` (all ranks together): a pure function."""
+        epoch = self.epoch if epoch is None else epoch
+        order = epoch_permutation(self.n, self.seed, epoch, self.shuffle)
+        size = self.mega * self.batch_size * self.world_size
+        groups = []
+        for chunk in order.split(size):
+            # stable: equal lengths keep their shuffled order
+            keys = self.lengths[chunk]
+            groups.append(chunk[torch.sort(keys, descending=True, stable=True).indices])
+        out = torch.cat(groups)
+        if self.longest_first:
+            # swap the longest item with the first one (each heads a sorted megabatch, so both
+            # batches stay close to homogeneous); ties resolve to the earliest position
+            at = int(torch.argmax(self.lengths[out]))
+            out[0], out[at] = out[at].clone(), out[0].clone()
+        return out
+
+    def __iter__(self) -> Iterator[int]:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() != self.world_size:
+            raise DataError(f"LengthGroupedSampler(world_size={self.world_size}) but torch.distributed runs "
+                            f"{dist.get_world_size()} processes: build it with rank=..., world_size=... of this "
+                            "job (or leave both out to read them from torchrun/srun)")
+        order = self.global_order()
+        mine = order[self.start + self.rank : self._global_end() : self.world_size]
+        return iter(mine.tolist())
