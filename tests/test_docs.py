@@ -88,4 +88,29 @@ def test_docs_site_builds(tmp_path):
                        capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-4000:]
     api = (tmp_path / "site" / "api" / "index.html").read_text()
-    assert "grad_accum_steps" in api and "save_checkpoint_state" in api  # docstrings made it in
+    assert "init_module" in api and "save_checkpoint_state" in api  # docstrings made it in
+
+
+def config_table() -> str:
+    """The configuration reference, generated from ``FitConfig`` (names, defaults, help)."""
+    import dataclasses
+
+    from lightlike.config import FitConfig
+
+    rows = ["| field | default | what |", "|---|---|---|"]
+    for f in dataclasses.fields(FitConfig):
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+        rows.append(f"| `{f.name}` | `{default!r}` | {f.metadata.get('help', '').replace('|', '/')} |")
+    return "\n".join(rows) + "\n"
+
+
+def test_config_reference_is_generated_from_the_dataclass():
+    """docs/config.md holds the table generated from FitConfig, so the page cannot drift from the
+    code (regenerate: LIGHTLIKE_REGEN_DOCS=1 pytest tests/test_docs.py -k config_reference)."""
+    page = ROOT / "docs" / "config.md"
+    head = ("# Configuration reference\n\nEvery `Fitter` keyword is a field of `ll.FitConfig`; the same names are "
+            "the command line's flags and the config files' keys. Generated from the dataclass by "
+            "`tests/test_docs.py`.\n\n")
+    if os.environ.get("LIGHTLIKE_REGEN_DOCS"):
+        page.write_text(head + config_table())
+    assert page.read_text() == head + config_table()
