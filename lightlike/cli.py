@@ -1,19 +1,421 @@
 """The ``lightlike`` command line.
 
+    lightlike fit MODULE_PATH:ClassName [--config run.toml|.yaml|.json] [--FIELD VALUE ...]
+                  [--model.ARG VALUE ...] [--data FILE.py:FUNCTION] [--resume [CHECKPOINT]]
+    lightlike validate|test|predict MODULE_PATH:ClassName [--checkpoint DIR] [same options]
+    lightlike config [MODULE_PATH:ClassName] [same options] [--format toml|yaml|json] [--comments]
     lightlike export CHECKPOINT_DIR OUT_DIR [--no-verify-hashes]
-    lightlike config [--config run.toml|run.json] [--KEY VALUE ...]   print the resolved config
+
+Every ``FitConfig`` field is a flag and a config-file key, and every constructor argument of the
+module is a ``--model.NAME`` flag and a key of the file's ``model`` table, all generated (see
+``cli_args.py``). Precedence: defaults < config file < flags. Under ``torchrun``/``srun`` the
+Fitter reads the environment, so the same command runs on many processes.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import sys
+import tempfile
+import textwrap
 from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
 
-from lightlike.errors import LightlikeError
+from lightlike.errors import ConfigError, DataError, LightlikeError, OutputDirError
+
+COMMANDS = {
+    "fit": "train a TaskModule; checkpoints and logs land in output_dir",
+    "validate": "evaluate on the validation data (val_data() or --data); prints the metrics as JSON",
+    "test": "evaluate on the test data (test_data(), else val_data(), or --data); prints the metrics as JSON",
+    "predict": "predictions in dataset order, written to output_dir/predictions.pt; prints the metrics",
+    "config": "print the full resolved config (defaults filled in) as TOML, YAML or JSON",
+    "export": "write a plain model.safetensors (+ hparams/config) from a checkpoint",
+}
+RUNS = ("fit", "validate", "test", "predict")
+EVALS = ("validate", "test", "predict")
+#: Where each command's data comes from: the roles tried in order (``<role>_data()`` methods, or
+#: the keys of what ``--data`` returns).
+DATA_ROLES = {"validate": ("val",), "test": ("test", "val"), "predict": ("predict", "test", "val")}
+TARGET_HELP = ("the TaskModule: a file path and class (examples/cli_module.py:Classifier) or a dotted "
+               "module (mypackage.models:Classifier); the class may be left out when the file defines one")
 
 
-def _cmd_export(args: argparse.Namespace) -> int:
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line (a ``ConfigError``), not usage plus message."""
+
+    def error(self, message: str) -> Any:  # type: ignore[override]
+        raise ConfigError(f"{message} (see {self.prog} --help)")
+
+
+def _esc(text: str) -> str:
+    return text.replace("%", "%%")
+
+
+# ==============================================================================================
+# parsers, generated
+# ==============================================================================================
+def _cli_options(cmd: str) -> list[tuple[str, dict[str, Any]]]:
+    """The command's own options (not settings): name → argparse keywords."""
+    opts: list[tuple[str, dict[str, Any]]] = [
+        ("config", dict(metavar="FILE", help="settings from a TOML, YAML or JSON file (flags win); the "
+                        "module's constructor arguments go in its 'model' table")),
+    ]
+    if cmd in RUNS:
+        opts.append(("data", dict(metavar="FILE.py:FUNCTION", help=(
+            "take the data from FUNCTION instead of the module's <role>_data() methods; it returns "
+            "(train, val) (or (train, val, test), or a dict with keys train/val/test/predict) of torch "
+            "Datasets or DataLoaders, and may take the arguments 'config' (the FitConfig) and 'module'"))))
+    if cmd == "fit":
+        opts.append(("resume", dict(metavar="CHECKPOINT", type=_resume_value, help=(
+            "continue from the newest valid checkpoint in output_dir (--resume), or from the one named "
+            "(--resume runs/x/checkpoint-200)"))))
+    if cmd in EVALS:
+        opts.append(("checkpoint", dict(metavar="DIR", help=(
+            "load weights first: a checkpoint-N directory, an output_dir (its newest valid checkpoint) or a "
+            "`lightlike export` folder; its hparams.json supplies constructor arguments not given otherwise"))))
+    if cmd == "predict":
+        opts.append(("predictions_file", dict(metavar="FILE", help=(
+            "where to write predictions, labels and metrics (default: OUTPUT_DIR/predictions.pt; "
+            "a .json name writes JSON)"))))
+    if cmd == "config":
+        opts.append(("format", dict(choices=("toml", "yaml", "json"), default="toml", help="output format")))
+        opts.append(("comments", dict(metavar="BOOL", type=lambda s: s.lower() in ("true", "1", "yes", "on"),
+                                      default=False, help="write each setting's help text above it")))
+    return opts
+
+
+def _resume_value(raw: str) -> bool | str:
+    low = raw.lower()
+    if low in ("true", "yes", "on", "1"):
+        return True
+    if low in ("false", "no", "off", "0"):
+        return False
+    return raw
+
+
+def _build_parser(cmd: str, fit_opts: dict, model_opts: dict, cls: type | None, add_help: bool = True) -> _Parser:
+    from lightlike.cli_args import MODEL
+
+    usage = "%(prog)s " + ("[MODULE_PATH:ClassName]" if cmd == "config" else "MODULE_PATH:ClassName") + \
+        " [--config FILE] [--FIELD VALUE ...] [--model.ARG VALUE ...] [options]"
+    p = _Parser(prog=f"lightlike {cmd}", description=COMMANDS[cmd], add_help=add_help, allow_abbrev=False, usage=usage,
+                epilog="Flags win over the config file, which wins over the defaults. A bool flag given "
+                       "alone means true (--compile); '-' and '_' are the same in flag names.")
+    p.add_argument("target", nargs="?", metavar="MODULE_PATH:ClassName", help=_esc(TARGET_HELP))
+    for name, kw in _cli_options(cmd):
+        assert name not in fit_opts, f"--{name} would hide the FitConfig field of that name"
+        kw = {k: (_esc(v) if k == "help" else v) for k, v in kw.items()}
+        p.add_argument(f"--{name}", dest=f"cli_{name}", **kw)
+    group = p.add_argument_group("settings (FitConfig fields; also keys of the --config file)")
+    for o in fit_opts.values():
+        group.add_argument(o.flag, dest=o.key, type=o.convert, default=argparse.SUPPRESS, metavar=o.metavar(),
+                           help=_esc(o.describe()))
+    if model_opts:
+        title = (f"{cls.__name__} constructor arguments (also keys of the config file's [{MODEL}] table)"
+                 if cls is not None else "constructor arguments")
+        group = p.add_argument_group(title)
+        for o in model_opts.values():
+            group.add_argument(o.flag, dest=o.key, type=o.convert, default=argparse.SUPPRESS, metavar=o.metavar(),
+                               help=_esc(o.describe()))
+    return p
+
+
+def _top_parser() -> argparse.ArgumentParser:
+    from lightlike.cli_args import fit_options
+
+    lines = ["settings (any of them is a --FLAG of fit/validate/test/predict/config and a key of a --config file):"]
+    for o in fit_options():
+        head = f"  {o.key} ({o.type_name()}, default {o.default!r})"
+        lines.append(head)
+        lines.extend(textwrap.wrap(o.help, width=100, initial_indent="      ", subsequent_indent="      "))
+    lines += ["", "module constructor arguments: --model.NAME VALUE, or a [model] table in the config file",
+              "(`lightlike fit MODULE:Class --help` lists them).", "",
+              "examples:",
+              "  lightlike fit examples/cli_module.py:Classifier --config run.toml --max_steps 500 --model.width 64",
+              "  torchrun --nproc_per_node 4 $(which lightlike) fit examples/cli_module.py:Classifier --strategy ddp",
+              "  lightlike validate examples/cli_module.py:Classifier --checkpoint runs/cli/checkpoint-500",
+              "  lightlike config examples/cli_module.py:Classifier --config run.toml --format yaml"]
+    p = argparse.ArgumentParser(prog="lightlike", description="lightlike command line",
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog="\n".join(lines))
+    p.add_argument("--version", action="store_true", help="print the version and exit")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+    for name, text in COMMANDS.items():
+        sub.add_parser(name, help=text, add_help=False)
+    return p
+
+
+# ==============================================================================================
+# resolving flags + file + defaults
+# ==============================================================================================
+def _parse(cmd: str, argv: list[str]) -> dict[str, Any]:
+    """Parse ``argv`` in two passes (the first finds the module, whose constructor the second
+    turns into flags) and resolve the settings. Returns what the command needs."""
+    from lightlike.cli_args import (
+        MODEL,
+        REQUIRED,
+        check_flags,
+        fit_options,
+        generic_option,
+        load_target,
+        model_options,
+        normalise_argv,
+        read_config_file,
+        split_config,
+    )
+    from lightlike.config import FitConfig
+    from lightlike.module import TaskModule
+
+    fit_opts = {o.key: o for o in fit_options()}
+    optional = {"resume": lambda t: t.lower() in ("true", "false", "yes", "no", "1", "0") or Path(t).exists(),
+                "comments": lambda t: t.lower() in ("true", "false", "yes", "no", "1", "0")}
+    own = {f"--{name}" for name, _ in _cli_options(cmd)} | {"-h", "--help"}
+    wants_help = any(t in ("-h", "--help") for t in (argv[: argv.index("--")] if "--" in argv else argv))
+
+    # pass 1: where is the module? (constructor flags seen in argv are taken as values of any kind)
+    argv1 = normalise_argv(argv, fit_opts, optional)
+    seen = {t[2:].split("=", 1)[0] for t in argv1 if t.startswith(f"--{MODEL}.")}
+    if argv1 and not argv1[0].startswith("-"):
+        target: str | None = argv1[0]
+    else:
+        p1 = _build_parser(cmd, fit_opts, {k: generic_option(k) for k in seen}, None, add_help=False)
+        ns1, extras = p1.parse_known_args(argv1)
+        extras = [t for t in extras if t not in ("-h", "--help")]
+        check_flags(extras, [*own, *(o.flag for o in fit_opts.values())], f"lightlike {cmd}")
+        target = ns1.target
+    cls = None
+    if target is not None:
+        try:
+            cls = load_target(target, "module", TaskModule)
+        except LightlikeError as e:
+            if not wants_help:
+                raise
+            print(f"lightlike {cmd}: note: {e}", file=sys.stderr)
+
+    # pass 2: every flag typed, the constructor's included
+    model_list, var_kw = model_options(cls) if cls is not None else ([], False)
+    model_opts = {o.key: o for o in model_list}
+    if var_kw or cls is None:
+        model_opts.update({k: generic_option(k) for k in seen if k not in model_opts})
+    argv2 = normalise_argv(argv, {**fit_opts, **model_opts}, optional)
+    parser = _build_parser(cmd, fit_opts, model_opts, cls)
+    ns, extras = parser.parse_known_args(argv2)
+    check_flags(extras, [*own, *(o.flag for o in fit_opts.values()), *(o.flag for o in model_opts.values())],
+                parser.prog)
+    given = vars(ns)
+    if cmd != "config" and cls is None:
+        raise ConfigError(f"{cmd} needs the module: lightlike {cmd} MODULE_PATH:ClassName ... "
+                          "(e.g. examples/cli_module.py:Classifier)")
+
+    # settings: defaults < config file < flags
+    file_fit: dict[str, Any] = {}
+    file_model: dict[str, Any] = {}
+    if given.get("cli_config"):
+        data = read_config_file(given["cli_config"])
+        file_fit, file_model = split_config(data, given["cli_config"], fit_opts,
+                                            model_opts if cls is not None else None, var_kw)
+    values = {**file_fit, **{k: v for k, v in given.items() if k in fit_opts}}
+    if cmd != "fit" and values.get("max_steps") is None and values.get("max_epochs") is None:
+        values["max_epochs"] = 1  # FitConfig needs a stopping criterion; evaluation does not use it
+        if cmd == "config":
+            print("lightlike config: note: neither max_steps nor max_epochs given; showing max_epochs = 1",
+                  file=sys.stderr)
+    config = FitConfig.from_dict(values)
+
+    # constructor arguments: signature defaults < checkpoint's hparams.json < config file < flags
+    checkpoint = _resolve_checkpoint(given["cli_checkpoint"], config) if given.get("cli_checkpoint") else None
+    model: dict[str, Any] | None = None
+    if cls is not None or file_model:
+        model = {o.key.split(".", 1)[1]: o.default for o in model_list if o.default is not REQUIRED}
+        if checkpoint is not None and (checkpoint / "hparams.json").is_file():
+            saved = json.loads((checkpoint / "hparams.json").read_text())
+            model.update({k: v for k, v in saved.items() if var_kw or f"{MODEL}.{k}" in model_opts})
+        model.update(file_model)
+        model.update({k.split(".", 1)[1]: v for k, v in given.items() if k.startswith(f"{MODEL}.")})
+        missing = [o.key.split(".", 1)[1] for o in model_list if o.key.split(".", 1)[1] not in model]
+        if missing and cls is not None:
+            raise ConfigError(f"{cls.__name__} needs constructor argument(s) {', '.join(missing)}: pass "
+                              f"--{MODEL}.{missing[0]} VALUE or set it in the config file's [{MODEL}] table")
+    return {"config": config, "cls": cls, "model": model, "checkpoint": checkpoint, "args": given,
+            "fit_help": {k: o.help for k, o in fit_opts.items()},
+            "model_help": {k: o.help for k, o in model_opts.items()}}
+
+
+def _resolve_checkpoint(spec: str, config: Any) -> Path:
+    from lightlike.checkpoint import find_latest_valid, is_checkpoint_dir, verify_checkpoint
+
+    p = Path(spec)
+    if not p.is_dir():
+        raise ConfigError(f"--checkpoint {spec!r}: no such directory")
+    if is_checkpoint_dir(p):
+        verify_checkpoint(p, hashes=config.verify_hashes)
+        return p
+    if (p / "model.safetensors").is_file():
+        return p  # a `lightlike export` folder
+    latest = find_latest_valid(p, hashes=config.verify_hashes)
+    if latest is None:
+        raise ConfigError(f"--checkpoint {spec!r} is neither a checkpoint, an export folder, nor an "
+                          "output_dir holding a valid checkpoint")
+    return Path(latest)
+
+
+# ==============================================================================================
+# the commands
+# ==============================================================================================
+def _cmd_run(cmd: str, argv: list[str]) -> int:
+    from lightlike.fitter import Fitter
+
+    r = _parse(cmd, argv)
+    if cmd == "config":
+        from lightlike.cli_args import dump_config
+
+        helps = None
+        if r["args"]["cli_comments"]:
+            helps = {**r["fit_help"], **{k: v for k, v in r["model_help"].items() if v}}
+        sys.stdout.write(dump_config(r["config"].to_dict(), r["model"], r["args"]["cli_format"], helps))
+        return 0
+    config, cls, kwargs, args = r["config"], r["cls"], r["model"], r["args"]
+    fitter = Fitter(config)
+    if cmd == "fit":
+        with fitter.init_module():  # FSDP: on the meta device; ZeRO-3: partitioned as built
+            module = cls(**kwargs)
+        _record_hparams(module, kwargs)
+        train, val = _fit_data(args.get("cli_data"), module, config)
+        result = fitter.fit(module, train, val, resume=args.get("cli_resume"))
+        if fitter.strategy.is_global_zero:  # type: ignore[union-attr]
+            from lightlike.checkpoint import list_checkpoints
+
+            found = list_checkpoints(config.output_dir)
+            _print_json({"global_step": result.global_step, "training_loss": result.training_loss,
+                         "metrics": result.metrics, "best_checkpoint": result.best_checkpoint,
+                         "last_checkpoint": str(found[-1]) if found else None, "output_dir": config.output_dir})
+        return 0
+
+    module = cls(**kwargs)
+    _record_hparams(module, kwargs)
+    if r["checkpoint"] is not None:
+        _load_weights(module, r["checkpoint"], config)
+    data = _eval_data(cmd, args.get("cli_data"), module, config)
+    if cmd == "predict":
+        predicted = fitter.predict(module, data)
+        if fitter.strategy.is_global_zero:  # type: ignore[union-attr]
+            path = Path(args.get("cli_predictions_file") or Path(config.output_dir) / "predictions.pt")
+            _write_predictions(path, predicted)
+            _print_json({"metrics": predicted.metrics, "predictions_file": str(path)})
+        return 0
+    metrics = getattr(fitter, cmd)(module, data)
+    if fitter.strategy.is_global_zero:  # type: ignore[union-attr]
+        _print_json(metrics)
+    return 0
+
+
+def _record_hparams(module: Any, kwargs: dict[str, Any]) -> None:
+    """The constructor arguments go into the checkpoint's hparams.json, unless the module
+    recorded its own (``save_hyperparameters``)."""
+    if isinstance(getattr(module, "hparams", None), dict) and not module.hparams:
+        module.hparams.update(kwargs)
+
+
+def _load_weights(module: Any, checkpoint: Path, config: Any) -> None:
+    if (checkpoint / "model.safetensors").is_file():
+        module.load_weights(checkpoint)
+        return
+    from lightlike.checkpoint import export_weights
+
+    with tempfile.TemporaryDirectory(prefix="lightlike-weights-") as tmp:  # sharded: consolidate first
+        export_weights(checkpoint, tmp, hashes=config.verify_hashes)
+        module.load_weights(tmp)
+
+
+def _data_source(spec: str | None, module: Any, config: Any, primary: str) -> tuple[Any, Any]:
+    """Two functions: role → data (or None), and role → the error when it is missing."""
+    if spec is None:
+        def from_module(role: str) -> Any:
+            fn = getattr(module, f"{role}_data", None)
+            return fn() if callable(fn) else None
+
+        def no_method(role: str) -> str:
+            return (f"{type(module).__name__} has no {role}_data() method: define {role}_data(self) returning a "
+                    "torch Dataset or DataLoader, or pass --data FILE.py:FUNCTION")
+        return from_module, no_method
+    from lightlike.cli_args import call_with_known, load_target, nearest
+
+    out = call_with_known(load_target(spec, "--data", None), {"config": config, "module": module})
+    roles = ["train", "val", "test", "predict"]
+    if isinstance(out, tuple):
+        if not 1 <= len(out) <= 4:
+            raise DataError(f"--data {spec}: returned a tuple of {len(out)}; return (train, val) or (train, val, test)")
+        sets = dict(zip(roles, out, strict=False))
+    elif isinstance(out, dict) and out and all(isinstance(k, str) for k in out) and set(out) <= set(roles):
+        sets = dict(out)
+    elif isinstance(out, dict) and any(k in roles for k in out):
+        bad = next(k for k in out if k not in roles)
+        raise DataError(f"--data {spec}: unknown key {bad!r}{nearest(str(bad), roles)}; use {', '.join(roles)}")
+    else:
+        sets = {primary: out}
+
+    def not_returned(role: str) -> str:
+        return (f"--data {spec} returned no {role} data: return (train, val), (train, val, test) or a dict "
+                "with keys among train, val, test, predict")
+    return sets.get, not_returned
+
+
+def _fit_data(spec: str | None, module: Any, config: Any) -> tuple[Any, Any]:
+    get, missing = _data_source(spec, module, config, "train")
+    train = get("train")
+    if train is None:
+        raise DataError(missing("train"))
+    return train, get("val")
+
+
+def _eval_data(cmd: str, spec: str | None, module: Any, config: Any) -> Any:
+    roles = DATA_ROLES[cmd]
+    get, missing = _data_source(spec, module, config, roles[0])
+    for role in roles:
+        data = get(role)
+        if data is not None:
+            if role != roles[0] and os.environ.get("RANK", "0") == "0":
+                print(f"lightlike {cmd}: note: no {roles[0]} data, using the {role} data", file=sys.stderr)
+            return data
+    raise DataError(missing(roles[0]))
+
+
+def _write_predictions(path: Path, result: Any) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    payload = {"predictions": result.predictions, "labels": result.labels, "metrics": result.metrics}
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    if path.suffix.lower() == ".json":
+        tmp.write_text(json.dumps(_plain(payload)) + "\n")
+    else:
+        import torch
+
+        torch.save(payload, tmp)
+    os.replace(tmp, path)
+
+
+def _plain(obj: Any) -> Any:
+    if hasattr(obj, "tolist"):
+        return obj.tolist()
+    if isinstance(obj, dict):
+        return {str(k): _plain(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_plain(v) for v in obj]
+    return obj
+
+
+def _print_json(obj: Any) -> None:
+    print(json.dumps(obj, default=str), flush=True)
+
+
+def _cmd_export(argv: list[str]) -> int:
+    p = _Parser(prog="lightlike export", description=COMMANDS["export"], allow_abbrev=False)
+    p.add_argument("checkpoint_dir", help="a checkpoint-N directory (sharded ones are consolidated)")
+    p.add_argument("out_dir", help="where model.safetensors (+ hparams.json, config.json) go")
+    p.add_argument("--no-verify-hashes", "--no_verify_hashes", dest="no_verify_hashes", action="store_true",
+                   help="check sizes only (fast, for huge models)")
+    args = p.parse_args(argv)
     from lightlike.checkpoint.export import export_weights
 
     path = export_weights(args.checkpoint_dir, args.out_dir, hashes=not args.no_verify_hashes)
@@ -21,64 +423,34 @@ def _cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_config(args: argparse.Namespace, overrides: list[str]) -> int:
-    from lightlike.config import FitConfig, check_keys
-
-    base: dict = {}
-    if args.config:
-        cfg_text = FitConfig.from_toml(args.config) if args.config.endswith(".toml") else FitConfig.from_json(args.config)
-        base = cfg_text.to_dict()
-    pairs = dict(_parse_overrides(overrides))
-    check_keys(pairs)
-    base.update(pairs)
-    base.setdefault("max_steps", None)
-    if base.get("max_steps") is None and base.get("max_epochs") is None:
-        base["max_epochs"] = 1  # so the printout validates; a real fit still needs one
-    print(FitConfig.from_dict(base).to_toml(), end="")
-    return 0
-
-
-def _parse_overrides(items: list[str]) -> list[tuple[str, object]]:
-    import json
-
-    out = []
-    it = iter(items)
-    for flag in it:
-        if not flag.startswith("--"):
-            raise LightlikeError(f"expected --KEY VALUE, got {flag!r}")
-        key = flag[2:].replace("-", "_")
-        if "=" in key:
-            key, raw = key.split("=", 1)
-        else:
-            raw = next(it, None)
-            if raw is None:
-                raise LightlikeError(f"--{key} needs a value")
-        try:
-            value: object = json.loads(raw)
-        except ValueError:
-            value = raw
-        out.append((key, value))
-    return out
-
-
+# ==============================================================================================
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="lightlike", description="lightlike command line")
-    sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("export", help="write a plain model.safetensors (+ config) from a checkpoint")
-    p.add_argument("checkpoint_dir")
-    p.add_argument("out_dir")
-    p.add_argument("--no-verify-hashes", action="store_true", help="check sizes only (fast, for huge models)")
-    p = sub.add_parser("config", help="print the full resolved config with defaults")
-    p.add_argument("--config", help="a TOML or JSON config file")
-    args, rest = parser.parse_known_args(argv)
+    """Run the command line; returns the exit code (2 for a user error, printed as one line)."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help"):
+        _top_parser().print_help(sys.stdout if args else sys.stderr)
+        return 0 if args else 2
+    if args[0] == "--version":
+        from lightlike import __version__
+
+        print(f"lightlike {__version__}")
+        return 0
+    cmd = args[0]
+    if cmd not in COMMANDS:
+        from lightlike.cli_args import nearest
+
+        print(f"lightlike: error: unknown command {cmd!r}{nearest(cmd, list(COMMANDS))}; "
+              f"commands: {', '.join(COMMANDS)}", file=sys.stderr)
+        return 2
     try:
-        if args.command == "export":
-            if rest:
-                parser.error(f"unrecognised arguments: {' '.join(rest)}")
-            return _cmd_export(args)
-        return _cmd_config(args, rest)
+        if cmd == "export":
+            return _cmd_export(args[1:])
+        return _cmd_run(cmd, args[1:])
     except LightlikeError as e:
-        print(f"lightlike: error: {e}", file=sys.stderr)
+        hint = ""
+        if isinstance(e, OutputDirError):
+            hint = " (on the command line: --resume, or --overwrite_output_dir, or another --output_dir)"
+        print(f"lightlike {cmd}: error: {e}{hint}", file=sys.stderr)
         return 2
 
 

@@ -1,0 +1,452 @@
+"""What the ``lightlike`` command line generates: flags, config files and targets.
+
+Nothing here is written per setting. ``FitConfig``'s fields become ``--FIELD`` flags (type from
+the annotation, help from the field's ``metadata["help"]``); the TaskModule's constructor
+signature becomes ``--model.NAME`` flags; a config file (TOML, YAML or JSON) holds the same keys,
+with the constructor's arguments in a ``model`` table. An unknown flag or key is an error naming
+the nearest valid one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import difflib
+import importlib
+import importlib.util
+import inspect
+import json
+import os
+import sys
+import types
+import typing
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from lightlike.config import FitConfig
+from lightlike.errors import ConfigError
+
+REQUIRED = inspect.Parameter.empty
+MODEL = "model"  # the config-file table / flag prefix of the module's constructor arguments
+TRUE = ("true", "yes", "on", "1")
+FALSE = ("false", "no", "off", "0")
+NONE = ("none", "null")
+
+
+# -- options: one per FitConfig field or constructor argument ---------------------------------
+@dataclass
+class Option:
+    """One setting: its key (``max_steps`` or ``model.width``), the kinds of value it takes
+    (``int``, ``float``, ``bool``, ``str``, ``list``, ``dict``, ``none``, ``any``), its default
+    (``REQUIRED`` when the constructor argument has none) and its help text."""
+
+    key: str
+    kinds: frozenset[str]
+    default: Any
+    help: str = ""
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.key
+
+    @property
+    def is_bool(self) -> bool:
+        return "bool" in self.kinds
+
+    def metavar(self) -> str:
+        for kind, name in (("bool", "BOOL"), ("int", "INT"), ("float", "FLOAT"), ("list", "LIST"),
+                           ("dict", "JSON"), ("str", "STR")):
+            if kind in self.kinds:
+                return name
+        return "VALUE"
+
+    def type_name(self) -> str:
+        names: list[str] = [k for k in ("bool", "int", "float", "str", "list", "dict", "any") if k in self.kinds]
+        if "none" in self.kinds:
+            names.append("None")
+        return " | ".join(names) or "any"
+
+    def describe(self) -> str:
+        """Help text plus the default, as ``--help`` shows it."""
+        default = "required" if self.default is REQUIRED else f"default: {self.default!r}"
+        text = f"{self.help} " if self.help else ""
+        return f"{text}({default})"
+
+    def convert(self, raw: str) -> Any:
+        """A command-line string as this option's value, or ``ArgumentTypeError``."""
+        return convert(raw, self.kinds, self.default)
+
+    def coerce(self, value: Any) -> Any:
+        """A config-file value: strings are converted as flags are where the option takes no
+        strings (YAML reads ``1e-3`` as a string), anything else is kept as it is."""
+        if isinstance(value, str) and not self.kinds & {"str", "any"}:
+            try:
+                return self.convert(value)
+            except argparse.ArgumentTypeError:
+                return value  # FitConfig's validation names the setting
+        return value
+
+
+def kinds_of(annotation: Any, default: Any = REQUIRED) -> frozenset[str]:
+    """The kinds of value an annotation (a type, or a string under ``from __future__ import
+    annotations``) admits; without one, the default's type decides."""
+    if annotation is REQUIRED or annotation is None:
+        if default is REQUIRED or default is None:
+            return frozenset({"any", "none"} if default is None else {"any"})
+        return _kind_of_value(default)
+    if isinstance(annotation, str):
+        out: set[str] = {"none"} if "Optional[" in annotation else set()
+        for part in annotation.replace("Optional[", "").replace("]", "|").split("|"):
+            name = part.strip().split("[")[0].rsplit(".", 1)[-1].lower()
+            if name:
+                out.add({"nonetype": "none", "sequence": "list", "tuple": "list", "mapping": "dict",
+                         "path": "str"}.get(name, name if name in _SIMPLE else "any"))
+        return frozenset(out or {"any"})
+    if annotation is type(None):
+        return frozenset({"none"})
+    origin = typing.get_origin(annotation)
+    if origin is typing.Union or (hasattr(types, "UnionType") and isinstance(annotation, types.UnionType)):
+        return frozenset().union(*(kinds_of(a) for a in typing.get_args(annotation)))
+    if origin is typing.Literal:
+        return frozenset().union(*(_kind_of_value(a) for a in typing.get_args(annotation)))
+    base = origin or annotation
+    for kind, types_ in (("bool", (bool,)), ("int", (int,)), ("float", (float,)), ("str", (str, os.PathLike)),
+                         ("list", (list, tuple, set)), ("dict", (dict,))):
+        if isinstance(base, type) and issubclass(base, types_):
+            return frozenset({kind})
+    return frozenset({"any"})
+
+
+_SIMPLE = {"bool", "int", "float", "str", "list", "dict", "none", "any"}
+
+
+def _kind_of_value(v: Any) -> frozenset[str]:
+    for kind, types_ in (("bool", bool), ("int", int), ("float", float), ("str", str), ("list", (list, tuple)),
+                         ("dict", dict)):
+        if isinstance(v, types_):
+            return frozenset({kind})
+    return frozenset({"none"}) if v is None else frozenset({"any"})
+
+
+def convert(raw: str, kinds: frozenset[str], default: Any = REQUIRED) -> Any:
+    """Parse a command-line string for an option taking ``kinds``."""
+    low = raw.strip().lower()
+    if "none" in kinds and low in NONE:
+        return None
+    if "bool" in kinds and low in TRUE + FALSE:
+        return low in TRUE
+    if "int" in kinds:
+        try:
+            return int(raw)
+        except ValueError:
+            pass
+    if "float" in kinds:
+        try:
+            return float(raw)
+        except ValueError:
+            pass
+    if kinds & {"list", "dict", "any"} and raw.lstrip()[:1] in ("[", "{"):
+        try:
+            return json.loads(raw)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(f"not valid JSON ({e}): {raw!r}") from None
+    if "list" in kinds and "str" not in kinds:
+        return [_scalar(part.strip()) for part in raw.split(",") if part.strip()]  # "SIGTERM,SIGUSR1"
+    if "any" in kinds and not isinstance(default, str):
+        return _scalar(raw)  # 64, 0.5, true: a number or a flag where nothing says otherwise
+    if kinds & {"str", "any"}:
+        return raw
+    want = " or ".join(sorted(kinds))
+    raise argparse.ArgumentTypeError(f"expected {want}, got {raw!r}")
+
+
+def _scalar(raw: str) -> Any:
+    try:
+        return json.loads(raw)
+    except ValueError:
+        return raw
+
+
+def fit_options() -> list[Option]:
+    """One option per ``FitConfig`` field, generated from the dataclass."""
+    out = []
+    for f in dataclasses.fields(FitConfig):
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc,operator]
+        out.append(Option(f.name, kinds_of(f.type, default), default, f.metadata.get("help", "")))
+    return out
+
+
+def model_options(cls: type) -> tuple[list[Option], bool]:
+    """One ``model.NAME`` option per constructor argument of ``cls``, and whether it also takes
+    ``**kwargs`` (then any ``model.NAME`` is accepted)."""
+    try:
+        sig = inspect.signature(cls)
+    except (TypeError, ValueError):
+        return [], True
+    init: Any = cls.__init__  # type: ignore[misc]
+    try:
+        hints = typing.get_type_hints(init)
+    except Exception:  # unresolvable string annotations: read them as strings
+        hints = {}
+    doc = _param_docs(inspect.getdoc(init) or "") | _param_docs(inspect.getdoc(cls) or "")
+    out, var_kw = [], False
+    for p in sig.parameters.values():
+        if p.kind is p.VAR_KEYWORD:
+            var_kw = True
+            continue
+        if p.kind is p.VAR_POSITIONAL:
+            continue
+        ann = hints.get(p.name, p.annotation)
+        out.append(Option(f"{MODEL}.{p.name}", kinds_of(ann, p.default), p.default,
+                          doc.get(p.name, f"{cls.__name__}(..., {p.name}=...)")))
+    return out, var_kw
+
+
+def _param_docs(doc: str) -> dict[str, str]:
+    """``name: text`` lines of a docstring's Args/Parameters section (Google style), if any."""
+    out: dict[str, str] = {}
+    for line in doc.splitlines():
+        s = line.strip()
+        name, sep, text = s.partition(":")
+        name = name.split("(")[0].strip()
+        if sep and name.isidentifier() and text.strip() and line.startswith((" ", "\t")):
+            out.setdefault(name, text.strip())
+    return out
+
+
+def generic_option(key: str) -> Option:
+    return Option(key, frozenset({"any"}), REQUIRED, "")
+
+
+# -- argv ------------------------------------------------------------------------------------
+def normalise_argv(argv: list[str], options: dict[str, Option], optional_value: dict[str, Any]) -> list[str]:
+    """``--max-steps`` → ``--max_steps``; a bool flag given bare (``--compile``) → ``--compile=true``;
+    an option in ``optional_value`` (name → predicate on the next token) given bare → ``=true``."""
+    out: list[str] = []
+    i = 0
+    while i < len(argv):
+        tok = argv[i]
+        if tok == "--":
+            out.extend(argv[i:])
+            break
+        if tok.startswith("--") and len(tok) > 2:
+            key, eq, value = tok[2:].partition("=")
+            key = key.replace("-", "_")
+            tok = f"--{key}{eq}{value}"
+            nxt = argv[i + 1] if i + 1 < len(argv) else None
+            opt = options.get(key)
+            takes = optional_value.get(key) or (
+                (lambda t, o=opt: t.strip().lower() in TRUE + FALSE + NONE) if opt is not None and opt.is_bool else None)
+            if not eq and takes is not None and (nxt is None or nxt.startswith("-") or not takes(nxt)):
+                tok += "=true"
+        out.append(tok)
+        i += 1
+    return out
+
+
+def nearest(name: str, valid: list[str]) -> str:
+    close = difflib.get_close_matches(name, valid, n=1, cutoff=0.5)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def check_flags(extras: list[str], valid_flags: list[str], prog: str) -> None:
+    """Arguments argparse did not know: one error naming each bad flag and its nearest valid one."""
+    bad = []
+    for tok in extras:
+        if tok == "--":
+            continue
+        if tok.startswith("-") and not _is_number(tok):
+            flag = tok.split("=", 1)[0]
+            bad.append(f"{flag}{nearest(flag, valid_flags)}")
+        elif not bad:
+            raise ConfigError(f"unexpected argument {tok!r} (see {prog} --help)")
+    if bad:
+        raise ConfigError(f"unknown flag{'s' if len(bad) > 1 else ''} {'; '.join(bad)} (see {prog} --help)")
+
+
+def _is_number(tok: str) -> bool:
+    try:
+        float(tok)
+        return True
+    except ValueError:
+        return False
+
+
+# -- config files ----------------------------------------------------------------------------
+def read_config_file(path: str | Path) -> dict[str, Any]:
+    """A TOML (``.toml``), YAML (``.yaml``/``.yml``, needs PyYAML) or JSON (``.json``) file."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file {str(p)!r} does not exist")
+    suffix = p.suffix.lower()
+    text = p.read_text()
+    try:
+        if suffix == ".toml":
+            import tomllib
+
+            data = tomllib.loads(text)
+        elif suffix in (".yaml", ".yml"):
+            data = _yaml().safe_load(text)
+        elif suffix == ".json":
+            data = json.loads(text)
+        else:
+            raise ConfigError(f"config file {str(p)!r}: unknown format; use .toml, .yaml/.yml or .json")
+    except ConfigError:
+        raise
+    except Exception as e:  # the parser's own message names the line
+        raise ConfigError(f"config file {str(p)!r} does not parse: {e}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {str(p)!r} must hold a table of settings, not {type(data).__name__}")
+    return data
+
+
+def _yaml() -> Any:
+    try:
+        import yaml
+    except ImportError:
+        raise ConfigError("YAML config files need PyYAML: pip install pyyaml "
+                          "(or use a .toml or .json file)") from None
+    return yaml
+
+
+def split_config(data: dict[str, Any], source: str, fit_opts: dict[str, Option],
+                 model_opts: dict[str, Option] | None, var_kw: bool) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A config file's settings as (FitConfig values, constructor arguments), every key checked.
+    ``model_opts=None``: no module named, so a ``model`` table is accepted unchecked."""
+    fit: dict[str, Any] = {}
+    model: dict[str, Any] = {}
+    for key, value in data.items():
+        if key == MODEL:
+            if not isinstance(value, dict):
+                raise ConfigError(f"{source}: '{MODEL}' must be a table of constructor arguments, got {value!r}")
+            for name, v in value.items():
+                full = f"{MODEL}.{name}"
+                if model_opts is not None and full not in model_opts and not var_kw:
+                    raise ConfigError(f"{source}: unknown key {full!r}{nearest(full, list(model_opts))}; "
+                                      f"the module takes: {', '.join(o.split('.', 1)[1] for o in model_opts) or 'nothing'}")
+                opt = (model_opts or {}).get(full)
+                model[name] = opt.coerce(v) if opt else v
+        elif key in fit_opts:
+            fit[key] = fit_opts[key].coerce(value)
+        else:
+            raise ConfigError(f"{source}: unknown key {key!r}{nearest(key, [*fit_opts, MODEL])}")
+    return fit, model
+
+
+def dump_config(fit: dict[str, Any], model: dict[str, Any] | None, fmt: str,
+                helps: dict[str, str] | None = None) -> str:
+    """The resolved settings as TOML, YAML or JSON that ``--config`` reads back; ``helps``
+    (key → text) adds each field's help as a comment (TOML, YAML)."""
+    if fmt == "json":
+        return json.dumps({**fit, **({MODEL: model} if model is not None else {})}, indent=2, default=str) + "\n"
+    lines: list[str] = []
+    sections: list[tuple[str | None, dict[str, Any]]] = [(None, fit)]
+    if model is not None:
+        sections.append((MODEL, model))
+    for table, values in sections:
+        if table is not None:
+            lines.append("")
+            lines.append(f"[{table}]" if fmt == "toml" else f"{table}:")
+        indent = "  " if (table is not None and fmt == "yaml") else ""
+        for key, v in values.items():
+            if helps and helps.get(key if table is None else f"{table}.{key}"):
+                lines.append(f"{indent}# {helps[key if table is None else f'{table}.{key}']}")
+            if fmt == "toml":
+                lines.append(f"# {key} = None (unset)" if v is None else f"{key} = {toml_value(v)}")
+            else:
+                yaml = _yaml()
+                try:
+                    dumped = yaml.safe_dump({key: v}, default_flow_style=False, sort_keys=False).rstrip("\n")
+                except yaml.YAMLError:
+                    raise ConfigError(f"cannot write {key}={v!r} to YAML: use --format json") from None
+                lines.extend(indent + line for line in dumped.splitlines())
+    return "\n".join(lines) + "\n"
+
+
+def toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, str):
+        return json.dumps(v)
+    if isinstance(v, (list, tuple)):
+        return "[" + ", ".join(toml_value(x) for x in v) + "]"
+    if isinstance(v, dict):
+        return "{" + ", ".join(f"{json.dumps(str(k))} = {toml_value(x)}" for k, x in v.items()) + "}"
+    raise ConfigError(f"cannot write {v!r} to TOML: use --format json or yaml")
+
+
+# -- targets: "path/to/file.py:Name" or "package.module:Name" ----------------------------------
+def load_target(spec: str, what: str, want: type | None = None) -> Any:
+    """The object ``spec`` names. Without ``:Name``, the one subclass of ``want`` defined in it."""
+    where, sep, name = spec.rpartition(":") if ":" in spec else (spec, "", "")
+    if len(where) == 1 and sep and os.sep == "\\":  # a Windows drive letter, not a separator
+        where, name = spec, ""
+    module = _import(where, what, spec)
+    if not name:
+        found = [v for v in vars(module).values() if isinstance(v, type) and want is not None
+                 and issubclass(v, want) and v is not want and v.__module__ == module.__name__]
+        if len(found) != 1:
+            names = ", ".join(sorted(c.__name__ for c in found)) or "none"
+            raise ConfigError(f"{what} {spec!r}: name one as {where}:NAME (defined there: {names})")
+        return found[0]
+    obj = getattr(module, name, None)
+    if obj is None:
+        pool = [k for k, v in vars(module).items() if not k.startswith("_")
+                and (want is None or (isinstance(v, type) and issubclass(v, want)) or callable(v))]
+        raise ConfigError(f"{what} {spec!r}: {where} has no {name!r}{nearest(name, pool)}")
+    if want is not None and not (isinstance(obj, type) and issubclass(obj, want)):
+        raise ConfigError(f"{what} {spec!r}: {name} is not a {want.__module__.split('.')[0]}.{want.__name__} subclass")
+    if want is None and not callable(obj):
+        raise ConfigError(f"{what} {spec!r}: {name} is not callable")
+    return obj
+
+
+def _import(where: str, what: str, spec: str) -> types.ModuleType:
+    if where.endswith(".py") or "/" in where or os.sep in where:
+        path = Path(where).resolve()
+        if not path.is_file():
+            raise ConfigError(f"{what} {spec!r}: no such file {where!r}")
+        if str(path.parent) not in sys.path:
+            sys.path.insert(0, str(path.parent))  # as `python file.py` would: sibling imports work
+        found = importlib.util.find_spec(path.stem) if path.stem.isidentifier() else None
+        if found is not None and found.origin and Path(found.origin).resolve() == path:
+            # importable by its own name: classes defined there pickle (DataLoader workers that spawn)
+            return importlib.import_module(path.stem)
+        name = f"_lightlike_user_{path.stem}_{abs(hash(str(path))) % 10**8}"
+        if name in sys.modules:
+            return sys.modules[name]
+        loader_spec = importlib.util.spec_from_file_location(name, path)
+        assert loader_spec is not None and loader_spec.loader is not None
+        module = importlib.util.module_from_spec(loader_spec)
+        sys.modules[name] = module
+        try:
+            loader_spec.loader.exec_module(module)
+        except BaseException:
+            del sys.modules[name]
+            raise
+        return module
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())  # as `python -m` would
+    try:
+        return importlib.import_module(where)
+    except ModuleNotFoundError as e:
+        if e.name is not None and where.startswith(e.name) and where[len(e.name):][:1] in ("", "."):
+            raise ConfigError(f"{what} {spec!r}: no module {e.name!r} (give a file path, e.g. "
+                              "examples/cli_module.py:Classifier, or a dotted module importable from here)") from None
+        raise
+
+
+def call_with_known(fn: Any, available: dict[str, Any]) -> Any:
+    """``fn(**subset)``: pass those of ``available`` (e.g. ``config``, ``module``) it names."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return fn()
+    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return fn(**available)
+    return fn(**{k: v for k, v in available.items() if k in params})
