@@ -119,9 +119,13 @@ def run_evaluation(
     wants_whole_set = type(module).compute_metrics is not _base_compute_metrics()
     collect = keep_outputs or (wants_whole_set and not streaming)
     streams = module.streaming_metrics() if streaming else None
-    if streams and strategy.world_size > 1:
-        raise ConfigError("eval_streaming=True is not supported with several processes yet; "
-                          "use compute_metrics (outputs are gathered in dataset order)")
+    if streams:  # torchmetrics objects are wrapped to reduce across ranks (lightlike/interop/metrics.py)
+        from lightlike.interop.metrics import adapt_streaming_metrics
+
+        streams = adapt_streaming_metrics(streams, module)
+    if streams and strategy.world_size > 1 and not all(getattr(s, "reduces_across_ranks", False) for s in streams.values()):
+        raise ConfigError("eval_streaming=True on several processes needs streaming metrics that reduce across "
+                          "ranks (torchmetrics objects do); or use compute_metrics (outputs are gathered in order)")
     if streams:
         for s in streams.values():
             s.reset()

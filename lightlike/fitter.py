@@ -11,7 +11,6 @@ from __future__ import annotations
 import itertools
 import logging
 import math
-import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -21,7 +20,7 @@ import torch
 from lightlike.callbacks.base import Callback, CallbackList
 from lightlike.config import FitConfig, check_keys
 from lightlike.data.loading import TrainData, build_eval_loader, build_train_data, normalise_eval_sets
-from lightlike.errors import ConfigError, DataError, NonFiniteLossError, OutputDirError
+from lightlike.errors import ConfigError, DataError, NonFiniteLossError
 from lightlike.evaluation import call_module, check_loss, is_improvement, run_evaluation
 from lightlike.module import TaskModule, check_task_module
 from lightlike.precision import get_precision
@@ -106,8 +105,10 @@ class Fitter:
         strategy = self._setup_strategy()
         check_task_module(module)
         resume_from = self._resume_source(resume)
-        if resume_from is None:
-            self._prepare_output_dir()
+        if resume_from is None and strategy.is_global_zero:  # a fresh fit must not mix with an old run
+            from lightlike.checkpoint.rotation import prepare_output_dir
+
+            prepare_output_dir(cfg.output_dir, cfg.overwrite_output_dir)
         seed_everything(cfg.seed, cfg.deterministic)
         self.train_data = train_data = build_train_data(
             train, batch_size=cfg.batch_size, shuffle=cfg.shuffle, drop_last=cfg.drop_last,
@@ -418,6 +419,12 @@ class Fitter:
                                                 streaming=self.config.eval_streaming, keep_outputs=True)
         return PredictionResult(preds, labels, metrics)
 
+    def search(self, module_factory: Any, space: Any, n_trials: int, **options: Any) -> Any:
+        """Optuna search: a fresh fit per trial in ``output_dir/trial-<n>``; see ``lightlike.search``."""
+        from lightlike.search import search
+
+        return search(self, module_factory, space, n_trials, **options)
+
     def _evaluate_standalone(self, module: TaskModule, data: Any, default_name: str) -> dict[str, float]:
         strategy = self._setup_strategy()
         model = self._prepare_for_eval(module)
@@ -494,26 +501,6 @@ class Fitter:
                 lg.resume(resume_step)
             lg.log_hyperparams(self.config.to_dict())
         return loggers
-
-    def _prepare_output_dir(self) -> None:
-        """A fresh fit must not mix with an earlier run's files unless asked to."""
-        out = Path(self.config.output_dir)
-        if not self.strategy.is_global_zero or not out.exists():  # type: ignore[union-attr]
-            return
-        from lightlike.checkpoint import list_checkpoints
-
-        old = [p for p in list_checkpoints(out)] + [p for p in (out / "logs",) if p.exists()]
-        if not old:
-            return
-        if not self.config.overwrite_output_dir:
-            names = ", ".join(p.name for p in old[:5])
-            raise OutputDirError(
-                f"output_dir {str(out)!r} already holds a run ({names}); pass resume=True to continue "
-                "it, overwrite_output_dir=True to replace it, or choose another output_dir"
-            )
-        log.warning("overwrite_output_dir=True: removing %s", ", ".join(str(p) for p in old))
-        for p in old:
-            shutil.rmtree(p)
 
     def _stop_requested(self) -> bool:
         """Preemption: on one process, whether a signal has arrived; on several, the flag agreed

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import logging
 import shutil
 from collections.abc import Iterable
 from pathlib import Path
 
 from lightlike.checkpoint.manifest import MANIFEST, list_checkpoints
+from lightlike.errors import OutputDirError
+
+log = logging.getLogger("lightlike")
 
 
 def rotate_checkpoints(output_dir: str | Path, limit: int | None, protect: Iterable[str | Path] = ()) -> list[Path]:
@@ -27,3 +31,23 @@ def rotate_checkpoints(output_dir: str | Path, limit: int | None, protect: Itera
         shutil.rmtree(p, ignore_errors=True)
         deleted.append(p)
     return deleted
+
+
+def prepare_output_dir(output_dir: str | Path, overwrite: bool) -> None:
+    """Before a fresh (not resumed) fit: refuse an ``output_dir`` that already holds checkpoints
+    or logs, or remove them when ``overwrite`` (``overwrite_output_dir=True``) says so."""
+    out = Path(output_dir)
+    if not out.exists():
+        return
+    old = list_checkpoints(out) + [p for p in (out / "logs",) if p.exists()]
+    if not old:
+        return
+    if not overwrite:
+        names = ", ".join(p.name for p in old[:5])
+        raise OutputDirError(
+            f"output_dir {str(out)!r} already holds a run ({names}); pass resume=True to continue "
+            "it, overwrite_output_dir=True to replace it, or choose another output_dir"
+        )
+    log.warning("overwrite_output_dir=True: removing %s", ", ".join(str(p) for p in old))
+    for p in old:
+        shutil.rmtree(p)

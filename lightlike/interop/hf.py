@@ -1,0 +1,236 @@
+"""Train a ``transformers`` causal language model with lightlike, and export it back.
+
+``HFCausalLM(model)`` is a thin ``TaskModule`` around any ``AutoModelForCausalLM`` model:
+
+* ``forward(batch)`` calls ``model(input_ids=..., attention_mask=..., use_cache=False)`` and
+  returns the logits (the batch is a dict with ``input_ids`` and optionally ``attention_mask``,
+  ``labels``, ``position_ids``; or a tensor of token ids);
+* ``loss`` is the token-mean cross entropy of the next token, HF's convention: ``labels`` (or,
+  without them, ``input_ids`` with padding masked by ``attention_mask``) are shifted by one
+  inside, and positions labelled ``-100`` do not count;
+* ``num_items`` is the number of tokens that count, so gradient accumulation and evaluation
+  are exact over *tokens*: the step's gradient is that of the mean loss over every counted token
+  of the step, however the padding falls across micro-batches and processes;
+* ``metrics``: next-token ``accuracy`` over the same tokens (``perplexity = exp(val/loss)``).
+
+``export_hf(checkpoint_dir or module, out_dir)`` writes a folder that
+``AutoModelForCausalLM.from_pretrained(out_dir)`` loads (``config.json``, ``model.safetensors``,
+``generation_config.json``); tied embeddings are written once and tied again on load.
+
+transformers is imported only by ``export_hf`` (and by whoever built the model).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.nn import functional as F
+
+from lightlike.errors import CheckpointError, DataError, ModuleContractError
+from lightlike.module import TaskModule
+
+IGNORE_INDEX = -100
+
+#: batch keys passed on to the model besides ``input_ids`` when present
+MODEL_INPUTS = ("attention_mask", "position_ids", "token_type_ids")
+
+
+class HFCausalLM(TaskModule):
+    """A ``transformers`` causal LM (``AutoModelForCausalLM`` and the like) as a ``TaskModule``.
+
+    The model is ``self.model``; its config is recorded in ``hparams["hf_config"]`` (saved in
+    every checkpoint as ``hparams.json``), which is what ``export_hf`` rebuilds it from."""
+
+    def __init__(self, model: Any, *, ignore_index: int = IGNORE_INDEX, model_inputs: tuple[str, ...] = MODEL_INPUTS):
+        super().__init__()
+        self.model = model
+        self.ignore_index = ignore_index
+        self.model_inputs = tuple(model_inputs)
+        self._hf_checkpointing = False
+        config = getattr(model, "config", None)
+        if config is not None and hasattr(config, "to_json_string"):
+            self.hparams["hf_config"] = json.loads(config.to_json_string(use_diff=False))
+            self.hparams["hf_class"] = type(model).__name__
+
+    # -- the TaskModule contract ---------------------------------------------------------------
+    def forward(self, batch: Any) -> torch.Tensor:
+        ids = self._input_ids(batch)
+        kwargs = {k: batch[k] for k in self.model_inputs if isinstance(batch, Mapping) and batch.get(k) is not None}
+        out = self.model(input_ids=ids, use_cache=False, **kwargs)
+        return out.logits if hasattr(out, "logits") else out[0]
+
+    def loss(self, outputs: torch.Tensor, batch: Any) -> torch.Tensor:
+        logits, labels = self._shifted(outputs, batch)
+        total = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1),
+                                ignore_index=self.ignore_index, reduction="sum")
+        # a micro-batch with no counted token has loss 0 and weight 0 (not 0/0 = NaN)
+        return total / (labels != self.ignore_index).sum().clamp(min=1)
+
+    def num_items(self, batch: Any) -> torch.Tensor:
+        return (self.shifted_labels(batch) != self.ignore_index).sum()
+
+    def metrics(self, outputs: torch.Tensor, batch: Any) -> dict[str, torch.Tensor]:
+        logits, labels = self._shifted(outputs, batch)
+        counted = labels != self.ignore_index
+        hits = ((logits.argmax(-1) == labels) & counted).sum()
+        return {"accuracy": hits.double() / counted.sum().clamp(min=1).double()}
+
+    # -- helpers -------------------------------------------------------------------------------
+    def shifted_labels(self, batch: Any) -> torch.Tensor:
+        """The next-token targets, ``(batch, seq_len - 1)``: ``labels[:, 1:]``, or without
+        labels ``input_ids[:, 1:]`` with padding (``attention_mask == 0``) set to ``-100``."""
+        if isinstance(batch, Mapping) and batch.get("labels") is not None:
+            labels = batch["labels"]
+        else:
+            labels = self._input_ids(batch)
+            mask = batch.get("attention_mask") if isinstance(batch, Mapping) else None
+            if mask is not None:
+                labels = labels.masked_fill(mask == 0, self.ignore_index)
+        if labels.ndim != 2:
+            raise DataError(f"HFCausalLM expects labels/input_ids of shape (batch, seq_len), got {tuple(labels.shape)}")
+        return labels[:, 1:]
+
+    def _shifted(self, outputs: torch.Tensor, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = outputs[:, :-1]
+        if logits.dtype in (torch.float16, torch.bfloat16):
+            logits = logits.float()  # the softmax in float32, as HF does
+        return logits, self.shifted_labels(batch)
+
+    def _input_ids(self, batch: Any) -> torch.Tensor:
+        if isinstance(batch, torch.Tensor):
+            return batch
+        if isinstance(batch, Mapping):
+            return batch["input_ids"]  # a KeyError is reported by the Fitter with the batch's keys
+        raise ModuleContractError(f"HFCausalLM takes a dict batch with 'input_ids' or a tensor, got {type(batch).__name__}")
+
+    # -- gradient checkpointing: the Fitter sets module.gradient_checkpointing -----------------------
+    @property
+    def gradient_checkpointing(self) -> bool:  # type: ignore[override]
+        return self._hf_checkpointing
+
+    @gradient_checkpointing.setter
+    def gradient_checkpointing(self, on: bool) -> None:
+        if bool(on) == self.__dict__.get("_hf_checkpointing", False):
+            return
+        self._hf_checkpointing = bool(on)
+        kwargs = {"use_reentrant": False}
+        if hasattr(self.model, "activation_checkpointing_enable"):  # transformers >= 5
+            if on:
+                self.model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+            else:
+                self.model.activation_checkpointing_disable()
+        elif on:
+            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        else:
+            self.model.gradient_checkpointing_disable()
+
+
+# ------------------------------------------------------------------------------------------------
+# export
+# ------------------------------------------------------------------------------------------------
+def export_hf(source: Any, out_dir: str | Path, *, config: Any = None, prefix: str = "model.",
+              hashes: bool = True) -> Path:
+    """Write ``out_dir`` as a Hugging Face model folder (``config.json``, ``model.safetensors``,
+    ``generation_config.json``) that ``AutoModelForCausalLM.from_pretrained(out_dir)`` loads.
+
+    ``source`` is an ``HFCausalLM`` (or a ``transformers`` model), or a lightlike checkpoint
+    folder (verified; sharded FSDP/DeepSpeed checkpoints are consolidated first). A checkpoint's
+    model is rebuilt from ``hparams["hf_config"]`` (recorded by ``HFCausalLM``) or from
+    ``config`` (a ``PretrainedConfig``, a dict, or a folder/file with a ``config.json``); its
+    weights are the checkpoint's keys under ``prefix``. Files land atomically, one by one;
+    other files in ``out_dir`` are left alone. Returns ``out_dir``."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    if isinstance(source, (str, os.PathLike)):
+        model = _model_from_checkpoint(Path(source), config, prefix, hashes, out)
+    else:
+        model = source.model if isinstance(source, HFCausalLM) else source
+        if not hasattr(model, "save_pretrained"):
+            raise ModuleContractError(f"export_hf takes an HFCausalLM, a transformers model or a checkpoint "
+                                      f"folder, got {type(source).__name__}")
+    tmp = Path(tempfile.mkdtemp(prefix=".export-hf-", dir=out))
+    try:
+        model.save_pretrained(str(tmp))
+        for f in sorted(tmp.iterdir()):
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
+            os.replace(f, out / f.name)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def _model_from_checkpoint(src: Path, config: Any, prefix: str, hashes: bool, scratch: Path) -> Any:
+    import transformers
+
+    from lightlike.checkpoint.export import export_weights
+    from lightlike.checkpoint.weights import load_safetensors
+
+    with tempfile.TemporaryDirectory(prefix=".export-weights-", dir=scratch) as tmp:
+        weights = export_weights(src, tmp, hashes=hashes)  # verifies; consolidates shards
+        state = load_safetensors(weights)
+        hparams_file = Path(tmp) / "hparams.json"
+        hparams = json.loads(hparams_file.read_text()) if hparams_file.is_file() else {}
+    hf_config = _resolve_config(config, hparams, src)
+    if prefix:
+        if not any(k.startswith(prefix) for k in state):
+            raise CheckpointError(f"{src} has no weights under {prefix!r} (first keys: {sorted(state)[:3]}); "
+                                  "pass the prefix the module stored the model under, e.g. prefix=''")
+        state = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
+    cls = getattr(transformers, str(hparams.get("hf_class", "")), None) if config is None else None
+    model = cls(hf_config) if isinstance(cls, type) else transformers.AutoModelForCausalLM.from_config(hf_config)
+    dtype = next((v.dtype for v in state.values() if v.is_floating_point()), None)
+    if dtype is not None:
+        model.to(dtype)
+    own = model.state_dict()
+    tied = set(_tied_keys(model))
+    missing = [k for k in own if k not in state and k not in tied]
+    unexpected = [k for k in state if k not in own]
+    mismatched = [k for k in state if k in own and tuple(own[k].shape) != tuple(state[k].shape)]
+    if missing or unexpected or mismatched:
+        raise CheckpointError(f"the weights of {src} do not fit {type(model).__name__}: missing {missing[:10]}, "
+                              f"unexpected {unexpected[:10]}, shape mismatches {mismatched[:10]}")
+    model.load_state_dict(state, strict=False)
+    if hasattr(model, "tie_weights"):
+        model.tie_weights()
+    now = model.state_dict()
+    differ = [k for k, v in state.items() if not torch.equal(now[k], v)]
+    if differ:  # two checkpoint tensors loaded into one tied parameter, with different values
+        raise CheckpointError(f"{src}: {differ[:5]} are tied in the model ({hf_config.model_type}) but differ in the "
+                              "checkpoint; pass a config with tie_word_embeddings=False")
+    return model
+
+
+def _resolve_config(config: Any, hparams: Mapping[str, Any], src: Path) -> Any:
+    from transformers import AutoConfig, PretrainedConfig
+
+    if isinstance(config, PretrainedConfig):
+        return config
+    if isinstance(config, (str, os.PathLike)):
+        return AutoConfig.from_pretrained(str(config))
+    data = dict(config) if isinstance(config, Mapping) else hparams.get("hf_config")
+    if not data:
+        raise CheckpointError(f"{src} records no Hugging Face config (hparams.json has no 'hf_config': the "
+                              "module was not an HFCausalLM); pass config=<PretrainedConfig, dict or folder>")
+    data = dict(data)
+    model_type = data.pop("model_type", None)
+    if not model_type:
+        raise CheckpointError(f"the Hugging Face config for {src} has no model_type")
+    return AutoConfig.for_model(model_type, **data)
+
+
+def _tied_keys(model: Any) -> list[str]:
+    keys = getattr(model, "all_tied_weights_keys", None) or getattr(model, "_tied_weights_keys", None) or {}
+    if isinstance(keys, Mapping):
+        return list(keys)
+    return list(keys)
+
+
+__all__ = ["HFCausalLM", "export_hf"]

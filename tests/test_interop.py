@@ -1,0 +1,382 @@
+"""Interop with the libraries users bring (each an optional dependency, skipped when absent):
+
+* a ``transformers`` causal LM trains through ``HFCausalLM``: the loss falls, one step's gradient
+  is a hand-written token-mean cross entropy's (exact over tokens across uneven micro-batches),
+  and ``export_hf`` writes a folder ``from_pretrained`` loads with equal (tied) weights;
+* ``torchmetrics`` objects from ``streaming_metrics()`` give the whole-set value on 1 and 2
+  processes (23 items: not divisible by 2), equal to a hand computation;
+* ``Fitter.search`` over optuna: one output dir per trial, the best trial refits to its value,
+  pruning through the eval metric, and the same search on 2 processes.
+
+This file is also the torchrun target of the 2-process tests: ``python test_interop.py OUT``.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from helpers import Classifier, DictDataset  # noqa: E402
+
+import lightlike as ll  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+QUIET = {"loggers": [], "log_level": "warning", "model_summary": False, "progress_bar": False}
+
+
+def test_optional_dependencies_are_imported_lazily():
+    code = ("import sys, lightlike, lightlike.interop, lightlike.interop.hf, lightlike.interop.metrics, lightlike.search\n"
+            "print([m for m in ('transformers', 'torchmetrics', 'optuna') if m in sys.modules])")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                       env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.strip() == "[]"
+
+
+# ================================================================================================
+# transformers
+# ================================================================================================
+def tiny_gpt2(dtype=torch.float32):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=100, n_positions=32,
+                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(config).to(dtype)
+
+
+class TokenData(torch.utils.data.Dataset):
+    """Learnable sequences (arithmetic progressions mod 100), right-padded by 0-9 tokens; the
+    first ``prompt`` tokens and the padding are labelled -100, so items count unevenly."""
+
+    def __init__(self, n=64, length=16, prompt=2, seed=0):
+        g = torch.Generator().manual_seed(seed)
+        start, step = torch.randint(0, 100, (n, 1), generator=g), torch.randint(1, 7, (n, 1), generator=g)
+        self.ids = (start + step * torch.arange(length)) % 100
+        self.pad = torch.randint(0, 10, (n,), generator=g)
+        self.prompt = prompt
+
+    def __len__(self):
+        return len(self.ids)
+
+    def __getitem__(self, i):
+        ids, length = self.ids[i].clone(), self.ids.shape[1]
+        mask = (torch.arange(length) < length - int(self.pad[i])).long()
+        labels = ids.masked_fill(mask == 0, -100)
+        labels[: self.prompt] = -100
+        return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+def test_hf_causal_lm_trains_and_exports_to_from_pretrained(tmp_path):
+    AutoModelForCausalLM = pytest.importorskip("transformers").AutoModelForCausalLM
+    from lightlike.interop.hf import HFCausalLM, export_hf
+
+    module = HFCausalLM(tiny_gpt2())
+    fitter = ll.Fitter(max_steps=30, batch_size=8, learning_rate=1e-2, log_every=5, eval_every=30, save_every=30,
+                       output_dir=str(tmp_path / "run"), seed=0, gradient_checkpointing=True, **QUIET)
+    result = fitter.fit(module, TokenData(64), TokenData(16, seed=1))
+    assert module.model.transformer.gradient_checkpointing  # the switch reached the HF model
+    losses = [e["train/loss"] for e in result.state.log_history if "train/loss" in e]
+    assert losses[0] > 4.0 and losses[-1] < losses[0] - 0.5, losses  # ln(100) = 4.6 at the start
+    assert 0.0 < result.metrics["val/accuracy"] <= 1.0 and result.metrics["val/loss"] < losses[0]
+
+    trained = {k: v.detach().clone() for k, v in module.model.state_dict().items()}
+    assert module.model.lm_head.weight is module.model.transformer.wte.weight  # tied
+    for source, out in ((tmp_path / "run" / "checkpoint-30", tmp_path / "from_checkpoint"), (module, tmp_path / "from_module")):
+        export_hf(source, out)
+        assert {"config.json", "model.safetensors"} <= {p.name for p in out.iterdir()}
+        assert json.loads((out / "config.json").read_text())["model_type"] == "gpt2"
+        loaded = AutoModelForCausalLM.from_pretrained(out)
+        state = loaded.state_dict()
+        assert state.keys() == trained.keys()
+        for k, v in trained.items():
+            assert torch.equal(state[k], v), k
+        assert loaded.lm_head.weight is loaded.transformer.wte.weight  # tied again on load
+        batch = TokenData(4, seed=2)[0]
+        with torch.no_grad():
+            ids = batch["input_ids"][None]
+            assert torch.equal(loaded(input_ids=ids).logits, module.model(input_ids=ids).logits)
+
+
+def test_hf_step_gradient_is_the_token_mean_over_the_step(tmp_path):
+    """One optimizer step of 2 micro-batches x 2 sequences whose counted tokens differ: the
+    gradient equals that of a hand-written cross entropy summed over every counted (shifted,
+    non -100) token of the 4 sequences, divided by their number (float64, 1e-10)."""
+    from lightlike.interop.hf import HFCausalLM
+
+    hf = tiny_gpt2(torch.float64)
+    reference = copy.deepcopy(hf)
+    data = TokenData(4, seed=3)
+    batches = [{k: torch.stack([data[i][k] for i in idx]) for k in data[0]} for idx in ((0, 1), (2, 3))]
+    counts = [int((b["labels"][:, 1:] != -100).sum()) for b in batches]
+    assert counts[0] != counts[1], counts  # uneven: a mean of micro-batch means would differ
+
+    grads = {}
+
+    class Grab(ll.Callback):
+        def on_before_optimizer_step(self, fitter, state, control, optimizer):
+            grads.update({n: p.grad.detach().clone() for n, p in fitter.module.model.named_parameters()})
+
+    module = HFCausalLM(hf)
+    assert module.num_items(batches[0]) == counts[0]
+    ll.Fitter(max_steps=1, batch_size=2, grad_accum_steps=2, shuffle=False, output_dir=str(tmp_path),
+              callbacks=[Grab()], **QUIET).fit(module, data)
+
+    total = torch.zeros((), dtype=torch.float64)
+    for b in batches:
+        logits = reference(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits
+        logp = torch.log_softmax(logits[:, :-1], dim=-1)
+        target = b["labels"][:, 1:]
+        counted = target != -100
+        picked = logp.gather(-1, target.clamp(min=0)[..., None])[..., 0]
+        total = total - (picked * counted).sum()
+    (total / sum(counts)).backward()
+    expected = dict(reference.named_parameters())
+    assert grads.keys() == expected.keys()
+    for name, g in grads.items():
+        torch.testing.assert_close(g, expected[name].grad, rtol=1e-10, atol=1e-12, msg=name)
+
+
+def test_hf_example_runs(tmp_path):
+    pytest.importorskip("transformers")
+    p = subprocess.run([sys.executable, str(ROOT / "examples" / "hf_causal_lm.py"), "--tiny", "--output-dir",
+                        str(tmp_path / "run")], capture_output=True, text=True, timeout=180, cwd=tmp_path)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "exported to" in p.stdout, p.stdout
+    assert (tmp_path / "run" / "hf" / "config.json").is_file()
+
+
+def test_export_hf_needs_a_config_for_a_plain_checkpoint(tmp_path):
+    pytest.importorskip("transformers")
+    from lightlike.interop.hf import export_hf
+
+    ll.Fitter(max_steps=1, save_every=1, output_dir=str(tmp_path / "run"), **QUIET).fit(Classifier(), DictDataset(8))
+    with pytest.raises(ll.CheckpointError, match="pass config="):
+        export_hf(tmp_path / "run" / "checkpoint-1", tmp_path / "out")
+
+
+# ================================================================================================
+# torchmetrics
+# ================================================================================================
+def metrics_module():
+    from torchmetrics import MetricCollection
+    from torchmetrics.classification import MulticlassAccuracy, MulticlassAUROC, MulticlassF1Score
+
+    class WithTorchMetrics(Classifier):
+        def __init__(self):
+            super().__init__()
+            self.f1 = MulticlassF1Score(num_classes=3, average="macro")  # summed tp/fp/fn states
+            self.auroc = MulticlassAUROC(num_classes=3, thresholds=None)  # concatenated list states
+
+        def metrics(self, outputs, batch):
+            return {"accuracy": (outputs.argmax(-1) == batch["y"]).double().mean()}
+
+        def streaming_metrics(self):
+            return {"f1": self.f1, "auroc": self.auroc,
+                    "more": MetricCollection({"tm_accuracy": MulticlassAccuracy(num_classes=3, average="micro")})}
+
+    torch.manual_seed(0)
+    return WithTorchMetrics()
+
+
+EVAL_ITEMS = 23  # 12 + 11 on two processes
+
+
+def eval_with_torchmetrics(out):
+    module = metrics_module()
+    fitter = ll.Fitter(max_steps=1, eval_batch_size=4, eval_streaming=True, output_dir=str(out), **QUIET)
+    return fitter.validate(module, DictDataset(n=EVAL_ITEMS, seed=4))
+
+
+def macro_f1(pred, y, classes=3):
+    scores = []
+    for c in range(classes):
+        tp = int(((pred == c) & (y == c)).sum())
+        fp = int(((pred == c) & (y != c)).sum())
+        fn = int(((pred != c) & (y == c)).sum())
+        if tp + fp + fn:
+            scores.append(2 * tp / (2 * tp + fp + fn))
+    return sum(scores) / len(scores)
+
+
+def test_torchmetrics_on_one_process_match_a_hand_computation(tmp_path):
+    pytest.importorskip("torchmetrics")
+    metrics = eval_with_torchmetrics(tmp_path)
+    data = DictDataset(n=EVAL_ITEMS, seed=4)
+    module = metrics_module()
+    with torch.no_grad():
+        pred = module({"x": data.x}).argmax(-1)
+    assert metrics["val/f1"] == pytest.approx(macro_f1(pred, data.y), abs=1e-6)
+    assert metrics["val/tm_accuracy"] == pytest.approx(metrics["val/accuracy"], abs=1e-6)
+    assert 0.0 <= metrics["val/auroc"] <= 1.0
+    assert 0.2 < metrics["val/f1"] < 0.9  # a non-trivial value, not a degenerate 0 or 1
+
+
+# ================================================================================================
+# optuna
+# ================================================================================================
+def search_fitter(out, **kw):
+    return ll.Fitter(max_steps=8, eval_every=4, batch_size=8, output_dir=str(out), seed=0, save_every=8, **QUIET, **kw)
+
+
+def classifier_factory(width=16):
+    return Classifier(width=width)
+
+
+def test_search_best_trial_reproduces_its_value(tmp_path):
+    optuna = pytest.importorskip("optuna")
+    from optuna.distributions import CategoricalDistribution, FloatDistribution
+
+    space = {"learning_rate": FloatDistribution(1e-3, 3e-1, log=True), "width": CategoricalDistribution([4, 8, 16])}
+    train, val = DictDataset(64), DictDataset(32, seed=1)
+    study = search_fitter(tmp_path / "search").search(classifier_factory, space, 4, train=train, val=val,
+                                                      pruner=optuna.pruners.NopPruner())
+    trials = study.trials
+    assert [t.state for t in trials] == [optuna.trial.TrialState.COMPLETE] * 4
+    assert len({t.value for t in trials}) == 4  # four different settings
+    for t in trials:
+        out = tmp_path / "search" / f"trial-{t.number}"
+        assert t.user_attrs["output_dir"] == str(out) and (out / "checkpoint-8" / "manifest.json").is_file()
+        assert sorted(t.intermediate_values) == [4, 8] and t.intermediate_values[8] == t.value
+    assert study.direction == optuna.study.StudyDirection.MINIMIZE  # val/loss
+
+    best = study.best_trial
+    assert best.value == min(t.value for t in trials)
+    params = dict(best.user_attrs["overrides"])
+    width = params.pop("width")
+    refit = search_fitter(tmp_path / "refit", **params).fit(classifier_factory(width=width), train, val)
+    assert refit.metrics["val/loss"] == best.value
+
+
+def test_search_prunes_through_the_eval_metric(tmp_path):
+    optuna = pytest.importorskip("optuna")
+
+    class PruneAtFirstReport(optuna.pruners.BasePruner):
+        def prune(self, study, trial):
+            return True
+
+    def space(trial):  # a callable space: config overrides under names of its own choosing
+        return {"learning_rate": trial.suggest_float("lr", 1e-3, 1e-1, log=True)}
+
+    fitter = ll.Fitter(max_steps=12, eval_every=4, batch_size=8, output_dir=str(tmp_path / "s"), **QUIET)
+    study = fitter.search(Classifier, space, 3, train=DictDataset(64), val=DictDataset(16, seed=1),
+                          pruner=PruneAtFirstReport(), metric="val/accuracy")
+    assert study.direction == optuna.study.StudyDirection.MAXIMIZE  # not a loss
+    assert [t.state for t in study.trials] == [optuna.trial.TrialState.PRUNED] * 3
+    for t in study.trials:
+        assert list(t.intermediate_values) == [4]  # reported once, then stopped at that step
+        assert t.user_attrs["global_step"] == 4
+        assert t.user_attrs["overrides"] == {"learning_rate": t.params["lr"]}
+
+    with pytest.raises(ll.ConfigError, match="'widht'.*did you mean 'width'"):
+        fitter.search(classifier_factory, {"widht": [4, 8]}, 1, train=DictDataset(8), val=DictDataset(8))
+
+
+# ================================================================================================
+# two processes (torchrun, gloo): torchmetrics and search
+# ================================================================================================
+def prune_second_trial():
+    """A pruner that prunes trial 1 at its first report; the others run to the end."""
+    import optuna
+
+    class PruneSecond(optuna.pruners.BasePruner):
+        def prune(self, study, trial):
+            return trial.number == 1
+
+    return PruneSecond()
+
+
+def small_search(out, batch_size):
+    """The same search on 1 process (batch 8) and on 2 (batch 4 each): float64, so equal values."""
+    from optuna.distributions import FloatDistribution
+
+    fitter = ll.Fitter(max_steps=6, eval_every=3, batch_size=batch_size, output_dir=str(out), seed=0, **QUIET)
+    study = fitter.search(lambda width=8: Classifier(width=width).double(),
+                          {"learning_rate": FloatDistribution(1e-3, 1e-1, log=True), "width": [4, 8]}, 3,
+                          train=DictDataset(32, dtype=torch.float64), val=DictDataset(15, seed=1, dtype=torch.float64),
+                          pruner=prune_second_trial())
+    return [{"number": t.number, "state": t.state.name, "value": t.value, "params": t.params,
+             "steps": {str(k): v for k, v in t.intermediate_values.items()}} for t in study.trials]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def two_processes(tmp_path_factory):
+    pytest.importorskip("torchmetrics")
+    pytest.importorskip("optuna")
+    out = tmp_path_factory.mktemp("ddp")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+           "--master_port", str(_free_port()), str(Path(__file__).resolve()), str(out)]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    assert p.returncode == 0, p.stderr[-4000:]
+    return out
+
+
+def test_torchmetrics_on_two_processes_equal_one_process(two_processes, tmp_path):
+    one = eval_with_torchmetrics(tmp_path)
+    for rank in (0, 1):
+        two = json.loads((two_processes / f"metrics-rank{rank}.json").read_text())
+        assert two.keys() == one.keys()
+        for k, v in one.items():
+            assert two[k] == pytest.approx(v, abs=1e-6), (rank, k)
+    data = DictDataset(n=EVAL_ITEMS, seed=4)
+    with torch.no_grad():
+        pred = metrics_module()({"x": data.x}).argmax(-1)
+    assert two["val/f1"] == pytest.approx(macro_f1(pred, data.y), abs=1e-6)
+
+
+def test_search_on_two_processes_equals_one_process(two_processes, tmp_path):
+    one = small_search(tmp_path, batch_size=8)
+    assert [t["state"] for t in one] == ["COMPLETE", "PRUNED", "COMPLETE"]
+    for rank in (0, 1):  # every rank returns the study
+        two = json.loads((two_processes / f"search-rank{rank}.json").read_text())
+        assert [(t["number"], t["state"], t["params"]) for t in two] == [(t["number"], t["state"], t["params"]) for t in one]
+        for a, b in zip(two, one, strict=True):
+            assert a["steps"].keys() == b["steps"].keys()
+            for k in a["steps"]:
+                assert a["steps"][k] == pytest.approx(b["steps"][k], rel=1e-10)
+
+
+def test_plain_streaming_metrics_stay_refused_on_two_processes(two_processes):
+    """A streaming object that does not reduce across ranks would give each rank its own share's
+    value: refused, by name of the fix (torchmetrics objects, as above, are accepted)."""
+    message = (two_processes / "plain-stream-error.txt").read_text()
+    assert "reduce across ranks" in message and "compute_metrics" in message
+
+
+def _two_process_target(out: Path) -> None:
+    """Run by torchrun in ``two_processes``: each rank writes what it got."""
+    rank = int(os.environ.get("RANK", "0"))
+    metrics = eval_with_torchmetrics(out / "eval")
+    (out / f"metrics-rank{rank}.json").write_text(json.dumps(metrics))
+    trials = small_search(out / "search", batch_size=4)
+    (out / f"search-rank{rank}.json").write_text(json.dumps(trials))
+
+    class PlainStream(Classifier):
+        def streaming_metrics(self):
+            return {"count": type("Count", (), {"reset": lambda s: None, "update": lambda s, o, b: None,
+                                                "compute": lambda s: 0.0})()}
+
+    try:
+        ll.Fitter(max_steps=1, eval_streaming=True, output_dir=str(out / "plain"), **QUIET).validate(
+            PlainStream(), DictDataset(8))
+    except ll.ConfigError as e:
+        if rank == 0:
+            (out / "plain-stream-error.txt").write_text(str(e))
+
+
+if __name__ == "__main__":
+    _two_process_target(Path(sys.argv[1]))
