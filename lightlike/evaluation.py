@@ -4,7 +4,7 @@ Additive metrics (``TaskModule.metrics``, and the loss) are per-batch means; the
 ``mean * num_items`` are kept on the device in float64 and divided once at the end, so the
 result is the exact dataset mean, not a mean of batch means. Non-additive metrics go through
 ``compute_metrics(predictions, labels)`` on the whole set, or through streaming metric
-objects (``eval_streaming=True``).
+objects (``eval_streaming=True``, or whenever the module defines only those).
 """
 
 from __future__ import annotations
@@ -116,7 +116,11 @@ def run_evaluation(
     device = strategy.root_device
     was_training = model.training
     model.eval()
-    wants_whole_set = type(module).compute_metrics is not _base_compute_metrics()
+    base = _base_module()
+    wants_whole_set = type(module).compute_metrics is not base.compute_metrics
+    # a module with streaming metrics and no compute_metrics streams without being asked: its
+    # metrics are never dropped because eval_streaming was left off
+    streaming = streaming or (type(module).streaming_metrics is not base.streaming_metrics and not wants_whole_set)
     collect = keep_outputs or (wants_whole_set and not streaming)
     streams = module.streaming_metrics() if streaming else None
     if streams:  # torchmetrics objects are wrapped to reduce across ranks (lightlike/interop/metrics.py)
@@ -124,8 +128,9 @@ def run_evaluation(
 
         streams = adapt_streaming_metrics(streams, module)
     if streams and strategy.world_size > 1 and not all(getattr(s, "reduces_across_ranks", False) for s in streams.values()):
-        raise ConfigError("eval_streaming=True on several processes needs streaming metrics that reduce across "
-                          "ranks (torchmetrics objects do); or use compute_metrics (outputs are gathered in order)")
+        raise ConfigError("streaming metrics on several processes must reduce across ranks (torchmetrics "
+                          "objects do; set reduces_across_ranks = True on your own), or define compute_metrics "
+                          "instead (outputs are gathered in dataset order)")
     if streams:
         for s in streams.values():
             s.reset()
@@ -195,10 +200,10 @@ def _as_float(v: Any, key: str) -> float:
         raise ModuleContractError(f"whole-set metric {key!r} is a {type(v).__name__}, not a number") from e
 
 
-def _base_compute_metrics() -> Any:
+def _base_module() -> Any:
     from lightlike.module import TaskModule
 
-    return TaskModule.compute_metrics
+    return TaskModule
 
 
 def is_improvement(value: float, best: float | None, greater_is_better: bool, min_delta: float = 0.0) -> bool:

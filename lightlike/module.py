@@ -76,7 +76,9 @@ class TaskModule(nn.Module):
 
     def streaming_metrics(self) -> Mapping[str, Any] | None:
         """Objects with ``update(outputs, batch)``, ``compute() -> float`` and ``reset()`` that
-        compute whole-set metrics without holding all outputs (``eval_streaming=True``)."""
+        compute whole-set metrics without holding all outputs. Used when ``eval_streaming=True``,
+        and always when the module does not define ``compute_metrics``. torchmetrics objects
+        work as they are (``lightlike.interop.metrics``)."""
         return None
 
     def configure_optimizers(self, config: Any) -> Any:

@@ -190,9 +190,9 @@ def metrics_module():
 EVAL_ITEMS = 23  # 12 + 11 on two processes
 
 
-def eval_with_torchmetrics(out):
+def eval_with_torchmetrics(out, **kw):
     module = metrics_module()
-    fitter = ll.Fitter(max_steps=1, eval_batch_size=4, eval_streaming=True, output_dir=str(out), **QUIET)
+    fitter = ll.Fitter(max_steps=1, eval_batch_size=4, output_dir=str(out), **QUIET, **kw)
     return fitter.validate(module, DictDataset(n=EVAL_ITEMS, seed=4))
 
 
@@ -218,6 +218,9 @@ def test_torchmetrics_on_one_process_match_a_hand_computation(tmp_path):
     assert metrics["val/tm_accuracy"] == pytest.approx(metrics["val/accuracy"], abs=1e-6)
     assert 0.0 <= metrics["val/auroc"] <= 1.0
     assert 0.2 < metrics["val/f1"] < 0.9  # a non-trivial value, not a degenerate 0 or 1
+    # the module defines streaming_metrics and no compute_metrics: they run with or without
+    # eval_streaming=True (never dropped silently)
+    assert eval_with_torchmetrics(tmp_path / "flag", eval_streaming=True) == metrics
 
 
 # ================================================================================================
@@ -371,7 +374,7 @@ def _two_process_target(out: Path) -> None:
                                                 "compute": lambda s: 0.0})()}
 
     try:
-        ll.Fitter(max_steps=1, eval_streaming=True, output_dir=str(out / "plain"), **QUIET).validate(
+        ll.Fitter(max_steps=1, output_dir=str(out / "plain"), **QUIET).validate(
             PlainStream(), DictDataset(8))
     except ll.ConfigError as e:
         if rank == 0:
