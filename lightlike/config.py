@@ -45,7 +45,8 @@ class FitConfig:
         False, "Allow writing into an output_dir that already holds checkpoints or logs."
     )
     # -- hardware ----------------------------------------------------------------------------
-    strategy: Any = _f("auto", "Strategy name ('auto', 'single', ...) or a Strategy instance.")
+    strategy: Any = _f("auto", "Strategy name ('auto', 'single', 'ddp', 'fsdp', ...), a preset file "
+                               "(.toml: FSDP, .json: DeepSpeed) or a Strategy instance.")
     precision: Any = _f("auto", "Precision name ('32-true', 'bf16-mixed', ...) or an instance.")
     accelerator: str = _f("auto", "'auto', 'cpu' or 'cuda'.")
     # -- length of training --------------------------------------------------------------------

@@ -237,6 +237,49 @@ def test_torchrun_two_processes(tmp_path):
         torch.testing.assert_close(got[name], tensor, rtol=0, atol=1e-6)
 
 
+def test_srun_two_tasks_with_an_fsdp_preset_file(tmp_path):
+    """Unchanged under srun: two tasks started the way srun starts them (SLURM_* set, no torchrun),
+    the strategy named by a preset file (``--strategy strategies/fsdp.toml``). The FSDP checkpoint,
+    exported by ``lightlike export``, holds the weights that one process with batch 16 trains."""
+    args = ["fit", TARGET, "--strategy", str(ROOT / "strategies" / "fsdp.toml"), "--max_steps", "4",
+            "--save_every", "4", "--batch_size", "8", "--learning_rate", "0.01", "--loggers", "[]",
+            "--model.train_items", "128", "--output_dir", "out"]
+    procs = []
+    for rank in range(2):
+        env = {**CLEAN, "SLURM_NTASKS": "2", "SLURM_PROCID": str(rank), "SLURM_LOCALID": str(rank),
+               "SLURM_NODEID": "0", "SLURM_JOB_NODELIST": "localhost", "SLURM_JOB_ID": str(50000 + os.getpid() % 9999)}
+        procs.append(subprocess.Popen([sys.executable, "-m", "lightlike.cli", *args], cwd=tmp_path, env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    outs = [p.communicate(timeout=240) for p in procs]
+    for p, (_, err) in zip(procs, outs, strict=True):
+        assert p.returncode == 0, err[-3000:]
+    results = [json.loads(line) for out, _ in outs for line in out.splitlines() if line.startswith("{")]
+    assert len(results) == 1 and results[0]["global_step"] == 4  # rank 0 prints
+    ckpt = tmp_path / "out" / "checkpoint-4"
+    state = json.loads((ckpt / "trainer_state.json").read_text())
+    assert state["world_size"] == 2
+    cli("export", str(ckpt), str(tmp_path / "exported"))
+    ex = load_example()
+    ref = ll.Fitter(max_steps=4, batch_size=16, learning_rate=0.01, loggers=[], model_summary=False,
+                    output_dir=str(tmp_path / "ref"))
+    module = ex.Classifier(train_items=128)
+    ref.fit(module, module.train_data())
+    got = load_file(str(tmp_path / "exported" / "model.safetensors"))
+    assert set(got) == set(module.state_dict())
+    for name, tensor in module.state_dict().items():
+        torch.testing.assert_close(got[name], tensor, rtol=0, atol=1e-5)
+
+
+def test_strategy_file_errors(tmp_path):
+    """A strategy file that does not exist, or a .toml that is not an FSDP preset: one line naming it."""
+    (tmp_path / "ddp.toml").write_text('strategy = "ddp"\n')
+    for spec, want in (("nope.toml", "strategy='nope.toml': no such file"),
+                       ("ddp.toml", "ddp.toml: strategy = 'ddp', but a .toml strategy file describes FSDP")):
+        p = cli("fit", TARGET, "--strategy", spec, "--max_steps", "1", "--output_dir", "out", ok=False, cwd=tmp_path)
+        assert p.returncode == 2 and want in p.stderr, p.stderr
+        assert "Traceback" not in p.stderr
+
+
 def test_help_shows_the_field_docs():
     """``lightlike --help`` lists every FitConfig field with its help; a command's help with a
     module also lists the constructor's arguments with their docstring text."""

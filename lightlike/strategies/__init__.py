@@ -44,7 +44,8 @@ PLANNED: tuple[str, ...] = ()
 
 
 def get_strategy(spec: str | Strategy, accelerator: str, precision: Precision | None) -> Strategy:
-    """A ``Strategy`` from a registered name or an instance. ``'auto'``: one process → single.
+    """A ``Strategy`` from a registered name, a preset file (``.toml``: FSDP, ``.json``: DeepSpeed)
+    or an instance. ``'auto'``: one process → single.
 
     ``precision=None`` (the user said ``'auto'``) keeps an instance's own precision plugin."""
     if isinstance(spec, Strategy):
@@ -54,6 +55,8 @@ def get_strategy(spec: str | Strategy, accelerator: str, precision: Precision | 
     precision = precision if precision is not None else Precision()
     if not isinstance(spec, str):
         raise ConfigError(f"strategy must be a name or a Strategy instance, got {type(spec).__name__}")
+    if spec.endswith((".toml", ".json")):
+        return _from_file(spec, accelerator, precision)
     name = spec
     if name == "auto":
         name = "single" if detect_environment().world_size == 1 else "ddp"
@@ -65,6 +68,29 @@ def get_strategy(spec: str | Strategy, accelerator: str, precision: Precision | 
         hint = f" (did you mean {close[0]!r}?)" if close else ""
         raise ConfigError(f"unknown strategy {spec!r}{hint}; valid names: {', '.join(['auto', *STRATEGIES])}")
     return STRATEGIES[name](accelerator, precision)
+
+
+def _from_file(path: str, accelerator: str, precision: Precision) -> Strategy:
+    """A preset file as the strategy: ``.toml`` an FSDP preset (``strategies/fsdp.toml``), ``.json``
+    a DeepSpeed config (``strategies/deepspeed_zero3.json``); so config files and the command line
+    can name one."""
+    from pathlib import Path
+
+    if not Path(path).is_file():
+        raise ConfigError(f"strategy={path!r}: no such file (a .toml FSDP preset or a .json DeepSpeed config)")
+    if path.endswith(".toml"):
+        import tomllib
+
+        from lightlike.strategies.fsdp import FSDPStrategy
+
+        named = tomllib.loads(Path(path).read_text()).get("strategy", "fsdp")
+        if named not in ("fsdp", "fsdp_offload", "hsdp"):
+            raise ConfigError(f"{path}: strategy = {named!r}, but a .toml strategy file describes FSDP "
+                              "(strategy = 'fsdp', 'fsdp_offload' or 'hsdp'); pass other strategies by name")
+        return FSDPStrategy.from_file(path, accelerator=accelerator, precision=precision)
+    from lightlike.strategies.deepspeed import DeepSpeedStrategy
+
+    return DeepSpeedStrategy(accelerator, precision, config=path)
 
 
 __all__ = ["STRATEGIES", "SingleDeviceStrategy", "Strategy", "get_strategy", "move_to_device"]

@@ -20,8 +20,9 @@ so the Fitter's exact-accumulation weighting (``DDPStrategy.item_normaliser``) a
   background thread while training goes on; the checkpoint is committed (manifest, rename) at
   the next save or the end of the fit, and stays invisible until then.
 - Large models: build the module under ``torch.device("meta")``; ``setup_module`` shards it,
-  allocates only the local shards and initialises them (``TaskModule.init_weights()`` if defined,
-  else every submodule's ``reset_parameters()``).
+  allocates only the local shards and initialises them: ``TaskModule.init_weights()`` if defined,
+  else every submodule's ``reset_parameters()``, which gives exactly the weights of an eager
+  build with the run's seed (see ``_materialise``).
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ UnitSpec = str | list[str] | tuple[str, ...] | Callable[[nn.Module], bool] | Non
 class FSDPStrategy(DDPStrategy):
     name = "fsdp"
     checkpoint_format = "dcp"
+    init_seed = 0
 
     def __init__(
         self,
@@ -107,6 +109,7 @@ class FSDPStrategy(DDPStrategy):
         return cls(**{**table, **kwargs})
 
     def configure(self, config: Any) -> None:
+        self.init_seed = int(config.seed)  # a meta-device module is initialised from it
         self.async_save = self.async_save or bool(config.async_save)
         if self.activation_checkpointing is None:
             self.activation_checkpointing = bool(config.gradient_checkpointing)
@@ -209,17 +212,29 @@ class FSDPStrategy(DDPStrategy):
         return chosen
 
     def _materialise(self, module: nn.Module) -> None:
-        """Allocate the local shards of a meta-device module and initialise them."""
+        """Allocate the local shards of a meta-device module and initialise them.
+
+        With ``reset_parameters()`` (every torch layer has it) the values are exactly those of
+        ``torch.manual_seed(seed); Model()`` built eagerly (in the dtype the module has on the
+        meta device), whatever the world size: each
+        submodule's own parameters are drawn whole, in construction order, from a generator
+        seeded with the run's seed, and each rank keeps its shard; peak memory is the largest
+        submodule's own parameters, not the model. DTensor random ops cannot do this on the CPU
+        (every rank would draw the same values for its own shard). The global RNG state is left
+        as it was, so the rest of the run matches an eagerly built one. A module's own
+        ``init_weights()`` is called on the sharded DTensors instead (on CUDA, DTensor's RNG
+        tracker keeps shards distinct; on the CPU it does not)."""
         module.to_empty(device=self.root_device)
         init = getattr(module, "init_weights", None)
         with torch.no_grad():
             if callable(init):
                 init()
             else:
-                for m in module.modules():
-                    reset = getattr(m, "reset_parameters", None)
-                    if callable(reset):
-                        reset()
+                with torch.random.fork_rng(devices=[]):
+                    torch.manual_seed(self.init_seed)
+                    for m in module.modules():
+                        if callable(getattr(m, "reset_parameters", None)):
+                            _reset_whole(m)
         log.debug("materialised a meta-device module shard by shard on %s", self.root_device)
 
     def unwrap(self, module: nn.Module) -> nn.Module:
@@ -299,3 +314,29 @@ class FSDPStrategy(DDPStrategy):
     def __repr__(self) -> str:
         return (f"FSDPStrategy(rank={self.global_rank}/{self.world_size}, mesh={tuple(self.mesh.shape) if self.mesh else None}, "
                 f"precision={self.precision.name!r}, offload={self.offload})")
+
+
+def _reset_whole(m: nn.Module) -> None:
+    """``m.reset_parameters()`` on full-size tensors standing in for its sharded ones (its own,
+    not its children's), then each rank copies its shard of the result into place."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    slots = [(m._parameters, n) for n, t in m._parameters.items() if isinstance(t, DTensor)]
+    slots += [(m._buffers, n) for n, t in m._buffers.items() if isinstance(t, DTensor)]
+    if not slots:
+        m.reset_parameters()  # type: ignore[operator]
+        return
+    sharded = {(id(d), n): d[n] for d, n in slots}
+    try:
+        for d, n in slots:
+            t = d[n]
+            full = torch.empty(t.shape, dtype=t.dtype, device=t.device_mesh.device_type)
+            d[n] = nn.Parameter(full, requires_grad=t.requires_grad) if d is m._parameters else full
+        m.reset_parameters()  # type: ignore[operator]
+        for d, n in slots:
+            t = sharded[(id(d), n)]
+            mine = distribute_tensor(d[n].detach(), t.device_mesh, t.placements, src_data_rank=None)
+            t.to_local().copy_(mine.to_local())
+    finally:
+        for d, n in slots:
+            d[n] = sharded[(id(d), n)]
