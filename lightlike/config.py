@@ -48,7 +48,7 @@ class FitConfig:
     strategy: Any = _f("auto", "Strategy name ('auto', 'single', 'ddp', 'fsdp', ...), a preset file "
                                "(.toml: FSDP, .json: DeepSpeed) or a Strategy instance.")
     precision: Any = _f("auto", "Precision name ('32-true', 'bf16-mixed', ...) or an instance.")
-    accelerator: str = _f("auto", "'auto', 'cpu' or 'cuda'.")
+    accelerator: str = _f("auto", "'auto', 'cpu' or 'cuda' (each process its local GPU); 'cuda:N' on one process.")
     # -- length of training --------------------------------------------------------------------
     max_epochs: int | None = _f(None, "Stop after this many epochs over the training data.")
     max_steps: int | None = _f(None, "Stop after this many optimizer steps (wins over max_epochs).")

@@ -135,7 +135,7 @@ class Fitter:
         optimizer, scheduler = self._configure_optimizers(module, max_steps)
         model, optimizer = strategy.setup_optimizer(model, optimizer)
         if cfg.compile:
-            model = torch.compile(model)
+            model = torch.compile(model)  # type: ignore[assignment]
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
 
         self.state = FitState(max_steps=max_steps)
@@ -391,7 +391,7 @@ class Fitter:
         return [list(v) for v in self._read_pending()]
 
     def restore_pending_losses(self, pending: list[list[float]]) -> None:
-        self._pending = [(torch.tensor(loss, dtype=torch.float64, device=self.strategy.root_device), n, int(step), int(micro))  # type: ignore[union-attr]
+        self._pending = [(torch.tensor(loss, dtype=torch.float64, device=self.strategy.root_device), n, int(step), int(micro))  # type: ignore[union-attr,misc]
                          for loss, n, step, micro in pending]
 
     def _read_and_check_pending(self) -> None:
@@ -475,8 +475,9 @@ class Fitter:
         if custom is not None:
             return optim.unwrap_configure_optimizers(custom)
         cfg = self.config
-        if self.strategy.precision.param_dtype == torch.float16 and cfg.optimizer == "adamw" \
-                and cfg.adam_epsilon < torch.finfo(torch.float16).tiny:  # type: ignore[union-attr]
+        precision = self.strategy.precision  # type: ignore[union-attr]
+        if precision.param_dtype == torch.float16 and cfg.optimizer == "adamw" \
+                and cfg.adam_epsilon < torch.finfo(torch.float16).tiny:
             log.warning("adam_epsilon=%g underflows in float16 (16-true keeps optimizer state in fp16): "
                         "updates will be inf/NaN; set adam_epsilon=1e-4 or use precision='16-mixed'",
                         cfg.adam_epsilon)

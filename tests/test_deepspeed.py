@@ -330,8 +330,10 @@ def test_preset_files_agree_with_the_named_presets(name):
 
     path = ROOT / "strategies" / f"{name}.json"
     from_file, preset = DeepSpeedStrategy(config=str(path)), get_strategy(name, "auto", None)
+    via_path = get_strategy(str(path), "auto", None)  # strategy="strategies/<name>.json", --strategy too
     assert isinstance(preset, DeepSpeedStrategy) and preset.name == name
     assert from_file.name == name and from_file.settings == preset.settings
+    assert via_path.name == name and via_path.settings == preset.settings
     for precision in ("32-true", "bf16-mixed"):
         from lightlike.precision import get_precision
 

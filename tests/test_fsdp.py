@@ -15,6 +15,7 @@ from test_ddp import assert_close, launch, weights
 from torch import nn
 
 from lightlike.errors import CheckpointError, ConfigError
+from lightlike.strategies import get_strategy
 
 ROOT = Path(__file__).resolve().parent.parent
 COMMON = ["--items", "46", "--accum", "2", "--max-grad-norm", "0.5", "--task", "token", "--steps", "7"]
@@ -198,10 +199,23 @@ def test_preset_files_agree_with_named_presets(tmp_path):
         from_file, named = FSDPStrategy.from_file(f), FSDPStrategy.from_preset(f.stem)
         assert {k: getattr(from_file, k) for k in fields} == {k: getattr(named, k) for k in fields}, f.name
         assert tomllib.loads(f.read_text())["strategy"] == f.stem
+        # a path works wherever a strategy name does (Fitter keyword, config file, --strategy)
+        via_path = get_strategy(str(f), "cpu", None)
+        assert {k: getattr(via_path, k) for k in fields} == {k: getattr(named, k) for k in fields}, f.name
+    # the strategy line picks the preset the [fsdp] table refines
+    short = tmp_path / "short.toml"
+    short.write_text('strategy = "hsdp"\n[fsdp]\nreshard_after_forward = false\n')
+    got = FSDPStrategy.from_file(short)
+    assert (got.hybrid, got.offload, got.reshard_after_forward) == (True, False, False)
     bad = tmp_path / "bad.toml"
     bad.write_text("[fsdp]\noffload = true\nreshard = false\n")
     with pytest.raises(ConfigError, match="unknown \\[fsdp\\] keys"):
         FSDPStrategy.from_file(bad)
+    (tmp_path / "zero.toml").write_text('strategy = "deepspeed_zero3"\n')
+    with pytest.raises(ConfigError, match="describes FSDP"):
+        get_strategy(str(tmp_path / "zero.toml"), "cpu", None)
+    with pytest.raises(ConfigError, match="no such file"):
+        get_strategy(str(tmp_path / "missing.json"), "cpu", None)
 
 
 def test_async_save_commits_every_checkpoint(tmp_path):

@@ -124,7 +124,7 @@ class CheckpointWriter:
 def cleanup_stale_temps(output_dir: str | Path, force: bool = False) -> list[Path]:
     """Remove temp/trash directories left by killed processes (dead pids; all with force)."""
     out = Path(output_dir)
-    removed = []
+    removed: list[Path] = []
     if not out.is_dir():
         return removed
     for p in out.iterdir():

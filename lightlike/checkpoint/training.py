@@ -204,7 +204,7 @@ def resolve_resume(config: FitConfig, resume: bool | str) -> Path:
                 "start without resume, or pass resume='path/to/checkpoint-N'"
             )
         return Path(found)
-    p = Path(resume)
+    p = Path(str(resume))
     if not p.is_dir():
         raise CheckpointError(f"resume={str(resume)!r}: no such checkpoint directory")
     return p

@@ -51,7 +51,7 @@ class TrainData:
                 "ResumableSampler or an IterableDataset; pass a map-style Dataset instead"
             )
         elif hasattr(getattr(self.loader, "sampler", None), "set_epoch"):
-            self.loader.sampler.set_epoch(epoch)  # e.g. the user's DistributedSampler
+            self.loader.sampler.set_epoch(epoch)  # type: ignore[attr-defined]  # e.g. a DistributedSampler
         if self.generator is not None:
             self.generator.manual_seed(self.seed + epoch)  # DataLoader worker seeds
         return iter(self.loader)

@@ -79,14 +79,8 @@ def _from_file(path: str, accelerator: str, precision: Precision) -> Strategy:
     if not Path(path).is_file():
         raise ConfigError(f"strategy={path!r}: no such file (a .toml FSDP preset or a .json DeepSpeed config)")
     if path.endswith(".toml"):
-        import tomllib
-
         from lightlike.strategies.fsdp import FSDPStrategy
 
-        named = tomllib.loads(Path(path).read_text()).get("strategy", "fsdp")
-        if named not in ("fsdp", "fsdp_offload", "hsdp"):
-            raise ConfigError(f"{path}: strategy = {named!r}, but a .toml strategy file describes FSDP "
-                              "(strategy = 'fsdp', 'fsdp_offload' or 'hsdp'); pass other strategies by name")
         return FSDPStrategy.from_file(path, accelerator=accelerator, precision=precision)
     from lightlike.strategies.deepspeed import DeepSpeedStrategy
 

@@ -207,8 +207,8 @@ class DeepSpeedStrategy(DDPStrategy):
     def unwrap(self, module: nn.Module) -> nn.Module:
         inner = getattr(module, "_orig_mod", module)  # torch.compile
         if self.engine is not None and inner is self.engine:
-            return self.engine.module
-        return inner
+            return self.engine.module  # type: ignore[return-value]
+        return inner  # type: ignore[no-any-return]
 
     def teardown(self) -> None:
         self.engine = None
@@ -275,7 +275,7 @@ class DeepSpeedStrategy(DDPStrategy):
         from deepspeed.utils import safe_get_full_fp32_param
 
         zero3 = hasattr(p, "ds_id")
-        shape = p.ds_shape if zero3 else p.shape
+        shape = p.ds_shape if zero3 else p.shape  # type: ignore[attr-defined]
         if not zero3 and p.dtype == torch.float32:
             return p.detach().clone()  # ZeRO-1/2 with fp32 parameters: a full copy of the master weights
         full = safe_get_full_fp32_param(p) if p.requires_grad else None
@@ -317,8 +317,8 @@ class DeepSpeedStrategy(DDPStrategy):
         inner = self.engine.module
         params = self._named_params(inner)
         own = inner.state_dict()
-        shapes = {k: tuple(params[k].ds_shape) if hasattr(params.get(k), "ds_id") else tuple(v.shape)
-                  for k, v in own.items()}
+        shapes = {k: tuple(params[k].ds_shape) if hasattr(params.get(k), "ds_id")  # type: ignore[attr-defined]
+                  else tuple(v.shape) for k, v in own.items()}
         _check_keys(type(inner).__name__, shapes, state, strict)
         done: set[int] = set()
         buffers = {}
@@ -342,7 +342,7 @@ class DeepSpeedStrategy(DDPStrategy):
             else:
                 p.data.copy_(value.to(p.dtype).reshape(p.shape))
             if p.requires_grad:
-                if hasattr(p, "ds_id") and p.ds_numel % self.world_size:
+                if hasattr(p, "ds_id") and p.ds_numel % self.world_size:  # type: ignore[attr-defined]
                     ds_fixes.set_zero3_master_padded(p, value)
                 else:
                     safe_set_full_fp32_param(p, value.float())
@@ -408,7 +408,7 @@ class DeepSpeedStrategy(DDPStrategy):
             from lightlike.checkpoint.zero import consolidated_state_dict
 
             weights = consolidated_state_dict(path) if self.is_global_zero else None
-            self.load_module_state_dict(module, self.broadcast_object(weights) if self.world_size > 1 else weights)
+            self.load_module_state_dict(module, self.broadcast_object(weights) if self.world_size > 1 else weights)  # type: ignore[arg-type]
             return
         engine = self._engine()
         if meta["world_size"] == self.world_size and meta.get("stage") == self.stage:

@@ -93,9 +93,9 @@ def init_deepspeed_comm() -> None:
     ds_torch = importlib.import_module("deepspeed.comm.torch")
     build = getattr(ds_torch, "build_shm_op", None)
     if build is not None:
-        ds_torch.build_shm_op = lambda: None
+        ds_torch.build_shm_op = lambda: None  # type: ignore[attr-defined]
     try:
         deepspeed.init_distributed(dist_backend=torch.distributed.get_backend(), auto_mpi_discovery=False, verbose=False)
     finally:
         if build is not None:
-            ds_torch.build_shm_op = build
+            ds_torch.build_shm_op = build  # type: ignore[attr-defined]

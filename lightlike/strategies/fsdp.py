@@ -97,16 +97,23 @@ class FSDPStrategy(DDPStrategy):
 
     @classmethod
     def from_file(cls, path: str | Path, **kwargs: Any) -> FSDPStrategy:
-        """Options from a TOML file such as ``strategies/fsdp.toml`` (its ``[fsdp]`` table)."""
+        """Options from a TOML file such as ``strategies/fsdp.toml``: the preset its ``strategy``
+        line names (``fsdp``, ``fsdp_offload`` or ``hsdp``; default ``fsdp``), refined by its
+        ``[fsdp]`` table."""
         import tomllib
 
-        table = tomllib.loads(Path(path).read_text()).get("fsdp", {})
+        doc = tomllib.loads(Path(path).read_text())
+        named = doc.get("strategy", "fsdp")
+        if named not in PRESETS:
+            raise ConfigError(f"{path}: strategy = {named!r}, but a .toml strategy file describes FSDP "
+                              f"(strategy = {' / '.join(map(repr, PRESETS))}); pass other strategies by name")
+        table = doc.get("fsdp", {})
         allowed = {"shard_units", "reshard_after_forward", "offload", "hybrid", "shard_size",
                    "activation_checkpointing", "async_save", "timeout_s", "backend"}
         unknown = sorted(set(table) - allowed)
         if unknown:
             raise ConfigError(f"{path}: unknown [fsdp] keys {unknown}; valid: {sorted(allowed)}")
-        return cls(**{**table, **kwargs})
+        return cls(**{**PRESETS[named], **table, **kwargs})
 
     def configure(self, config: Any) -> None:
         self.init_seed = int(config.seed)  # a meta-device module is initialised from it
@@ -165,7 +172,7 @@ class FSDPStrategy(DDPStrategy):
             for unit in units:
                 checkpoint(unit)  # hooks, no wrapper module: parameter names stay the same
             if hasattr(module, "gradient_checkpointing"):
-                module.gradient_checkpointing = False  # checkpointed here; not twice
+                module.gradient_checkpointing = False  # type: ignore[assignment]  # checkpointed here; not twice
         compute = getattr(self.precision, "compute_dtype", None)
         mp = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32) if compute else MixedPrecisionPolicy()
         offload = CPUOffloadPolicy() if self.offload else OffloadPolicy()
@@ -191,7 +198,7 @@ class FSDPStrategy(DDPStrategy):
             def pick(m: nn.Module) -> bool:
                 return type(m).__name__.endswith(DEFAULT_UNIT_SUFFIXES)
         elif callable(spec):
-            pick = spec
+            pick = spec  # type: ignore[assignment]
         else:
             names = {spec} if isinstance(spec, str) else set(spec)
             known = {type(m).__name__ for m in module.modules()}
@@ -261,7 +268,7 @@ class FSDPStrategy(DDPStrategy):
             torch.nn.utils.clip_grad_value_(params, max_value, foreach=True)
         if max_norm is None and not want_norm:
             return None
-        norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None], foreach=True)
         if hasattr(norm, "full_tensor"):
             norm = norm.full_tensor()  # the partial norms of the shards, reduced over the mesh
         if max_norm is not None:
@@ -296,7 +303,7 @@ class FSDPStrategy(DDPStrategy):
         """Full weights, all-gathered from the shards (collective; every rank gets them)."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-        full = get_model_state_dict(self.unwrap(module), options=StateDictOptions(full_state_dict=True))
+        full: dict[str, Any] = get_model_state_dict(self.unwrap(module), options=StateDictOptions(full_state_dict=True))
         return {k: v.detach().cpu() for k, v in full.items()}
 
     def load_module_state_dict(self, module: nn.Module, state: Any, strict: bool = True) -> None:
@@ -321,8 +328,8 @@ def _reset_whole(m: nn.Module) -> None:
     not its children's), then each rank copies its shard of the result into place."""
     from torch.distributed.tensor import DTensor, distribute_tensor
 
-    slots = [(m._parameters, n) for n, t in m._parameters.items() if isinstance(t, DTensor)]
-    slots += [(m._buffers, n) for n, t in m._buffers.items() if isinstance(t, DTensor)]
+    own: list[dict[str, Any]] = [m._parameters, m._buffers]
+    slots = [(d, n) for d in own for n, t in d.items() if isinstance(t, DTensor)]
     if not slots:
         m.reset_parameters()  # type: ignore[operator]
         return
