@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lightlike.config import FitConfig
+from lightlike.config import FitConfig, toml_value
 from lightlike.errors import ConfigError
 
 REQUIRED = inspect.Parameter.empty
@@ -364,20 +364,6 @@ def dump_config(fit: dict[str, Any], model: dict[str, Any] | None, fmt: str,
                     raise ConfigError(f"cannot write {key}={v!r} to YAML: use --format json") from None
                 lines.extend(indent + line for line in dumped.splitlines())
     return "\n".join(lines) + "\n"
-
-
-def toml_value(v: Any) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, (int, float)):
-        return repr(v)
-    if isinstance(v, str):
-        return json.dumps(v)
-    if isinstance(v, (list, tuple)):
-        return "[" + ", ".join(toml_value(x) for x in v) + "]"
-    if isinstance(v, dict):
-        return "{" + ", ".join(f"{json.dumps(str(k))} = {toml_value(x)}" for k, x in v.items()) + "}"
-    raise ConfigError(f"cannot write {v!r} to TOML: use --format json or yaml")
 
 
 # -- targets: "path/to/file.py:Name" or "package.module:Name" ----------------------------------

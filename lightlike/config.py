@@ -195,7 +195,7 @@ class FitConfig:
         for k, v in self.to_dict().items():
             if v is None:
                 continue  # TOML has no null: an absent key means the default (None)
-            lines.append(f"{k} = {_toml_value(v)}")
+            lines.append(f"{k} = {toml_value(v)}")
         text = "\n".join(lines) + "\n"
         if path is not None:
             Path(path).write_text(text)
@@ -246,7 +246,8 @@ def _read_if_path(path_or_text: str | Path) -> str:
     return s
 
 
-def _toml_value(v: Any) -> str:
+def toml_value(v: Any) -> str:
+    """One value as TOML (``FitConfig.to_toml`` and ``lightlike config``)."""
     if isinstance(v, bool):
         return "true" if v else "false"
     if isinstance(v, (int, float)):
@@ -254,5 +255,7 @@ def _toml_value(v: Any) -> str:
     if isinstance(v, str):
         return json.dumps(v)
     if isinstance(v, (list, tuple)):
-        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
-    raise ConfigError(f"cannot write {v!r} to TOML")
+        return "[" + ", ".join(toml_value(x) for x in v) + "]"
+    if isinstance(v, dict):
+        return "{" + ", ".join(f"{json.dumps(str(k))} = {toml_value(x)}" for k, x in v.items()) + "}"
+    raise ConfigError(f"cannot write {v!r} to TOML: write JSON or YAML instead (lightlike config --format json|yaml)")

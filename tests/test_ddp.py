@@ -22,13 +22,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(nproc, out, *args, timeout=240):
+def launch(nproc, out, *args, timeout=240, script=SCRIPT):
+    """``script OUT ARGS`` as one plain process, or under torchrun with ``nproc`` processes."""
     out.mkdir(parents=True, exist_ok=True)
     if nproc == 1:
-        cmd = [sys.executable, str(SCRIPT), str(out), *args]
+        cmd = [sys.executable, str(script), str(out), *args]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-               "--master_addr", "127.0.0.1", "--master_port", str(free_port()), str(SCRIPT), str(out), *args]
+               "--master_addr", "127.0.0.1", "--master_port", str(free_port()), str(script), str(out), *args]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
 
 

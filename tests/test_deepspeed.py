@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import Classifier
-from test_ddp import free_port
+from test_ddp import launch as ddp_launch
 
 from lightlike import FitConfig
 from lightlike.checkpoint.manifest import verify_checkpoint
@@ -44,13 +44,7 @@ PRESETS = ["deepspeed_zero1", "deepspeed_zero2", "deepspeed_zero2_offload", "dee
 
 
 def launch(nproc, out, *args, timeout=240):
-    out.mkdir(parents=True, exist_ok=True)
-    if nproc == 1:
-        cmd = [sys.executable, str(SCRIPT), str(out), *args]
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-               "--master_addr", "127.0.0.1", "--master_port", str(free_port()), str(SCRIPT), str(out), *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    return ddp_launch(nproc, out, *args, timeout=timeout, script=SCRIPT)
 
 
 def run_ok(nproc, out, *args):

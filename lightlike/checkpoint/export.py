@@ -37,16 +37,17 @@ def export_weights(checkpoint_dir: str | Path, out_dir: str | Path, hashes: bool
         consolidate = getattr(importlib.import_module(module_name), fn_name)
         tmp = out / f".model.safetensors.tmp-{os.getpid()}"
         consolidate(src, tmp)
-        _fsync_replace(tmp, out / "model.safetensors")
+        fsync_replace(tmp, out / "model.safetensors")
     for name in ("model.safetensors", "hparams.json", "config.json"):
         if (src / name).is_file():
             tmp = out / f".{name}.tmp-{os.getpid()}"
             shutil.copyfile(src / name, tmp)
-            _fsync_replace(tmp, out / name)
+            fsync_replace(tmp, out / name)
     return out / "model.safetensors"
 
 
-def _fsync_replace(tmp: Path, dest: Path) -> None:
+def fsync_replace(tmp: Path, dest: Path) -> None:
+    """Flush ``tmp`` to disk, then rename it over ``dest`` (readers see the old file or the new one)."""
     with open(tmp, "rb") as fh:
         os.fsync(fh.fileno())
     os.replace(tmp, dest)

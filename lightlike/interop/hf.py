@@ -155,13 +155,13 @@ def export_hf(source: Any, out_dir: str | Path, *, config: Any = None, prefix: s
         if not hasattr(model, "save_pretrained"):
             raise ModuleContractError(f"export_hf takes an HFCausalLM, a transformers model or a checkpoint "
                                       f"folder, got {type(source).__name__}")
+    from lightlike.checkpoint.export import fsync_replace
+
     tmp = Path(tempfile.mkdtemp(prefix=".export-hf-", dir=out))
     try:
         model.save_pretrained(str(tmp))
         for f in sorted(tmp.iterdir()):
-            with open(f, "rb") as fh:
-                os.fsync(fh.fileno())
-            os.replace(f, out / f.name)
+            fsync_replace(f, out / f.name)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out

@@ -118,7 +118,7 @@ class Strategy:
         if max_norm is not None:
             return torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
         if want_norm:
-            return torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None], foreach=True)
+            return torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)  # type: ignore[misc]
         return None
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer, module: nn.Module) -> bool:

@@ -268,7 +268,7 @@ class FSDPStrategy(DDPStrategy):
             torch.nn.utils.clip_grad_value_(params, max_value, foreach=True)
         if max_norm is None and not want_norm:
             return None
-        norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None], foreach=True)
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)  # type: ignore[misc]
         if hasattr(norm, "full_tensor"):
             norm = norm.full_tensor()  # the partial norms of the shards, reduced over the mesh
         if max_norm is not None:
