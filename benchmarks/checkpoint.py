@@ -1,11 +1,11 @@
 """Checkpoint cost against the raw libraries, and time to first step after resume.
 
 1. Save and load of a full training checkpoint (weights, AdamW state, scheduler, RNG, state,
-   manifest with sha256, fsync, atomic rename) against writing the same tensors with raw
-   ``safetensors.torch.save_file`` + ``torch.save`` (no hashing, no fsync). Ratio target <= 1.10.
-   Hashing and fsync are what make a checkpoint verifiable and durable, so the ratio is also
+   manifest with CRC-32 checksums, fsync, atomic rename) against writing the same tensors with raw
+   ``safetensors.torch.save_file`` + ``torch.save`` (no checksums, no fsync). Ratio target <= 1.10.
+   Checksums and fsync are what make a checkpoint verifiable and durable, so the ratio is also
    printed with ``verify_hashes=False`` on load, and the save is also timed with ``async_save=True``
-   (the time the loop waits: files written; fsync, hashing and commit run in a thread).
+   (the time the loop waits: files written; fsync, checksums and commit run in a thread).
 2. Time from ``fit(resume=True)`` to the first optimizer step, for a checkpoint taken at step
    10 and at step 10,000 of the same run length: the data position is a number, so the sampler
    seeks in O(1) and the two must be the same.

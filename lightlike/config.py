@@ -70,7 +70,7 @@ class FitConfig:
     adam_beta2: float = _f(0.999, "AdamW beta2.")
     adam_epsilon: float = _f(1e-8, "AdamW epsilon.")
     momentum: float = _f(0.0, "SGD momentum.")
-    fused: bool | None = _f(None, "Use the fused AdamW kernel (None: where torch supports it).")
+    fused: bool | None = _f(None, "Use the fused AdamW kernel (None: where torch has one, CUDA and CPU).")
     lr_scheduler: str = _f("linear", "One of: " + ", ".join(SCHEDULERS) + ".")
     warmup_steps: int = _f(0, "Linear warmup steps (wins over warmup_ratio).")
     warmup_ratio: float = _f(0.0, "Warmup as a fraction of the total optimizer steps.")

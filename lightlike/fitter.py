@@ -311,10 +311,12 @@ class Fitter:
         if not self._pending:
             return []
         device = self.strategy.root_device  # type: ignore[union-attr]
-        losses = torch.stack([p[0].double() for p in self._pending]).tolist()
+        # one stack, then one cast (stack promotes mixed dtypes exactly; a cast per loss costs
+        # ~2 us each, 100 of them per log step by default)
+        losses = torch.stack([p[0] for p in self._pending]).double().tolist()
         counts = [p[1] for p in self._pending]
         if any(isinstance(n, torch.Tensor) for n in counts):  # token counts on the device
-            items = torch.stack([torch.as_tensor(n, dtype=torch.float64, device=device) for n in counts]).tolist()
+            items = torch.stack([torch.as_tensor(n, device=device) for n in counts]).double().tolist()
         else:
             items = [float(n) for n in counts]
         values = [(loss, n, p[2], p[3]) for loss, n, p in zip(losses, items, self._pending, strict=True)]
@@ -354,7 +356,7 @@ class Fitter:
     def _emit(self, event: str, metrics: dict[str, float]) -> None:
         state = self.state
         state.log_history.append({"step": state.global_step, **metrics})
-        if not self._bar_active:  # no progress bar (not a terminal): one log line per log step
+        if not self._bar_active and log.isEnabledFor(logging.INFO):  # no bar (not a terminal): a log line
             log.info("step %d/%d  %s", state.global_step, state.max_steps,
                      "  ".join(f"{k}={v:.5g}" for k, v in metrics.items()))
         for lg in self.loggers:
@@ -553,6 +555,8 @@ class Fitter:
         self.control.should_save = False
         self._phase = "checkpoint save"
         self._read_and_check_pending()
+        for lg in self.loggers:  # what was logged up to this checkpoint reaches the disk first
+            lg.flush()
         path = save_training_checkpoint(self, wait=wait)
         if path is not None:
             self.callbacks.call("on_save", self, self.state, self.control, str(path))

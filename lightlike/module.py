@@ -128,6 +128,10 @@ class TaskModule(nn.Module):
 
 def batch_length(batch: Any) -> int:
     """Length of the first tensor (or sequence) found in a batch."""
+    if type(batch) is dict and batch:  # the usual batch, answered without ABC checks
+        first = next(iter(batch.values()))
+        if type(first) is torch.Tensor and first.ndim:
+            return first.shape[0]
     if isinstance(batch, torch.Tensor):
         return int(batch.shape[0]) if batch.ndim else 1
     if isinstance(batch, Mapping):

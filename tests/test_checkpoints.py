@@ -100,6 +100,30 @@ def test_sizes_only_mode_misses_same_size_bitflip(tmp_path):
         verify_checkpoint(ckpt, hashes=True)
 
 
+def test_checksums_are_crc32_and_older_sha256_manifests_still_verify(tmp_path):
+    import hashlib
+    import json
+    import zlib
+
+    train(tmp_path, steps=2)
+    ckpt = tmp_path / "run" / "checkpoint-2"
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    for rel, info in manifest["files"].items():  # each file's CRC-32, computed independently
+        assert info["crc32"] == f"{zlib.crc32((ckpt / rel).read_bytes()):08x}", rel
+    # a manifest as earlier versions wrote it: sha256 per file
+    for rel, info in manifest["files"].items():
+        del info["crc32"]
+        info["sha256"] = hashlib.sha256((ckpt / rel).read_bytes()).hexdigest()
+    (ckpt / "manifest.json").write_text(json.dumps(manifest))
+    verify_checkpoint(ckpt)
+    target = ckpt / "model.safetensors"
+    data = bytearray(target.read_bytes())
+    data[-3] ^= 0x10
+    target.write_bytes(bytes(data))
+    with pytest.raises(ll.CheckpointError, match=r"model.safetensors has changed contents \(sha256 mismatch"):
+        verify_checkpoint(ckpt)
+
+
 def test_writer_exception_leaves_nothing(tmp_path):
     with pytest.raises(RuntimeError, match="disk on fire"):
         with CheckpointWriter(tmp_path, 3) as w:

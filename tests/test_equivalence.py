@@ -14,12 +14,12 @@ from lightlike.data.sampler import epoch_permutation
 
 
 def hand_written_loop(model, data, *, steps, batch_size, lr, warmup, seed, weight_decay=0.0):
-    """What a user would write by hand: AdamW (no decay on biases), linear warmup/decay, shuffled
+    """What a user would write by hand: fused AdamW (no decay on biases), linear warmup/decay, shuffled
     batches from a generator seeded with seed + epoch, as lightlike documents."""
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
-                             {"params": no_decay, "weight_decay": 0.0}], lr=lr)
+                             {"params": no_decay, "weight_decay": 0.0}], lr=lr, fused=True)
 
     def lam(step):
         if step < warmup:
@@ -104,7 +104,7 @@ def test_clipping_matches_hand_written(tmp_path, clip):
 
     ll.Fitter(max_steps=3, batch_size=8, shuffle=False, learning_rate=1e-2, lr_scheduler="constant", log_every=1,
               output_dir=str(tmp_path), loggers=[], callbacks=[Norms()], **clip).fit(ours, data)
-    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.0)
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.0, fused=True)
     ref_norms = []
     for step in range(3):
         batch = {k: torch.stack([data[i][k] for i in range(8 * step, 8 * step + 8)]) for k in ("x", "y", "w")}

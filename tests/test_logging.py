@@ -49,6 +49,41 @@ def test_fit_writes_tensorboard_and_csv_with_the_logged_numbers(tmp_path):
     assert [x["step"] for x in lines if "train/loss" in x] == [2, 4, 6]
 
 
+KILLED_AFTER_A_CHECKPOINT = """
+import os, signal, sys
+sys.path.insert(0, {tests!r})
+import lightlike as ll
+from helpers import Classifier, DictDataset
+
+class Kill(ll.Callback):
+    def on_step_end(self, fitter, state, control):
+        if state.global_step == 8:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+ll.Fitter(max_steps=12, batch_size=4, log_every=1, save_every=5, output_dir={out!r}, loggers=["tensorboard"],
+          log_level="warning", callbacks=[] if {resume} else [Kill()]).fit(Classifier(), DictDataset(n=40), resume={resume})
+"""
+
+
+def test_tensorboard_steps_up_to_a_checkpoint_survive_a_kill_and_resume_continues(tmp_path):
+    """The event file is buffered; every checkpoint flushes it first. SIGKILL at step 8, after
+    the checkpoint at step 5: steps 1..5 are on disk, and the resumed run (purging > 5) shows
+    every step 1..12 once."""
+    from pathlib import Path
+
+    out = tmp_path / "run"
+    tests = str(Path(__file__).parent)
+    killed = subprocess.run([sys.executable, "-c", KILLED_AFTER_A_CHECKPOINT.format(tests=tests, out=str(out), resume=False)],
+                            capture_output=True, text=True, timeout=120)
+    assert killed.returncode == -9, killed.stderr
+    steps = [s for s, _ in tb_scalars(out / "logs")["train/loss"]]
+    assert steps[:5] == [1, 2, 3, 4, 5]
+    resumed = subprocess.run([sys.executable, "-c", KILLED_AFTER_A_CHECKPOINT.format(tests=tests, out=str(out), resume=True)],
+                             capture_output=True, text=True, timeout=120)
+    assert resumed.returncode == 0, resumed.stderr
+    assert [s for s, _ in tb_scalars(out / "logs")["train/loss"]] == list(range(1, 13))
+
+
 def test_csv_and_jsonl_keep_nan_and_resume_without_duplicates(tmp_path):
     for cls in (CSVLogger, JSONLLogger):
         lg = cls(tmp_path / cls.__name__)

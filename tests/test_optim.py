@@ -255,7 +255,28 @@ def test_adamw_settings_pass_through():
     assert type(adamw) is torch.optim.AdamW
     g = adamw.param_groups[0]
     assert (g["lr"], g["betas"], g["eps"], g["weight_decay"]) == (0.02, (0.8, 0.95), 1e-6, 0.0)
-    assert not adamw.defaults["fused"]  # fused=None on CPU: torch's default
+    assert adamw.defaults["fused"] is True  # fused=None: torch's fused kernel, which the CPU has
+
+
+def test_adamw_default_fused_kernel_matches_torch_fused_adamw_exactly():
+    torch.manual_seed(0)
+    ours, ref = nn.Linear(6, 3), nn.Linear(6, 3)
+    ref.load_state_dict(ours.state_dict())
+    opt = build_optimizer(ours, cfg(learning_rate=0.05))
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.05, weight_decay=0.0, fused=True)
+    for _ in range(5):
+        x = torch.randn(4, 6)
+        for m, o in ((ours, opt), (ref, ref_opt)):
+            m(x).pow(2).mean().backward()
+            o.step()
+            o.zero_grad()
+    for a, b in zip(ours.parameters(), ref.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_adamw_not_fused_for_integer_buffers_or_unsupported_devices():
+    net = nn.Linear(3, 2).to("meta")
+    assert not build_optimizer(net, cfg()).defaults["fused"]
 
 
 def test_adamw_fused_true_on_cpu_is_passed_and_steps():

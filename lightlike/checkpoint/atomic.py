@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from lightlike.checkpoint.manifest import FORMAT, MANIFEST, hash_files, verify_checkpoint
+from lightlike.checkpoint.manifest import CHECKSUM, FORMAT, MANIFEST, hash_files, verify_checkpoint
 from lightlike.checkpoint.weights import save_safetensors
 from lightlike.errors import CheckpointError
 
@@ -89,7 +89,7 @@ class CheckpointWriter:
         paths = [f for f in sorted(self.tmp.rglob("*")) if f.is_file()]
         for f in paths:
             _fsync_path(f)
-        files = {f.relative_to(self.tmp).as_posix(): {"size": f.stat().st_size, "sha256": digest}
+        files = {f.relative_to(self.tmp).as_posix(): {"size": f.stat().st_size, CHECKSUM: digest}
                  for f, digest in zip(paths, hash_files(paths), strict=True)}
         for d in sorted({f.parent for f in self.tmp.rglob("*")} | {self.tmp}, key=lambda p: len(p.parts), reverse=True):
             _fsync_path(d)

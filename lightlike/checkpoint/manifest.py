@@ -1,7 +1,13 @@
-"""The manifest: every file of a checkpoint with its size and sha256, written last.
+"""The manifest: every file of a checkpoint with its size and CRC-32, written last.
 
 A directory named ``checkpoint-N`` is a checkpoint only if its ``manifest.json`` is present,
-parses, and every file it lists exists with the listed size (and hash, unless disabled).
+parses, and every file it lists exists with the listed size (and checksum, unless disabled).
+
+The checksum guards against torn writes, truncation and bit flips, not against tampering: CRC-32
+(``zlib.crc32``, 5 GB/s here) catches every single-bit flip and every burst of up to 32 bits,
+and any other random corruption but for 1 in 2**32, at four times the speed of sha256 (1.2 GB/s
+here), which is what saving and verifying a large checkpoint waited on. Manifests written before
+(``"sha256"`` per file) still verify with sha256.
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ import logging
 import os
 import re
 import warnings
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -23,23 +30,34 @@ _NAME = re.compile(r"^checkpoint-(\d+)$")
 log = logging.getLogger("lightlike")
 
 
-def file_hash(path: str | Path, chunk: int = 4 << 20) -> str:
-    h = hashlib.sha256()
+#: the checksum written into new manifests (per file: ``{"size": ..., CHECKSUM: hex}``)
+CHECKSUM = "crc32"
+
+
+def file_hash(path: str | Path, algorithm: str = CHECKSUM, chunk: int = 8 << 20) -> str:
+    """Hex checksum of a file: ``crc32`` (8 hex digits) or ``sha256``."""
     with open(path, "rb") as f:
+        if algorithm == "crc32":
+            crc = 0
+            while block := f.read(chunk):
+                crc = zlib.crc32(block, crc)
+            return f"{crc:08x}"
+        h = hashlib.sha256()
         while block := f.read(chunk):
             h.update(block)
-    return h.hexdigest()
+        return h.hexdigest()
 
 
-def hash_files(paths: list[Path]) -> list[str]:
-    """sha256 of several files at once: hashlib releases the GIL on large buffers, so threads
-    hash in parallel (the big model and optimizer files together)."""
+def hash_files(paths: list[Path], algorithms: list[str] | None = None) -> list[str]:
+    """Checksums of several files at once: zlib and hashlib release the GIL on large buffers,
+    so threads check the big model and optimizer files in parallel."""
+    algos = algorithms or [CHECKSUM] * len(paths)
     if len(paths) <= 1:
-        return [file_hash(p) for p in paths]
+        return [file_hash(p, a) for p, a in zip(paths, algos, strict=True)]
     from concurrent.futures import ThreadPoolExecutor
 
     with ThreadPoolExecutor(max_workers=min(len(paths), os.cpu_count() or 1, 8)) as pool:
-        return list(pool.map(file_hash, paths))
+        return list(pool.map(file_hash, paths, algos))
 
 
 def checkpoint_step(path: str | Path) -> int:
@@ -77,9 +95,10 @@ def verify_checkpoint(path: str | Path, hashes: bool = True) -> dict[str, Any]:
                                   f"found {size}")
     if hashes:
         names = list(files)
-        for rel, digest in zip(names, hash_files([p / rel for rel in names]), strict=True):
-            if digest != files[rel]["sha256"]:
-                raise CheckpointError(f"{p}: file {rel} has changed contents (sha256 mismatch: a bit flip?)")
+        algos = [CHECKSUM if CHECKSUM in files[rel] else "sha256" for rel in names]  # older manifests: sha256
+        for rel, algo, digest in zip(names, algos, hash_files([p / rel for rel in names], algos), strict=True):
+            if digest != files[rel][algo]:
+                raise CheckpointError(f"{p}: file {rel} has changed contents ({algo} mismatch: a bit flip?)")
     return manifest
 
 

@@ -1,6 +1,6 @@
 """What a training checkpoint holds, and putting a ``Fitter`` back where it was.
 
-Layout of ``output_dir/checkpoint-{step}/`` (every file listed with size and sha256 in
+Layout of ``output_dir/checkpoint-{step}/`` (every file listed with size and CRC-32 in
 ``manifest.json``, which is written last; see ``atomic.py``)::
 
     model.safetensors     full weights (strategies that shard write their own files instead;

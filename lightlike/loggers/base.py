@@ -6,7 +6,9 @@ Call order the loop follows (main process only; other ranks get no loggers):
 2. ``resume(step)`` once, only when the run resumes from a checkpoint taken at ``step``,
    *before* anything is logged;
 3. ``log_hyperparams(config)``;
-4. ``log_metrics(metrics, step)`` / ``log_text(tag, text, step)`` any number of times;
+4. ``log_metrics(metrics, step)`` / ``log_text(tag, text, step)`` any number of times, and
+   ``flush()`` before every checkpoint save (a run killed later has its steps up to the
+   checkpoint on disk, so the resumed run continues without a gap);
 5. ``finalize()`` once, also on error. Logging after ``finalize`` reopens the files in append
    mode, so a second ``fit`` with the same logger keeps working.
 """
@@ -32,6 +34,9 @@ class Logger:
     def resume(self, step: int) -> None:
         """Called before the first log of a run resumed from a checkpoint taken at ``step``:
         drop what was logged after ``step``, so no step appears twice and none is missing."""
+
+    def flush(self) -> None:
+        """Hand buffered records to the file system; called before every checkpoint save."""
 
     def finalize(self) -> None:
         """Flush and close; called once when the fit ends (normally or by an exception)."""

@@ -1,27 +1,41 @@
-"""TensorBoard event files through torch's ``SummaryWriter`` (imported lazily).
+"""TensorBoard event files, written by the training process itself (tensorboard imported lazily).
 
-The writer, and with it the event file, is created on the first write, so that ``resume(step)``
-(called before any write) can create it with ``purge_step=step + 1``. TensorBoard then discards
-every event of an earlier file whose step is ``>= step + 1``: a resumed run shows each step
-once, with the values of the resumed run.
+Records are TensorBoard's own: its event protos, serialised by its ``RecordWriter`` into a
+buffered ``events.out.tfevents.*`` file. torch's ``SummaryWriter`` hands every event to a writer
+thread instead; on a training loop that cost 130-210 us per log call here, against ~45 us
+written in place (the thread and the loop take turns holding the GIL, and on a multi-process
+run the thread competes with the ranks for the cores; see benchmarks/RESULTS.md). The file is
+flushed at most every ``flush_secs``, at every checkpoint (``flush``), and at ``finalize``, so
+that a run killed after a checkpoint has every step up to that checkpoint on disk.
+
+The event file is created on the first write, so that ``resume(step)`` (called before any
+write) can open it with a purge marker at ``step + 1``. TensorBoard then discards every event of
+an earlier file whose step is ``>= step + 1``: a resumed run shows each step once, with the
+values of the resumed run.
 """
 
 from __future__ import annotations
 
+import itertools
+import os
+import socket
+import time
 from pathlib import Path
 from typing import Any
 
 from lightlike.loggers.base import Logger
 
 INSTALL_HINT = "pip install 'lightlike[tensorboard]'"
+_file_ids = itertools.count()
 
 
-def _import_summary_writer() -> Any:
+def _import_protos() -> Any:
     try:
-        from torch.utils.tensorboard import SummaryWriter
-    except ImportError as e:  # torch raises ImportError when tensorboard is missing or too old
+        from tensorboard.compat.proto import event_pb2, summary_pb2
+        from tensorboard.summary.writer.record_writer import RecordWriter
+    except ImportError as e:
         raise ImportError(f"the TensorBoard logger needs the tensorboard package: {INSTALL_HINT}") from e
-    return SummaryWriter
+    return event_pb2, summary_pb2, RecordWriter
 
 
 def _cell(value: Any) -> str:
@@ -36,51 +50,74 @@ def _cell(value: Any) -> str:
 class TensorBoardLogger(Logger):
     """Scalars (one event per log call) and text under ``log_dir``."""
 
-    def __init__(self, log_dir: str | Path) -> None:
-        self._summary_writer_cls = _import_summary_writer()  # fail here, not at the first log
+    def __init__(self, log_dir: str | Path, flush_secs: float = 5.0) -> None:
+        self._event_pb2, self._summary_pb2, self._record_writer_cls = _import_protos()  # fail here, not at the first log
         self.log_dir = str(log_dir)
-        self._pending_purge: int | None = None  # purge_step for the next writer created
+        self.flush_secs = flush_secs
+        self._pending_purge: int | None = None  # purge step for the next file opened
         self._start_step = 0  # the first step this logger writes (resume step + 1)
-        self._writer: Any = None
+        self._file: Any = None
+        self._records: Any = None
+        self._last_flush = 0.0
 
-    @property
-    def writer(self) -> Any:
-        """The ``SummaryWriter``, created (with the pending purge step) on first use."""
-        if self._writer is None:
-            self._writer = self._summary_writer_cls(self.log_dir, purge_step=self._pending_purge)
-            self._pending_purge = None  # applied once: a writer reopened later must not purge again
-        return self._writer
+    def _write(self, step: int, **fields: Any) -> None:
+        """One event record; opens the file (with the pending purge marker) on first use."""
+        event_pb2 = self._event_pb2
+        if self._file is None:
+            os.makedirs(self.log_dir, exist_ok=True)
+            while True:  # a fresh name: TensorBoard reads every events file in the directory, in name order
+                name = f"events.out.tfevents.{int(time.time()):010d}.{socket.gethostname()}.{os.getpid()}.{next(_file_ids)}"
+                try:
+                    self._file = open(os.path.join(self.log_dir, name), "xb")  # noqa: SIM115  (closed in finalize)
+                    break
+                except FileExistsError:
+                    continue
+            self._records = self._record_writer_cls(self._file)
+            self._records.write(event_pb2.Event(wall_time=time.time(), file_version="brain.Event:2").SerializeToString())
+            if self._pending_purge is not None:  # what torch's SummaryWriter(purge_step=...) writes
+                self._records.write(event_pb2.Event(wall_time=time.time(), step=self._pending_purge, session_log=event_pb2.SessionLog(
+                    status=event_pb2.SessionLog.START)).SerializeToString())
+                self._pending_purge = None  # applied once: a file reopened later must not purge again
+            self._last_flush = time.monotonic()
+        self._records.write(event_pb2.Event(wall_time=time.time(), step=int(step), **fields).SerializeToString())
+        if time.monotonic() - self._last_flush > self.flush_secs:
+            self.flush()
 
     def resume(self, step: int) -> None:
-        # a writer already open (logging before resume) is closed: the next write opens a new
+        # a file already open (logging before resume) is closed: the next write opens a new
         # event file whose purge marker hides what the old one wrote after ``step``
         self.finalize()
         self._pending_purge = self._start_step = int(step) + 1
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
-        from tensorboard.compat.proto.summary_pb2 import Summary
-
         # one Summary event holding every scalar of this step (what add_scalar writes, without
         # one event per scalar); NaN/inf are stored as they are
-        summary = Summary(value=[Summary.Value(tag=str(k), simple_value=float(v)) for k, v in metrics.items()])
-        self.writer._get_file_writer().add_summary(summary, int(step))
+        value = self._summary_pb2.Summary.Value
+        self._write(step, summary=self._summary_pb2.Summary(
+            value=[value(tag=str(k), simple_value=float(v)) for k, v in metrics.items()]))
 
     def log_hyperparams(self, params: dict[str, Any]) -> None:
         # text at the step this segment of the run starts from: 0 for a fresh run, step + 1
         # after resume(step). A resumed run's config then neither duplicates the first run's
         # (step 0) nor survives a later purge of the steps it belongs to.
         rows = "\n".join(f"| {_cell(k)} | {_cell(v)} |" for k, v in sorted(params.items(), key=lambda kv: str(kv[0])))
-        self.writer.add_text("config", "| key | value |\n|---|---|\n" + rows, self._start_step)
-        self.writer.flush()
+        self.log_text("config", "| key | value |\n|---|---|\n" + rows, self._start_step)
+        self.flush()
 
     def log_text(self, tag: str, text: str, step: int) -> None:
-        self.writer.add_text(tag, text, int(step))
+        from torch.utils.tensorboard.summary import text as text_summary  # the text plugin's format
+
+        self._write(step, summary=text_summary(tag, text))
+
+    def flush(self) -> None:
+        if self._file is not None:
+            self._file.flush()
+            self._last_flush = time.monotonic()
 
     def finalize(self) -> None:
-        if self._writer is not None:
-            self._writer.flush()
-            self._writer.close()
-            self._writer = None
+        if self._file is not None:
+            self._file.close()
+            self._file = self._records = None
 
 
 __all__ = ["INSTALL_HINT", "TensorBoardLogger"]
