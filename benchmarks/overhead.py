@@ -94,12 +94,13 @@ class Clock(ll.Callback):
 
     def __init__(self, warmup: int, steps: int):
         self.warmup, self.steps, self.t0, self.t1 = warmup, steps, 0.0, 0.0
+        self.cpu0 = self.cpu1 = 0.0  # this thread's CPU time (benchmarks/ddp.py reports it too)
 
     def on_step_end(self, fitter, state, control):
         if state.global_step == self.warmup:
-            self.t0 = time.perf_counter()
+            self.t0, self.cpu0 = time.perf_counter(), time.thread_time()
         elif state.global_step == self.steps:
-            self.t1 = time.perf_counter()
+            self.t1, self.cpu1 = time.perf_counter(), time.thread_time()
 
 
 def with_fitter(data: Data, args: argparse.Namespace) -> float:

@@ -146,7 +146,7 @@ class Fitter:
         self._loss_total, self._items_total = 0.0, 0.0
         self.resumed_from = None
         if resume_from is not None:
-            self._load_checkpoint(resume_from)  # replaces self.state
+            self._load_checkpoint(resume_from, verified=resume is True)  # replaces self.state
         state = self.state
         state.max_steps = max_steps
         self.loggers = self._build_loggers(resume_step=state.global_step if resume_from else None)
@@ -573,10 +573,10 @@ class Fitter:
         if path is not None:
             self.callbacks.call("on_save", self, self.state, self.control, str(path))
 
-    def _load_checkpoint(self, path: Path) -> None:
+    def _load_checkpoint(self, path: Path, verified: bool = False) -> None:
         from lightlike.checkpoint.training import load_training_checkpoint
 
-        load_training_checkpoint(self, path)
+        load_training_checkpoint(self, path, verified)  # resume=True chose it by verifying it
 
     def _resume_source(self, resume: bool | str | None) -> Path | None:
         if not resume:

@@ -124,6 +124,31 @@ def test_checksums_are_crc32_and_older_sha256_manifests_still_verify(tmp_path):
         verify_checkpoint(ckpt)
 
 
+def test_resume_checksums_each_file_once(tmp_path, monkeypatch):
+    """resume=True verifies checkpoints to choose one; loading it then checks sizes only,
+    not every checksum a second time. An explicit resume path is checksummed by the load."""
+    import collections
+
+    from lightlike.checkpoint import manifest
+
+    train(tmp_path, steps=4)
+    calls = collections.Counter()
+    real = manifest.file_hash
+
+    def counting(path, *args):
+        calls[os.path.basename(path)] += 1
+        return real(path, *args)
+
+    monkeypatch.setattr(manifest, "file_hash", counting)
+    ckpt = tmp_path / "run" / "checkpoint-4"
+    names = set(json.loads((ckpt / "manifest.json").read_text())["files"])
+    for resume in (True, str(ckpt)):
+        calls.clear()
+        ll.Fitter(max_steps=6, batch_size=4, output_dir=str(tmp_path / "run"), loggers=[],
+                  save_strategy="no").fit(Classifier(), DictDataset(n=40), resume=resume)
+        assert set(calls) == names and set(calls.values()) == {1}, (resume, calls)
+
+
 def test_writer_exception_leaves_nothing(tmp_path):
     with pytest.raises(RuntimeError, match="disk on fire"):
         with CheckpointWriter(tmp_path, 3) as w:

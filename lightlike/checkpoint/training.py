@@ -157,12 +157,13 @@ def _commit(fitter: Fitter, writer: CheckpointWriter, committing: Any = None) ->
     return path
 
 
-def load_training_checkpoint(fitter: Fitter, path: Path) -> None:
+def load_training_checkpoint(fitter: Fitter, path: Path, verified: bool = False) -> None:
     """Restore weights, optimizer, scheduler, precision, RNG, FitState, callbacks and the
-    data position from ``path`` (verified first)."""
+    data position from ``path``, verified first: in full, or by sizes only when ``verified``
+    (``resume=True`` has just checksummed it to choose it; a second pass would double the wait)."""
     cfg, strategy = fitter.config, fitter.strategy
     assert strategy is not None and fitter.optimizer is not None
-    manifest = verify_checkpoint(path, hashes=cfg.verify_hashes)
+    manifest = verify_checkpoint(path, hashes=cfg.verify_hashes and not verified)
     if manifest.get("meta", {}).get("kind") == "model" or not (path / "trainer_state.json").exists():
         raise CheckpointError(
             f"{path} holds weights only (saved with save_only_model=True) and cannot be resumed; "
