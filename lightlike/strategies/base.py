@@ -126,7 +126,16 @@ class Strategy:
         return self.precision.optimizer_step(optimizer)
 
     def zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
-        optimizer.zero_grad(set_to_none=True)
+        """``optimizer.zero_grad(set_to_none=True)``. For an optimizer that keeps torch's own
+        ``zero_grad``, that is exactly ``p.grad = None`` for every parameter of every group,
+        done here directly: torch's version also opens a profiler range and builds a foreach
+        table, 7.8 us against 0.3 us on a four-tensor model (benchmarks/RESULTS.md)."""
+        if type(optimizer).zero_grad is not _TORCH_ZERO_GRAD:  # its own zero_grad: call it
+            optimizer.zero_grad(set_to_none=True)
+            return
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                p.grad = None
 
     # -- collectives (identity on one process) ---------------------------------------------------
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
@@ -236,6 +245,9 @@ class Strategy:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(device={self.root_device}, precision={self.precision.name!r})"
+
+
+_TORCH_ZERO_GRAD = torch.optim.Optimizer.zero_grad
 
 
 class StepNormaliser:
