@@ -58,7 +58,9 @@ class MLP(ll.TaskModule):
         return nn.functional.cross_entropy(outputs, batch["y"])
 
 
-def hand_written(data: Data, args: argparse.Namespace, same_work: bool = True) -> float:
+def hand_written(data: Data, args: argparse.Namespace, same_work: bool = True, mark=None) -> float:
+    """Seconds per step over steps warmup+1..steps; ``mark('start'/'stop')`` at those points
+    (benchmarks/counters.py counts hardware events between them)."""
     torch.manual_seed(0)
     model = MLP(args.features, args.width)
     if same_work:  # what the Fitter's defaults build
@@ -81,9 +83,13 @@ def hand_written(data: Data, args: argparse.Namespace, same_work: bool = True) -
             step += 1
             if step == args.warmup:
                 t0 = time.perf_counter()
+                if mark:
+                    mark("start")
             if step % 50 == 0:  # a fair hand loop also looks at its loss now and then
                 logged.append(loss.item())
             if step == args.steps:
+                if mark:
+                    mark("stop")
                 break
         epoch += 1
     return (time.perf_counter() - t0) / (args.steps - args.warmup)
@@ -92,21 +98,25 @@ def hand_written(data: Data, args: argparse.Namespace, same_work: bool = True) -
 class Clock(ll.Callback):
     """Times steps warmup+1..steps, the same window as the hand-written loop."""
 
-    def __init__(self, warmup: int, steps: int):
-        self.warmup, self.steps, self.t0, self.t1 = warmup, steps, 0.0, 0.0
+    def __init__(self, warmup: int, steps: int, mark=None):
+        self.warmup, self.steps, self.t0, self.t1, self.mark = warmup, steps, 0.0, 0.0, mark
         self.cpu0 = self.cpu1 = 0.0  # this thread's CPU time (benchmarks/ddp.py reports it too)
 
     def on_step_end(self, fitter, state, control):
         if state.global_step == self.warmup:
             self.t0, self.cpu0 = time.perf_counter(), time.thread_time()
+            if self.mark:
+                self.mark("start")
         elif state.global_step == self.steps:
             self.t1, self.cpu1 = time.perf_counter(), time.thread_time()
+            if self.mark:
+                self.mark("stop")
 
 
-def with_fitter(data: Data, args: argparse.Namespace) -> float:
+def with_fitter(data: Data, args: argparse.Namespace, mark=None) -> float:
     torch.manual_seed(0)
     model = MLP(args.features, args.width)
-    clock = Clock(args.warmup, args.steps)
+    clock = Clock(args.warmup, args.steps, mark)
     with tempfile.TemporaryDirectory() as out:
         fitter = ll.Fitter(max_steps=args.steps, batch_size=args.batch_size, learning_rate=1e-3,
                            output_dir=out, seed=0, log_level="warning", callbacks=[clock])
@@ -114,12 +124,17 @@ def with_fitter(data: Data, args: argparse.Namespace) -> float:
     return (clock.t1 - clock.t0) / (args.steps - args.warmup)
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def model_arguments(p: argparse.ArgumentParser) -> None:
+    """The model and data options (shared with benchmarks/counters.py)."""
     p.add_argument("--features", type=int, default=32)
     p.add_argument("--width", type=int, default=32)
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--samples", type=int, default=4096)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    model_arguments(p)
     p.add_argument("--steps", type=int, default=2000)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--warmup", type=int, default=100, help="steps before the clock starts (both loops)")
