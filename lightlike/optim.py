@@ -116,14 +116,13 @@ def build_optimizer(module: nn.Module, config: Any) -> torch.optim.Optimizer:
     if fused is None:
         params = [p for g in groups for p in g["params"]]
         fused = all(p.device.type in _FUSED_DEVICES and p.is_floating_point() for p in params)
-        from lightlike.precision import ALIASES
+        if fused and any(hasattr(p, "to_local") for p in params):
+            from lightlike.precision import get_precision
 
-        precision = getattr(config.precision, "name", ALIASES.get(str(config.precision), config.precision))
-        if fused and precision == "16-mixed" and any(hasattr(p, "to_local") for p in params):
             # FSDP's ShardedGradScaler hands the fused kernel a found-inf flag of the wrong shape
             # for DTensor parameters (torch 2.13: "output with shape [] doesn't match the
-            # broadcast shape [1]"): unfused there
-            fused = False
+            # broadcast shape [1]"): unfused under a precision with a grad scaler
+            fused = not get_precision(config.precision).uses_scaler
     kwargs: dict[str, Any] = {"fused": True} if fused else {}
     return torch.optim.AdamW(groups, lr=config.learning_rate, betas=(config.adam_beta1, config.adam_beta2),
                              eps=config.adam_epsilon, **kwargs)
