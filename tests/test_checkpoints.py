@@ -124,6 +124,40 @@ def test_checksums_are_crc32_and_older_sha256_manifests_still_verify(tmp_path):
         verify_checkpoint(ckpt)
 
 
+def test_writer_checksums_files_as_it_writes_them(tmp_path, monkeypatch):
+    """torch.save streams through the CRC (no read-back, torch's own zip CRCs switched off only
+    for that call); library-written files are read back; every manifest CRC is the file's."""
+    import collections
+    import pickle
+    import zlib
+
+    from lightlike.checkpoint import atomic, manifest
+
+    read_back = collections.Counter()
+    for mod in (atomic, manifest):
+        real = mod.file_hash
+        monkeypatch.setattr(mod, "file_hash", lambda p, *a, _real=real: read_back.update([p.name]) or _real(p, *a))
+    optim_like = {"state": {i: {"exp_avg": torch.randn(300, 7)} for i in range(3)}, "param_groups": [{"lr": 0.1}]}
+    with CheckpointWriter(tmp_path, 7) as w:
+        w.save_torch("optimizer.pt", optim_like)
+        w.save_safetensors("model.safetensors", {"w": torch.randn(5, 5)})
+        w.write_json("state.json", {"step": 7})
+        w.path_for("lib/shard.bin").write_bytes(b"written by a library" * 100)
+        with pytest.raises((pickle.PicklingError, AttributeError)):  # a local lambda cannot be pickled
+            w.save_torch("bad.pt", lambda: 0)
+        assert torch.serialization.get_crc32_options() is True  # restored, also after the failure
+        (w.tmp / "bad.pt").unlink()
+    ckpt = tmp_path / "checkpoint-7"
+    files = json.loads((ckpt / "manifest.json").read_text())["files"]
+    assert sorted(files) == ["lib/shard.bin", "model.safetensors", "optimizer.pt", "state.json"]
+    for rel, info in files.items():
+        assert info["crc32"] == f"{zlib.crc32((ckpt / rel).read_bytes()):08x}", rel
+    assert read_back == {"model.safetensors": 1, "shard.bin": 1}
+    loaded = torch.load(ckpt / "optimizer.pt", weights_only=True)
+    assert torch.equal(loaded["state"][2]["exp_avg"], optim_like["state"][2]["exp_avg"])
+    verify_checkpoint(ckpt, hashes=True)
+
+
 def test_resume_checksums_each_file_once(tmp_path, monkeypatch):
     """resume=True verifies checkpoints to choose one; loading it then checks sizes only,
     not every checksum a second time. An explicit resume path is checksummed by the load."""

@@ -4,6 +4,12 @@ A kill at any instant leaves either the previous state or the new complete check
 written into ``output_dir/.checkpoint-{step}.tmp-{pid}-{rand}`` (a name ``list_checkpoints``
 never matches), flushed and fsynced; ``manifest.json`` is written and fsynced last; then one
 ``rename`` makes the directory ``checkpoint-{step}`` visible, and the parent directory is fsynced.
+
+Files written through the writer's own methods are checksummed as they are written, not read back:
+``torch.save`` streams through a CRC-32 (in place of the per-record CRC-32 of its zip container,
+which ``torch.load`` never checks, so the file costs what a plain ``torch.save`` costs), and a file
+a library writes (``model.safetensors``) is checksummed and fsynced by a helper thread while the
+next one is written. Files a library writes through ``path_for`` are read back at commit.
 """
 
 from __future__ import annotations
@@ -13,13 +19,15 @@ import logging
 import os
 import secrets
 import shutil
+import zlib
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from types import TracebackType
 from typing import Any
 
 import torch
 
-from lightlike.checkpoint.manifest import CHECKSUM, FORMAT, MANIFEST, hash_files, verify_checkpoint
+from lightlike.checkpoint.manifest import CHECKSUM, FORMAT, MANIFEST, file_hash, hash_files, verify_checkpoint
 from lightlike.checkpoint.weights import save_safetensors
 from lightlike.errors import CheckpointError
 
@@ -34,6 +42,26 @@ def _fsync_path(path: Path) -> None:
         os.close(fd)
 
 
+class _Checksummed:
+    """A write-only file that keeps the CRC-32 of everything written through it."""
+
+    def __init__(self, fh: Any) -> None:
+        self.fh, self.crc = fh, 0
+
+    def write(self, data: Any) -> int:
+        self.crc = zlib.crc32(data, self.crc)  # releases the GIL on large buffers
+        return self.fh.write(data)
+
+    def flush(self) -> None:
+        self.fh.flush()
+
+
+def _fsynced(path: Path, digest: str | None) -> str:
+    """fsync a written file; its checksum, read back when not known from the write."""
+    _fsync_path(path)
+    return digest if digest is not None else file_hash(path)
+
+
 class CheckpointWriter:
     """``with CheckpointWriter(output_dir, step) as w: w.save_torch("optimizer.pt", obj)``."""
 
@@ -46,12 +74,21 @@ class CheckpointWriter:
         self.final_path = self.output_dir / f"checkpoint-{self.step}"
         # several ranks writing one (sharded) checkpoint pass the main rank's tmp_name
         self.tmp = self.output_dir / (tmp_name or f".checkpoint-{self.step}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
+        # the writer that commits (entered): checksums of written files, as they are fsynced
+        self._pool: ThreadPoolExecutor | None = None
+        self._done: dict[str, Future[str]] = {}
 
     # -- writing ---------------------------------------------------------------------------------
     def __enter__(self) -> CheckpointWriter:
         self.output_dir.mkdir(parents=True, exist_ok=True)
         self.tmp.mkdir()
+        self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="lightlike-fsync")
         return self
+
+    def _written(self, rel: str, path: Path, digest: str | None = None) -> None:
+        """Hand a closed file to the helper thread: fsync it (and checksum it if not known)."""
+        if self._pool is not None:
+            self._done[rel] = self._pool.submit(_fsynced, path, digest)
 
     def path_for(self, rel: str) -> Path:
         """A path inside the checkpoint for libraries that write files themselves."""
@@ -60,21 +97,31 @@ class CheckpointWriter:
         return p
 
     def write_bytes(self, rel: str, data: bytes) -> None:
-        self.path_for(rel).write_bytes(data)
+        path = self.path_for(rel)
+        path.write_bytes(data)
+        self._written(rel, path, f"{zlib.crc32(data):08x}")
 
     def write_json(self, rel: str, obj: Any) -> None:
-        self.path_for(rel).write_text(json.dumps(obj, indent=2, sort_keys=True, allow_nan=True) + "\n")
+        self.write_bytes(rel, (json.dumps(obj, indent=2, sort_keys=True, allow_nan=True) + "\n").encode())
 
     def save_torch(self, rel: str, obj: Any) -> None:
-        torch.save(obj, self.path_for(rel))
+        path = self.path_for(rel)
+        with open(path, "wb") as fh:
+            sink = _Checksummed(fh)
+            with _zip_crc_off():
+                torch.save(obj, sink)  # type: ignore[arg-type]  # write() and flush() are all it uses
+        self._written(rel, path, f"{sink.crc:08x}")
 
     def save_safetensors(self, rel: str, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> None:
-        save_safetensors(tensors, self.path_for(rel), metadata)
+        path = self.path_for(rel)
+        save_safetensors(tensors, path, metadata)
+        self._written(rel, path)  # checksummed by the helper thread while the next file is written
 
     # -- commit ----------------------------------------------------------------------------------
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
         if exc_type is not None:
+            self._shutdown()
             shutil.rmtree(self.tmp, ignore_errors=True)
             return
         try:
@@ -82,15 +129,26 @@ class CheckpointWriter:
         except BaseException:
             shutil.rmtree(self.tmp, ignore_errors=True)
             raise
+        finally:
+            self._shutdown()
+
+    def _shutdown(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)  # no helper thread still touches the temp directory
+            self._pool = None
 
     def _commit(self) -> None:
         import datetime
 
         paths = [f for f in sorted(self.tmp.rglob("*")) if f.is_file()]
-        for f in paths:
+        rels = [f.relative_to(self.tmp).as_posix() for f in paths]
+        known = {rel: self._done[rel].result() for rel in rels if rel in self._done}
+        others = [f for f, rel in zip(paths, rels, strict=True) if rel not in known]  # written by libraries
+        for f in others:
             _fsync_path(f)
-        files = {f.relative_to(self.tmp).as_posix(): {"size": f.stat().st_size, CHECKSUM: digest}
-                 for f, digest in zip(paths, hash_files(paths), strict=True)}
+        digests = dict(zip([f.relative_to(self.tmp).as_posix() for f in others], hash_files(others), strict=True))
+        digests.update(known)
+        files = {rel: {"size": f.stat().st_size, CHECKSUM: digests[rel]} for f, rel in zip(paths, rels, strict=True)}
         for d in sorted({f.parent for f in self.tmp.rglob("*")} | {self.tmp}, key=lambda p: len(p.parts), reverse=True):
             _fsync_path(d)
         manifest = {"format": FORMAT, "version": 1, "step": self.step, "files": files, "meta": self.meta,
@@ -119,6 +177,19 @@ class CheckpointWriter:
         _fsync_path(self.output_dir)
         if trash is not None:
             shutil.rmtree(trash, ignore_errors=True)
+
+
+class _zip_crc_off:
+    """``torch.save`` without the CRC-32 of each zip record (the writer checksums the whole file)."""
+
+    def __enter__(self) -> None:
+        self.was = getattr(torch.serialization, "get_crc32_options", lambda: None)()
+        if self.was:
+            torch.serialization.set_crc32_options(False)
+
+    def __exit__(self, *exc: object) -> None:
+        if self.was:
+            torch.serialization.set_crc32_options(True)
 
 
 def cleanup_stale_temps(output_dir: str | Path, force: bool = False) -> list[Path]:
