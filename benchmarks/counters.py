@@ -12,6 +12,14 @@ Each loop runs in its own process under ``perf stat --control``: counting is off
 Needs ``perf`` with user-mode counters (``/proc/sys/kernel/perf_event_paranoid`` at most 2).
 
     python benchmarks/counters.py                  # 4000 counted steps, 2 runs of each loop
+    python benchmarks/counters.py --ddp --width 256 --steps 1300   # benchmarks/ddp.py's loops
+
+With ``--ddp`` the loops are ``benchmarks/ddp.py``'s (DDP, gloo, 2 processes under torchrun) and
+perf counts every process and thread of the launch (both ranks, gloo's threads, the torchrun
+agent) from rank 0's counted steps' start to their end; ranks move in step, so the difference
+per step between the two loops is the Fitter's. Gloo polls while a rank waits, so here (2 cores
+for 2 ranks and their threads) even instructions vary by several per cent between runs of the
+same build: a bound, not the 0.2 % of the one-process figures.
 """
 
 from __future__ import annotations
@@ -19,6 +27,7 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import socket
 import statistics
 import subprocess
 import sys
@@ -42,6 +51,15 @@ def child(args: argparse.Namespace) -> None:
         with open(args.control, "w") as fifo:
             fifo.write("enable\n" if what == "start" else "disable\n")
 
+    if args.ddp:
+        import ddp
+        import torch.distributed as dist
+
+        ddp.with_fitter(data, argparse.Namespace(**{**vars(args), "steps": 150, "warmup": 50}))  # sets up the group
+        dist.barrier()
+        loop = ddp.hand_written if args.child == "hand" else ddp.with_fitter
+        loop(data, args, mark=mark if dist.get_rank() == 0 else None)
+        return
     loop = hand_written if args.child == "hand" else with_fitter
     loop(data, args, mark=mark)
 
@@ -51,8 +69,15 @@ def count(which: str, args: argparse.Namespace) -> dict[str, float]:
     with tempfile.TemporaryDirectory() as tmp:
         control = os.path.join(tmp, "control")
         os.mkfifo(control)
+        launch = [sys.executable]
+        if args.ddp:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            launch += ["-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port)]
         cmd = ["perf", "stat", "-x,", "-D", "-1", "--control", f"fifo:{control}", "-e", ",".join(EVENTS), "--",
-               sys.executable, os.path.abspath(__file__), "--child", which, "--control", control,
+               *launch, os.path.abspath(__file__), "--child", which, "--control", control,
+               *(["--ddp"] if args.ddp else []),
                *(f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
                  if k in ("steps", "warmup", "width", "features", "batch_size", "samples"))]
         run = subprocess.run(cmd, capture_output=True, text=True, check=False)
@@ -77,6 +102,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=4300, help="last step; counting covers warmup+1..steps")
     p.add_argument("--warmup", type=int, default=300)
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--ddp", action="store_true", help="benchmarks/ddp.py's loops on 2 processes (gloo)")
     p.add_argument("--child", choices=("hand", "fitter"), help=argparse.SUPPRESS)
     p.add_argument("--control", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -89,7 +115,8 @@ def main() -> None:
     for _ in range(args.repeats):
         for which in runs:  # alternate, as overhead.py does
             runs[which].append(count(which, args))
-    print(f"width {args.width}, batch {args.batch_size}, steps {args.warmup + 1}..{args.steps} counted, "
+    print(f"{'DDP, 2 processes, all threads counted; ' if args.ddp else ''}"
+          f"width {args.width}, batch {args.batch_size}, steps {args.warmup + 1}..{args.steps} counted, "
           f"{args.repeats} runs of each loop (medians)")
     for event in EVENTS:
         hand = statistics.median(r[event] for r in runs["hand"])

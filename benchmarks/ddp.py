@@ -34,7 +34,7 @@ import lightlike as ll  # noqa: E402
 from lightlike.data.sampler import ResumableSampler  # noqa: E402
 
 
-def hand_written(data: Data, args: argparse.Namespace) -> tuple[float, float]:
+def hand_written(data: Data, args: argparse.Namespace, mark=None) -> tuple[float, float]:
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     model = DistributedDataParallel(MLP(args.features, args.width))
@@ -54,18 +54,22 @@ def hand_written(data: Data, args: argparse.Namespace) -> tuple[float, float]:
             step += 1
             if step == args.warmup:
                 t0, cpu0 = time.perf_counter(), time.thread_time()
+                if mark:
+                    mark("start")
             if step % 100 == 0:
                 loss.item()
             if step == args.steps:
+                if mark:
+                    mark("stop")
                 break
         epoch += 1
     n = args.steps - args.warmup
     return (time.perf_counter() - t0) / n, (time.thread_time() - cpu0) / n
 
 
-def with_fitter(data: Data, args: argparse.Namespace) -> tuple[float, float]:
+def with_fitter(data: Data, args: argparse.Namespace, mark=None) -> tuple[float, float]:
     torch.manual_seed(0)
-    clock = Clock(args.warmup, args.steps)
+    clock = Clock(args.warmup, args.steps, mark)
     with tempfile.TemporaryDirectory() as out:
         ll.Fitter(strategy="ddp", max_steps=args.steps, batch_size=args.batch_size, learning_rate=1e-3,
                   output_dir=out, seed=0, log_level="warning", callbacks=[clock]).fit(MLP(args.features, args.width), data)

@@ -162,7 +162,7 @@ class Fitter:
             torch.cuda.reset_peak_memory_stats(strategy.root_device)
 
         self._preemption = preemption = PreemptionHandler(cfg.preemption_signals)
-        self._stop_agreed = False
+        self._stop_agreed, self._stop_vote = False, None
         preemption.install()
         try:
             callbacks.call("on_fit_start", self, state, control)
@@ -506,19 +506,20 @@ class Fitter:
         return loggers
 
     def _stop_requested(self) -> bool:
-        """Preemption: on one process, whether a signal has arrived; on several, the flag agreed
-        in this step's item-count all-reduce (a signal that arrives later is agreed one step
-        later). A device tensor is read every step on CPU and, to avoid a per-step sync, only at
-        log steps on an accelerator."""
+        """Preemption: on one process, whether a signal has arrived; on several, the flag agreed in
+        this step's item-count all-reduce (read every step on CPU, at log steps on an accelerator),
+        or with none (equal shares) a vote started every 10 steps and read at the next, which no
+        rank waits for: a signal is acted on 10-20 steps later, on every rank at the same step."""
         strategy = self.strategy
         assert strategy is not None
         if strategy.world_size == 1:
             return self._preemption.received is not None
         flag = self._stop_agreed
-        if flag is None:  # not carried by this step's reduction: agree every 10 steps
+        if flag is None:
             if self.state.global_step % 10:
                 return False
-            return strategy.reduce_flag(self._preemption.received is not None)
+            vote, self._stop_vote = self._stop_vote, strategy.reduce_flag_async(self._preemption.received is not None)
+            return vote is not None and vote()
         if isinstance(flag, torch.Tensor):
             if flag.device.type != "cpu" and not self._is_log_step(self.state.global_step):
                 return False

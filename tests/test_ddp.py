@@ -127,3 +127,27 @@ def test_kill_one_rank_and_resume_is_bit_identical(tmp_path, kill_step):
         assert all(torch.equal(a[k], b[k]) for k in a), f"rank {rank} differs"
     logs = [(tmp_path / d / "logs" / "metrics.jsonl").read_text() for d in ("run", "ref")]
     assert logs[0] == logs[1]
+
+
+def test_preemption_signal_on_one_rank_stops_every_rank_at_the_same_step(tmp_path):
+    """SIGTERM reaches rank 1 only, after step 3. The ranks vote every 10 steps without waiting
+    for the vote (started at step 10, read at step 20): both save checkpoint-20 and exit 75, and
+    resuming on 2 processes ends with the uninterrupted run's weights, bit for bit."""
+    from lightlike.checkpoint import list_checkpoints, verify_checkpoint
+
+    common = ["--steps", "30", "--items", "48", "--batch", "4"]
+    ref = launch(2, tmp_path / "ref", *common)
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    out = tmp_path / "run"
+    p = launch(2, out, *common, "--signal-step", "3", "--fail-rank", "1", timeout=120)
+    assert p.returncode != 0
+    assert "SIGTERM received: saving a checkpoint at step 20" in p.stderr, p.stderr[-3000:]
+    assert "a signal on another rank received: saving a checkpoint at step 20" in p.stderr, p.stderr[-3000:]
+    assert p.stderr.count("exitcode  : 75") == 2, p.stderr[-3000:]  # torchrun's summary, one per rank
+    assert [c.name for c in list_checkpoints(out)] == ["checkpoint-20"]
+    verify_checkpoint(out / "checkpoint-20")
+    resumed = launch(2, out, *common, "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    for rank in (0, 1):
+        a, b = weights(out, rank), weights(tmp_path / "ref", rank)
+        assert all(torch.equal(a[k], b[k]) for k in a), f"rank {rank} differs"

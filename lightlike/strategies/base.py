@@ -10,7 +10,7 @@ DeepSpeed implement the same methods, so ``Fitter`` never asks which strategy it
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -179,6 +179,13 @@ class Strategy:
     def reduce_flag(self, flag: bool) -> bool:
         """True on every rank if ``flag`` is True on any rank (control decisions agree)."""
         return flag
+
+    def reduce_flag_async(self, flag: bool) -> Callable[[], bool]:
+        """Start agreeing on ``flag`` as ``reduce_flag`` does; the returned function, called later
+        at the same point on every rank, gives the agreed value. For checks that can wait a few
+        steps (preemption), so that agreeing costs the step no wait and no device sync."""
+        value = self.reduce_flag(flag)
+        return lambda: value
 
     # -- checkpoint state --------------------------------------------------------------------------
     #: how ``save_checkpoint_state`` lays out weights and optimizer state; recorded in the

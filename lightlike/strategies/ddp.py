@@ -14,6 +14,7 @@ import contextlib
 import datetime
 import gc
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -184,6 +185,29 @@ class DDPStrategy(Strategy):
         t = torch.tensor([1 if flag else 0], device=self.root_device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return bool(t.item())
+
+    def reduce_flag_async(self, flag: bool) -> Callable[[], bool]:
+        """An all-reduce started now and read when asked. On CUDA the value is copied to pinned
+        host memory behind the collective and read through an event, so the caller waits only
+        for work queued before it (long done some steps later), never for the current step's."""
+        t = torch.tensor([1 if flag else 0], device=self.root_device)
+        work = dist.all_reduce(t, op=dist.ReduceOp.MAX, async_op=True)
+        assert work is not None
+        if t.device.type != "cuda":
+            def wait_and_read() -> bool:
+                work.wait()
+                return bool(t.item())
+            return wait_and_read
+        work.wait()  # NCCL: the current stream waits for the collective; the host goes on
+        host = torch.empty_like(t, device="cpu").pin_memory()
+        host.copy_(t, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+
+        def read() -> bool:
+            ready.synchronize()
+            return bool(host.item())
+        return read
 
     def gather_in_order(self, local: Any) -> Any:
         """Reassemble per-rank evaluation outputs in dataset order: rank r holds the items at

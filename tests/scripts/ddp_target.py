@@ -53,6 +53,19 @@ class KillAt(ll.Callback):
             os.kill(os.getpid(), signal.SIGKILL)
 
 
+class SignalAt(ll.Callback):
+    """SIGTERM this rank only, after optimizer step ``step`` (preemption seen by one rank)."""
+
+    def __init__(self, rank, step):
+        self.rank, self.step = rank, step
+
+    def on_step_end(self, fitter, state, control):
+        if fitter.strategy.global_rank == self.rank and state.global_step == self.step:
+            import signal
+
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
 class Footprint(ll.Callback):
     """Record this rank's parameter + gradient + optimizer bytes just before the last optimizer
     step, when gradients and optimizer state both exist."""
@@ -93,6 +106,7 @@ def main() -> None:
     p.add_argument("--fail-step", type=int, default=3)
     p.add_argument("--max-grad-norm", type=float, default=0.0)
     p.add_argument("--kill-step", type=int, default=0)
+    p.add_argument("--signal-step", type=int, default=0)
     p.add_argument("--strategy", default="auto")
     p.add_argument("--precision", default="auto")
     p.add_argument("--dtype", default="float64", choices=["float64", "float32"])
@@ -137,6 +151,8 @@ def main() -> None:
         callbacks.append(StopAt(args.stop))
     if args.kill_step:
         callbacks.append(KillAt(args.fail_rank, args.kill_step))
+    if args.signal_step:
+        callbacks.append(SignalAt(args.fail_rank, args.signal_step))
     if args.mode == "fail":
         callbacks.append(FailAt(args.fail_rank, args.fail_step, "train"))
     fitter = ll.Fitter(max_steps=args.steps, batch_size=args.batch, grad_accum_steps=args.accum, learning_rate=1e-2,
