@@ -4,6 +4,7 @@ evaluation on 1/2/3 processes, resume across world sizes, failing fast."""
 from __future__ import annotations
 
 import json
+import re
 import socket
 import subprocess
 import sys
@@ -143,7 +144,10 @@ def test_preemption_signal_on_one_rank_stops_every_rank_at_the_same_step(tmp_pat
     assert p.returncode != 0
     assert "SIGTERM received: saving a checkpoint at step 20" in p.stderr, p.stderr[-3000:]
     assert "a signal on another rank received: saving a checkpoint at step 20" in p.stderr, p.stderr[-3000:]
-    assert p.stderr.count("exitcode  : 75") == 2, p.stderr[-3000:]  # torchrun's summary, one per rank
+    # torchrun's summary: the first rank to exit reports 75; torchrun may SIGTERM the other
+    # before it reports its own 75 (both ranks have committed the checkpoint by then)
+    codes = re.findall(r"exitcode  : (-?\d+)", p.stderr)
+    assert "75" in codes and set(codes) <= {"75", "-15"}, p.stderr[-3000:]
     assert [c.name for c in list_checkpoints(out)] == ["checkpoint-20"]
     verify_checkpoint(out / "checkpoint-20")
     resumed = launch(2, out, *common, "--resume")
