@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import subprocess
@@ -124,9 +125,44 @@ def test_checksums_are_crc32_and_older_sha256_manifests_still_verify(tmp_path):
         verify_checkpoint(ckpt)
 
 
+def test_large_files_are_checksummed_in_parts_and_combined_exactly(tmp_path, monkeypatch):
+    """crc32_combine is zlib's: CRC(a + b) from CRC(a), CRC(b), len(b); a file split into parts
+    checksummed by several threads gives zlib.crc32 of the whole file, for any split."""
+    import zlib
+
+    from lightlike.checkpoint import manifest
+
+    rng = torch.Generator().manual_seed(0)
+
+    def data(n):
+        return bytes(torch.randint(0, 256, (n,), generator=rng, dtype=torch.uint8).tolist())
+
+    for la, lb in [(0, 0), (0, 7), (7, 0), (1, 1), (100, 37), (4096, 1000), (12345, 65537)]:
+        a, b = data(la), data(lb)
+        assert manifest.crc32_combine(zlib.crc32(a), zlib.crc32(b), lb) == zlib.crc32(a + b), (la, lb)
+    calls = []
+    real_range = manifest._crc_range
+    monkeypatch.setattr(manifest, "_crc_range", lambda *a: calls.append(a[1:3]) or real_range(*a))
+    monkeypatch.setattr(manifest.os, "cpu_count", lambda: 8)
+    monkeypatch.setattr(manifest, "_PART_BYTES", 1000)
+    for size in (0, 999, 1000, 2001, 7777, 100_003):
+        f = tmp_path / f"f{size}"
+        f.write_bytes(data(size))
+        calls.clear()
+        for chunk in (64, 1 << 20):
+            assert manifest.file_hash(f, chunk=chunk) == f"{zlib.crc32(f.read_bytes()):08x}", (size, chunk)
+        parts = min(8, size // 1000)
+        assert len(calls) == (2 * parts if parts > 1 else 0), (size, calls)
+        if parts > 1:  # the parts tile the file
+            starts = sorted(calls[:parts])
+            assert starts[0][0] == 0 and sum(n for _, n in starts) == size
+            assert all(a + n == b for (a, n), (b, _) in itertools.pairwise(starts))
+
+
 def test_writer_checksums_files_as_it_writes_them(tmp_path, monkeypatch):
     """torch.save streams through the CRC (no read-back, torch's own zip CRCs switched off only
-    for that call); library-written files are read back; every manifest CRC is the file's."""
+    for that call; large buffers checksummed by a helper thread while they are written, small ones
+    inline, chained in order); library-written files are read back; every manifest CRC is the file's."""
     import collections
     import pickle
     import zlib
@@ -138,6 +174,12 @@ def test_writer_checksums_files_as_it_writes_them(tmp_path, monkeypatch):
         real = mod.file_hash
         monkeypatch.setattr(mod, "file_hash", lambda p, *a, _real=real: read_back.update([p.name]) or _real(p, *a))
     optim_like = {"state": {i: {"exp_avg": torch.randn(300, 7)} for i in range(3)}, "param_groups": [{"lr": 0.1}]}
+    optim_like["state"][1]["exp_avg_sq"] = torch.randn(1024, 520)  # over 2 MiB: checksummed by a helper
+    overlapped = []
+    real_write = atomic._Checksummed.write
+    monkeypatch.setattr(atomic, "_OVERLAP_BYTES", 4096)  # the 8 KiB records too: helper and inline interleave
+    monkeypatch.setattr(atomic._Checksummed, "write", lambda self, data: overlapped.append(
+        memoryview(data).nbytes >= 4096 and self.pool is not None) or real_write(self, data))
     with CheckpointWriter(tmp_path, 7) as w:
         w.save_torch("optimizer.pt", optim_like)
         w.save_safetensors("model.safetensors", {"w": torch.randn(5, 5)})
@@ -153,8 +195,10 @@ def test_writer_checksums_files_as_it_writes_them(tmp_path, monkeypatch):
     for rel, info in files.items():
         assert info["crc32"] == f"{zlib.crc32((ckpt / rel).read_bytes()):08x}", rel
     assert read_back == {"model.safetensors": 1, "shard.bin": 1}
+    assert overlapped.count(True) >= 4 and overlapped.count(False) >= 4, overlapped
     loaded = torch.load(ckpt / "optimizer.pt", weights_only=True)
     assert torch.equal(loaded["state"][2]["exp_avg"], optim_like["state"][2]["exp_avg"])
+    assert torch.equal(loaded["state"][1]["exp_avg_sq"], optim_like["state"][1]["exp_avg_sq"])
     verify_checkpoint(ckpt, hashes=True)
 
 

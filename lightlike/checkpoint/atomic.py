@@ -43,17 +43,29 @@ def _fsync_path(path: Path) -> None:
 
 
 class _Checksummed:
-    """A write-only file that keeps the CRC-32 of everything written through it."""
+    """A write-only file that keeps the CRC-32 of everything written through it. With a thread
+    pool, a large buffer is checksummed by a helper thread while this one writes it (both release
+    the GIL), so the checksum costs no time when there is a core for it; either way the CRC is
+    complete before ``write`` returns, while the caller still owns the buffer."""
 
-    def __init__(self, fh: Any) -> None:
-        self.fh, self.crc = fh, 0
+    def __init__(self, fh: Any, pool: ThreadPoolExecutor | None = None) -> None:
+        self.fh, self.crc, self.pool = fh, 0, pool
 
     def write(self, data: Any) -> int:
-        self.crc = zlib.crc32(data, self.crc)  # releases the GIL on large buffers
-        return self.fh.write(data)
+        if self.pool is None or memoryview(data).nbytes < _OVERLAP_BYTES:
+            self.crc = zlib.crc32(data, self.crc)  # releases the GIL on large buffers
+            return self.fh.write(data)
+        crc = self.pool.submit(zlib.crc32, data, self.crc)
+        try:
+            return self.fh.write(data)
+        finally:
+            self.crc = crc.result()
 
     def flush(self) -> None:
         self.fh.flush()
+
+
+_OVERLAP_BYTES = 1 << 20  # smaller writes (zip headers, pickle data) are checksummed inline
 
 
 def _fsynced(path: Path, digest: str | None) -> str:
@@ -82,7 +94,8 @@ class CheckpointWriter:
     def __enter__(self) -> CheckpointWriter:
         self.output_dir.mkdir(parents=True, exist_ok=True)
         self.tmp.mkdir()
-        self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="lightlike-fsync")
+        # fsync + checksum of finished files, and the checksum of a torch.save's storages
+        self._pool = ThreadPoolExecutor(max_workers=3, thread_name_prefix="lightlike-fsync")
         return self
 
     def _written(self, rel: str, path: Path, digest: str | None = None) -> None:
@@ -107,7 +120,7 @@ class CheckpointWriter:
     def save_torch(self, rel: str, obj: Any) -> None:
         path = self.path_for(rel)
         with open(path, "wb") as fh:
-            sink = _Checksummed(fh)
+            sink = _Checksummed(fh, self._pool)
             with _zip_crc_off():
                 torch.save(obj, sink)  # type: ignore[arg-type]  # write() and flush() are all it uses
         self._written(rel, path, f"{sink.crc:08x}")

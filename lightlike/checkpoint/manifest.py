@@ -19,6 +19,7 @@ import os
 import re
 import warnings
 import zlib
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +38,21 @@ CHECKSUM = "crc32"
 def file_hash(path: str | Path, algorithm: str = CHECKSUM, chunk: int = 1 << 20) -> str:
     """Hex checksum of a file: ``crc32`` (8 hex digits) or ``sha256``. Read into one reused
     buffer that stays in the CPU cache for the checksum (4.3 GB/s here, against 3.0 GB/s for
-    ``f.read`` of fresh 8 MiB blocks, each of which the allocator maps and faults in anew)."""
+    ``f.read`` of fresh 8 MiB blocks, each of which the allocator maps and faults in anew).
+    A large file's CRC-32 is computed in parts by several threads (one core does 4.3 GB/s; a
+    file in the page cache reads faster) and the parts' CRCs combined."""
+    size = os.path.getsize(path)
+    parts = min(os.cpu_count() or 1, 8, size // _PART_BYTES)
+    if algorithm == "crc32" and parts > 1:
+        bounds = [size * i // parts for i in range(parts + 1)]
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(max_workers=parts - 1, thread_name_prefix="lightlike-crc") as pool:
+            rest = [(pool.submit(_crc_range, path, a, b - a, chunk), b - a) for a, b in pairwise(bounds[1:])]
+            crc = _crc_range(path, 0, bounds[1], chunk)
+            for fut, length in rest:
+                crc = crc32_combine(crc, fut.result(), length)
+        return f"{crc:08x}"
     buf = bytearray(chunk)
     view = memoryview(buf)
     crc, h = 0, None if algorithm == "crc32" else hashlib.new(algorithm)
@@ -48,6 +63,49 @@ def file_hash(path: str | Path, algorithm: str = CHECKSUM, chunk: int = 1 << 20)
             else:
                 h.update(view[:n])
     return h.hexdigest() if h is not None else f"{crc:08x}"
+
+
+_PART_BYTES = 32 << 20  # a file is split into parts of at least this size
+
+
+def _crc_range(path: str | Path, start: int, length: int, chunk: int) -> int:
+    buf = bytearray(chunk)
+    view = memoryview(buf)
+    crc = 0
+    with open(path, "rb", buffering=0) as f:
+        f.seek(start)
+        while length > 0 and (n := f.readinto(view[:min(chunk, length)])):
+            crc = zlib.crc32(view[:n], crc)
+            length -= n
+    return crc
+
+
+_CRC_POLY = 0xEDB88320  # CRC-32 (zlib's), bit-reversed
+
+
+def _mult_mod_p(a: int, b: int) -> int:
+    """a * b modulo the CRC-32 polynomial (bit-reversed polynomials, as zlib's crc32.c)."""
+    m, p = 1 << 31, 0
+    while m:
+        if a & m:
+            p ^= b
+        b = (b >> 1) ^ _CRC_POLY if b & 1 else b >> 1
+        m >>= 1
+    return p
+
+
+def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
+    """``zlib.crc32(a + b)`` from ``crc1 = zlib.crc32(a)``, ``crc2 = zlib.crc32(b)`` and
+    ``len(b)``: zlib's ``crc32_combine``, which Python's ``zlib`` module does not expose. It
+    multiplies ``crc1`` by x^(8 * len2) modulo the polynomial (square-and-multiply)."""
+    x2n, p = 1 << 30, 1 << 31  # x^1, x^0
+    n = 8 * len2
+    while n:
+        if n & 1:
+            p = _mult_mod_p(x2n, p)
+        x2n = _mult_mod_p(x2n, x2n)
+        n >>= 1
+    return _mult_mod_p(p, crc1) ^ crc2
 
 
 def hash_files(paths: list[Path], algorithms: list[str] | None = None) -> list[str]:
