@@ -218,6 +218,7 @@ class Fitter:
                     if cfg.save_strategy == "epoch" and state.last_save_step != state.global_step:
                         self._save_checkpoint(wait=False)
             # ---- end of training -------------------------------------------------------------
+            self._finish_stop_vote()
             self._log_training(final=True)
             if eval_sets and state.last_eval_step != state.global_step:
                 last_metrics = self._evaluate_all(eval_sets)
@@ -526,10 +527,17 @@ class Fitter:
             return bool(flag.item())
         return bool(flag)
 
+    def _finish_stop_vote(self) -> None:
+        """Wait for the vote every rank started and drop it: its handle must not outlive the group."""
+        vote, self._stop_vote = self._stop_vote, None
+        if vote is not None:
+            vote()
+
     def _preempted(self, signal_name: str) -> None:
         """Save (once) at this step boundary, ask SLURM to requeue, exit with code 75."""
         state = self.state
         log.warning("%s received: saving a checkpoint at step %d and exiting", signal_name, state.global_step)
+        self._finish_stop_vote()
         path = self._save_checkpoint() if state.last_save_step != state.global_step else None
         self._commit_checkpoint()  # this step's save may still be in flight
         checkpoint = str(path) if path else f"{self.config.output_dir}/checkpoint-{state.global_step}"

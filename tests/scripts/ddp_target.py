@@ -169,6 +169,8 @@ def main() -> None:
             if dtype != torch.float32:
                 model = model.to(dtype)
     fitter.fit(model, DictDataset(n=args.items, dtype=dtype), resume=args.resume or None)
+    # the last preemption vote was waited for and dropped: no collective handle outlives the fit
+    assert fitter._stop_vote is None, "a preemption vote is still in flight after fit()"
     strategy = fitter.strategy
     rank = strategy.global_rank  # under SLURM, known once the Fitter has read the environment
     # full weights (gathered from the shards under FSDP/ZeRO: collective, so every rank asks)
