@@ -159,7 +159,7 @@ class CheckpointWriter:
         others = [f for f, rel in zip(paths, rels, strict=True) if rel not in known]  # written by libraries
         for f in others:
             _fsync_path(f)
-        digests = dict(zip([f.relative_to(self.tmp).as_posix() for f in others], hash_files(others), strict=True))
+        digests = dict(zip([rel for rel in rels if rel not in known], hash_files(others), strict=True))
         digests.update(known)
         files = {rel: {"size": f.stat().st_size, CHECKSUM: digests[rel]} for f, rel in zip(paths, rels, strict=True)}
         for d in sorted({f.parent for f in self.tmp.rglob("*")} | {self.tmp}, key=lambda p: len(p.parts), reverse=True):

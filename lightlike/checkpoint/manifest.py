@@ -19,6 +19,7 @@ import os
 import re
 import warnings
 import zlib
+from collections.abc import Iterator
 from itertools import pairwise
 from pathlib import Path
 from typing import Any
@@ -42,41 +43,46 @@ def file_hash(path: str | Path, algorithm: str = CHECKSUM, chunk: int = 1 << 20)
     A large file's CRC-32 is computed in parts by several threads (one core does 4.3 GB/s; a
     file in the page cache reads faster) and the parts' CRCs combined."""
     size = os.path.getsize(path)
+    if algorithm != "crc32":
+        h = hashlib.new(algorithm)
+        for block in _blocks(path, 0, size, chunk):
+            h.update(block)
+        return h.hexdigest()
     parts = min(os.cpu_count() or 1, 8, size // _PART_BYTES)
-    if algorithm == "crc32" and parts > 1:
-        bounds = [size * i // parts for i in range(parts + 1)]
-        from concurrent.futures import ThreadPoolExecutor
-
-        with ThreadPoolExecutor(max_workers=parts - 1, thread_name_prefix="lightlike-crc") as pool:
-            rest = [(pool.submit(_crc_range, path, a, b - a, chunk), b - a) for a, b in pairwise(bounds[1:])]
-            crc = _crc_range(path, 0, bounds[1], chunk)
-            for fut, length in rest:
-                crc = crc32_combine(crc, fut.result(), length)
+    if parts <= 1:
+        crc = 0
+        for block in _blocks(path, 0, size, chunk):
+            crc = zlib.crc32(block, crc)
         return f"{crc:08x}"
-    buf = bytearray(chunk)
-    view = memoryview(buf)
-    crc, h = 0, None if algorithm == "crc32" else hashlib.new(algorithm)
-    with open(path, "rb", buffering=0) as f:
-        while n := f.readinto(buf):
-            if h is None:
-                crc = zlib.crc32(view[:n], crc)
-            else:
-                h.update(view[:n])
-    return h.hexdigest() if h is not None else f"{crc:08x}"
+    bounds = [size * i // parts for i in range(parts + 1)]
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=parts - 1, thread_name_prefix="lightlike-crc") as pool:
+        rest = [(pool.submit(_crc_range, path, a, b - a, chunk), b - a) for a, b in pairwise(bounds[1:])]
+        crc = _crc_range(path, 0, bounds[1], chunk)
+        for fut, length in rest:
+            crc = crc32_combine(crc, fut.result(), length)
+    return f"{crc:08x}"
 
 
 _PART_BYTES = 32 << 20  # a file is split into parts of at least this size
 
 
-def _crc_range(path: str | Path, start: int, length: int, chunk: int) -> int:
-    buf = bytearray(chunk)
-    view = memoryview(buf)
-    crc = 0
+def _blocks(path: str | Path, start: int, length: int, chunk: int) -> Iterator[memoryview]:
+    """``length`` bytes of a file from ``start`` (fewer if it is shorter now), in blocks read
+    into one reused buffer."""
+    view = memoryview(bytearray(chunk))
     with open(path, "rb", buffering=0) as f:
         f.seek(start)
         while length > 0 and (n := f.readinto(view[:min(chunk, length)])):
-            crc = zlib.crc32(view[:n], crc)
+            yield view[:n]
             length -= n
+
+
+def _crc_range(path: str | Path, start: int, length: int, chunk: int) -> int:
+    crc = 0
+    for block in _blocks(path, start, length, chunk):
+        crc = zlib.crc32(block, crc)
     return crc
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -40,30 +41,16 @@ class FailAt(ll.Callback):
         pass
 
 
-class KillAt(ll.Callback):
-    """SIGKILL this rank after optimizer step ``step`` (a real kill: torchrun then ends the rest)."""
-
-    def __init__(self, rank, step):
-        self.rank, self.step = rank, step
-
-    def on_step_end(self, fitter, state, control):
-        if fitter.strategy.global_rank == self.rank and state.global_step == self.step:
-            import signal
-
-            os.kill(os.getpid(), signal.SIGKILL)
-
-
 class SignalAt(ll.Callback):
-    """SIGTERM this rank only, after optimizer step ``step`` (preemption seen by one rank)."""
+    """Send ``signum`` to this rank only, after optimizer step ``step``: SIGKILL is a real kill
+    (torchrun then ends the rest), SIGTERM a preemption seen by one rank."""
 
-    def __init__(self, rank, step):
-        self.rank, self.step = rank, step
+    def __init__(self, rank, step, signum):
+        self.rank, self.step, self.signum = rank, step, signum
 
     def on_step_end(self, fitter, state, control):
         if fitter.strategy.global_rank == self.rank and state.global_step == self.step:
-            import signal
-
-            os.kill(os.getpid(), signal.SIGTERM)
+            os.kill(os.getpid(), self.signum)
 
 
 class Footprint(ll.Callback):
@@ -150,9 +137,9 @@ def main() -> None:
     if args.stop:
         callbacks.append(StopAt(args.stop))
     if args.kill_step:
-        callbacks.append(KillAt(args.fail_rank, args.kill_step))
+        callbacks.append(SignalAt(args.fail_rank, args.kill_step, signal.SIGKILL))
     if args.signal_step:
-        callbacks.append(SignalAt(args.fail_rank, args.signal_step))
+        callbacks.append(SignalAt(args.fail_rank, args.signal_step, signal.SIGTERM))
     if args.mode == "fail":
         callbacks.append(FailAt(args.fail_rank, args.fail_step, "train"))
     fitter = ll.Fitter(max_steps=args.steps, batch_size=args.batch, grad_accum_steps=args.accum, learning_rate=1e-2,
