@@ -146,7 +146,9 @@ class Fitter:
         self._loss_total, self._items_total = 0.0, 0.0
         self.resumed_from = None
         if resume_from is not None:
-            self._load_checkpoint(resume_from, verified=resume is True)  # replaces self.state
+            from lightlike.checkpoint.training import load_training_checkpoint
+
+            load_training_checkpoint(self, resume_from, verified=resume is True)  # resume=True verified it
         state = self.state
         state.max_steps = max_steps
         self.loggers = self._build_loggers(resume_step=state.global_step if resume_from else None)
@@ -368,7 +370,7 @@ class Fitter:
         """Evaluate every set; update the best metric; tell loggers and callbacks."""
         self.control.should_evaluate = False
         self._phase = "evaluation"
-        self._read_and_check_pending()
+        self._read_pending()  # raises now if a pending loss is non-finite
         metrics: dict[str, float] = {}
         for name, loader in eval_sets.items():
             m, _, _ = run_evaluation(self.model, self.module, loader, self.strategy, name,  # type: ignore[arg-type]
@@ -396,10 +398,6 @@ class Fitter:
     def restore_pending_losses(self, pending: list[list[float]]) -> None:
         self._pending = [(torch.tensor(loss, dtype=torch.float64, device=self.strategy.root_device), n, int(step), int(micro))  # type: ignore[union-attr,misc]
                          for loss, n, step, micro in pending]
-
-    def _read_and_check_pending(self) -> None:
-        """Raise now if a pending loss is non-finite (before evaluating or saving)."""
-        self._read_pending()
 
     # ==========================================================================================
     # evaluation and prediction outside fit
@@ -563,7 +561,7 @@ class Fitter:
         self._commit_checkpoint()
         self.control.should_save = False
         self._phase = "checkpoint save"
-        self._read_and_check_pending()
+        self._read_pending()  # raises now if a pending loss is non-finite
         for lg in self.loggers:  # what was logged up to this checkpoint reaches the disk first
             lg.flush()
         path = save_training_checkpoint(self, wait=wait)
@@ -581,11 +579,6 @@ class Fitter:
         path = commit_pending_checkpoint(self)
         if path is not None:
             self.callbacks.call("on_save", self, self.state, self.control, str(path))
-
-    def _load_checkpoint(self, path: Path, verified: bool = False) -> None:
-        from lightlike.checkpoint.training import load_training_checkpoint
-
-        load_training_checkpoint(self, path, verified)  # resume=True chose it by verifying it
 
     def _resume_source(self, resume: bool | str | None) -> Path | None:
         if not resume:
