@@ -5,12 +5,26 @@ Additive metrics (``TaskModule.metrics``, and the loss) are per-batch means; the
 result is the exact dataset mean, not a mean of batch means. Non-additive metrics go through
 ``compute_metrics(predictions, labels)`` on the whole set, or through streaming metric
 objects (``eval_streaming=True``, or whenever the module defines only those).
+
+Unlabelled data: ``predict`` computes the loss and metrics only for batches that
+``TaskModule.labels(batch)`` says carry labels (not None); on data without labels it returns the
+predictions, ``labels=None`` and no metrics. ``validate``/``test`` always compute the loss.
+
+Whole-set predictions and labels are joined along the batch dimension; tensors whose other
+dimensions differ between batches or ranks (token logits ``[B, T_i, V]``) are padded to the
+largest with ``PAD_VALUE`` (-100, as the HF Trainer does; False for bool, 0 for unsigned
+integers). A rank whose share of a small set is empty contributes nothing and joins every
+collective; only a set that is empty on every rank is an error.
 """
 
 from __future__ import annotations
 
+import ast
+import inspect
+import linecache
+import logging
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -19,6 +33,12 @@ from lightlike.errors import ConfigError, DataError, ModuleContractError
 
 if TYPE_CHECKING:
     from lightlike.strategies import Strategy
+
+log = logging.getLogger("lightlike")
+
+#: what whole-set predictions and labels are padded with where their non-batch dimensions
+#: differ between batches or ranks (the HF Trainer's -100; False for bool, 0 for unsigned ints)
+PAD_VALUE = -100
 
 
 def check_loss(loss: Any, where: str, *where_args: Any) -> torch.Tensor:
@@ -45,13 +65,112 @@ def call_module(model: Any, batch: Any, where: str, *where_args: Any) -> Any:
     try:
         return model(batch)
     except KeyError as e:
-        where = where.format(*where_args)
-        keys = sorted(batch.keys()) if isinstance(batch, Mapping) else None
-        have = f"; the batch has keys {keys}" if keys is not None else ""
-        raise DataError(
-            f"the module read batch key {e.args[0]!r} {where}, which the batch does not have{have}. "
-            "Fix the dataset/collate_fn or the key the module reads"
-        ) from e
+        if not _missing_key(e, batch):
+            raise  # a KeyError of the module's own (a dict attribute): not the batch's fault
+        raise _missing_key_error(e, batch, "the module", where, where_args) from e
+
+
+def call_loss(module: Any, outputs: Any, batch: Any, where: str, *where_args: Any) -> torch.Tensor:
+    """``module.loss(outputs, batch)``, checked to be a scalar tensor (``check_loss``); a batch
+    key the loss reads and the batch lacks raises a ``DataError`` naming it."""
+    try:
+        loss = module.loss(outputs, batch)
+    except KeyError as e:
+        if not _missing_key(e, batch):
+            raise
+        raise _missing_key_error(e, batch, "loss()", where, where_args) from e
+    return check_loss(loss, where, *where_args)
+
+
+def call_hook(hook: Callable[..., Any], name: str, batch: Any, where: str, *args: Any) -> Any:
+    """``hook(*args)`` (``metrics``, ``labels``, ...) with ``call_module``'s missing-key error."""
+    try:
+        return hook(*args)
+    except KeyError as e:
+        if not _missing_key(e, batch):
+            raise
+        raise _missing_key_error(e, batch, f"{name}()", where, ()) from e
+
+
+def _missing_key(e: KeyError, batch: Any) -> bool:
+    """Whether ``e`` is a read of a key that ``batch`` (a mapping) does not have: the key is
+    absent from the batch, and the subscript that raised, where the source shows it, is on the
+    batch (``self.table["b"]`` on a dict attribute is the module's own error)."""
+    if not isinstance(batch, Mapping) or len(e.args) != 1:
+        return False
+    try:
+        if e.args[0] in batch:
+            return False
+    except TypeError:  # an unhashable key: not a batch lookup
+        return False
+    known, container = _subscripted(e, batch)
+    return not known or _same_batch(container, batch)
+
+
+def _same_batch(obj: Any, batch: Mapping) -> bool:
+    """``batch`` or a copy of it (a wrapper such as DDP on CUDA moves the batch into a new dict)."""
+    if obj is batch:
+        return True
+    try:
+        return isinstance(obj, Mapping) and obj.keys() == batch.keys()
+    except Exception:  # an odd mapping: not provably the batch
+        return False
+
+
+def _subscripted(e: BaseException, batch: Any) -> tuple[bool, Any]:
+    """``(True, obj)`` when the innermost frame outside the batch's own methods (a mapping class
+    written in Python) raised ``e`` at ``obj[...]`` and ``obj`` is a plain name or attribute path
+    there (read without running code: no properties); else ``(False, None)``."""
+    entries = []
+    tb = e.__traceback__
+    while tb is not None:
+        entries.append(tb)
+        tb = tb.tb_next
+    while entries and _same_batch(entries[-1].tb_frame.f_locals.get("self"), batch):
+        entries.pop()  # inside the batch's __getitem__: the read is the caller's
+    if not entries:
+        return False, None
+    tb = entries[-1]
+    frame = tb.tb_frame
+    try:
+        line, end_line, col, end_col = list(frame.f_code.co_positions())[tb.tb_lasti // 2]
+        if line is None or end_line is None or col is None or end_col is None:
+            return False, None
+        lines = [s.encode() for s in linecache.getlines(frame.f_code.co_filename, frame.f_globals)[line - 1:end_line]]
+        text = (lines[0][col:end_col] if len(lines) == 1 else
+                b"".join([lines[0][col:], *lines[1:-1], lines[-1][:end_col]])).decode()
+        node = ast.parse(f"({text})", mode="eval").body
+    except (IndexError, ValueError, SyntaxError, UnicodeDecodeError):
+        return False, None
+    if not isinstance(node, ast.Subscript):
+        return False, None
+    return _resolve(node.value, frame)
+
+
+def _resolve(node: ast.expr, frame: Any) -> tuple[bool, Any]:
+    if isinstance(node, ast.Name):
+        for scope in (frame.f_locals, frame.f_globals):
+            if node.id in scope:
+                return True, scope[node.id]
+        return False, None
+    if isinstance(node, ast.Attribute):
+        known, obj = _resolve(node.value, frame)
+        if known:
+            try:
+                value = inspect.getattr_static(obj, node.attr)
+            except AttributeError:
+                return False, None
+            if not hasattr(type(value), "__get__"):  # a plain value, not a property or method
+                return True, value
+    return False, None
+
+
+def _missing_key_error(e: KeyError, batch: Mapping, who: str, where: str, where_args: Any) -> DataError:
+    where = where.format(*where_args)
+    return DataError(
+        f"{who} read batch key {e.args[0]!r} {where}, which the batch does not have; the batch has "
+        f"keys {sorted(batch.keys(), key=str)}. Fix the dataset/collate_fn or the key {who} reads"
+    )
 
 
 def _metric_tensors(values: Any, device: torch.device, where: str) -> dict[str, torch.Tensor]:
@@ -75,18 +194,79 @@ def _metric_tensors(values: Any, device: torch.device, where: str) -> dict[str, 
     return out
 
 
-def _concat(chunks: list[Any]) -> Any:
+def _concat(chunks: list[Any], what: str = "predictions") -> Any:
+    """Join per-batch outputs along the batch dimension; tensors are padded to the largest
+    size of each other dimension with ``PAD_VALUE``."""
     if not chunks:
         return None
     first = chunks[0]
     if isinstance(first, torch.Tensor):
-        return torch.cat([c.reshape(1) if c.ndim == 0 else c for c in chunks])
+        tensors = [c.reshape(1) if c.ndim == 0 else c for c in chunks]
+        shape = _max_shape([tuple(t.shape[1:]) for t in tensors], what)
+        return torch.cat([_pad(t, shape) for t in tensors])
     if isinstance(first, Mapping):
-        return {k: _concat([c[k] for c in chunks]) for k in first}
+        return {k: _concat([c[k] for c in chunks], f"{what}[{k!r}]") for k in first}
     out: list[Any] = []
     for c in chunks:
         out.extend(c if isinstance(c, (list, tuple)) else [c])
     return out
+
+
+def _max_shape(shapes: list[tuple[int, ...]], what: str) -> tuple[int, ...]:
+    if len({len(s) for s in shapes}) > 1:
+        raise ModuleContractError(
+            f"{what} have a different number of dimensions in different batches ({sorted(set(shapes))}); "
+            "return tensors with the batch first and the same number of dimensions for every batch")
+    return tuple(max(sizes) for sizes in zip(*shapes, strict=True))
+
+
+def _pad(t: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """``t`` (batch first) padded with ``PAD_VALUE`` at the end of each other dimension."""
+    if tuple(t.shape[1:]) == shape:
+        return t
+    value: int | bool = False if t.dtype == torch.bool else 0 if _unsigned(t.dtype) else PAD_VALUE
+    out = t.new_full((t.shape[0], *shape), value)
+    out[(slice(None), *(slice(0, n) for n in t.shape[1:]))] = t
+    return out
+
+
+def _unsigned(dtype: torch.dtype) -> bool:
+    return not dtype.is_floating_point and not dtype.is_complex and dtype != torch.bool and \
+        torch.iinfo(dtype).min == 0
+
+
+def _spec(x: Any) -> Any:
+    """What other ranks need to know of a rank's joined outputs to pad theirs alike."""
+    if isinstance(x, torch.Tensor):
+        return ("tensor", x.dtype, tuple(x.shape[1:]))
+    if isinstance(x, Mapping):
+        return ("dict", {k: _spec(v) for k, v in x.items()})
+    return None if x is None else ("list",)
+
+
+def _merge_specs(specs: list[Any], what: str) -> Any:
+    known = [s for s in specs if s is not None]
+    if not known:
+        return None
+    if len({s[0] for s in known}) > 1:
+        raise ModuleContractError(f"{what} are of different kinds on different ranks ({sorted({s[0] for s in known})})")
+    if known[0][0] == "tensor":
+        return ("tensor", known[0][1], _max_shape([s[2] for s in known], what))
+    if known[0][0] == "dict":
+        keys = [k for k in known[0][1]]
+        return ("dict", {k: _merge_specs([s[1].get(k) for s in known], f"{what}[{k!r}]") for k in keys})
+    return known[0]
+
+
+def _conform(x: Any, spec: Any) -> Any:
+    """``x`` padded to the merged ``spec``; a rank with nothing gets an empty part of that form."""
+    if spec is None:
+        return x
+    if spec[0] == "tensor":
+        return torch.empty((0, *spec[2]), dtype=spec[1]) if x is None else _pad(x, spec[2])
+    if spec[0] == "dict":
+        return {k: _conform(None if x is None else x.get(k), sub) for k, sub in spec[1].items()}
+    return [] if x is None else x
 
 
 def _detach_cpu(x: Any) -> Any:
@@ -111,18 +291,23 @@ def run_evaluation(
     keep_outputs: bool = False,
 ) -> tuple[dict[str, float], Any, Any]:
     """Evaluate one set. Returns ``(metrics, predictions, labels)``; predictions/labels are
-    collected (on CPU, in dataset order) when ``keep_outputs`` or when the module defines
-    ``compute_metrics`` and streaming is off."""
+    collected (on CPU, in dataset order) when ``keep_outputs`` (predict) or when the module
+    defines ``compute_metrics`` and streaming is off. With ``keep_outputs``, batches whose
+    ``labels(batch)`` is None are unlabelled: no loss, no metrics, only predictions."""
     device = strategy.root_device
-    was_training = model.training
-    model.eval()
     base = _base_module()
     wants_whole_set = type(module).compute_metrics is not base.compute_metrics
     # a module with streaming metrics and no compute_metrics streams without being asked: its
     # metrics are never dropped because eval_streaming was left off
     streaming = streaming or (type(module).streaming_metrics is not base.streaming_metrics and not wants_whole_set)
-    collect = keep_outputs or (wants_whole_set and not streaming)
     streams = module.streaming_metrics() if streaming else None
+    if streaming and wants_whole_set and not streams:
+        # nothing streams compute_metrics' values: hold the outputs rather than drop them
+        _warn_once(type(module), f"eval_streaming=True but {type(module).__name__} has compute_metrics and no "
+                   "streaming_metrics(): its outputs are held for compute_metrics as without eval_streaming. "
+                   "Define streaming_metrics() to stream them, or drop eval_streaming=True")
+        streaming = False
+    collect = keep_outputs or (wants_whole_set and not streaming)
     if streams:  # torchmetrics objects are wrapped to reduce across ranks (lightlike/interop/metrics.py)
         from lightlike.interop.metrics import adapt_streaming_metrics
 
@@ -140,51 +325,86 @@ def run_evaluation(
     preds: list[Any] = []
     labels: list[Any] = []
     n_batches = 0
+    labelled: bool | None = None  # whether this rank's batches carry labels (all or none)
+    was_training = model.training
+    model.eval()
     try:
         for i, batch in enumerate(loader):
             where = f"in {prefix} batch {i}"
             batch = strategy.batch_to_device(batch)
+            label = call_hook(module.labels, "labels", batch, where, batch) if collect else None
+            has_label = label is not None or not keep_outputs
+            if labelled is None:
+                labelled = has_label
+            elif labelled != has_label:
+                raise DataError(f"{prefix} batch {i} {'has' if has_label else 'has no'} labels but the batches "
+                                f"before it {'do not' if has_label else 'do'} (TaskModule.labels(batch)); "
+                                "predict on a set that is labelled throughout or not at all")
             with strategy.autocast():
                 outputs = call_module(model, batch, where)
-                loss = check_loss(module.loss(outputs, batch), where)
-                values = _metric_tensors(module.metrics(outputs, batch), device, where)
-            if keys is None:
-                keys = set(values)
-            elif set(values) != keys:
-                raise ModuleContractError(
-                    f"metrics() returned keys {sorted(values)} {where} but {sorted(keys)} before; "
-                    "return the same keys for every batch"
-                )
-            n = module.num_items(batch)
-            n_t = n.to(torch.float64) if isinstance(n, torch.Tensor) else torch.tensor(float(n), dtype=torch.float64, device=device)
-            items += n_t
-            values = {"loss": loss.detach(), **values}
-            for k, v in values.items():
-                contrib = v.to(torch.float64) * n_t
-                sums[k] = sums[k] + contrib if k in sums else contrib
-            if streams:
-                for s in streams.values():
-                    s.update(outputs, batch)
+                if has_label:
+                    loss = call_loss(module, outputs, batch, where)
+                    values = _metric_tensors(call_hook(module.metrics, "metrics", batch, where, outputs, batch),
+                                             device, where)
+            if has_label:
+                if keys is None:
+                    keys = set(values)
+                elif set(values) != keys:
+                    raise ModuleContractError(
+                        f"metrics() returned keys {sorted(values)} {where} but {sorted(keys)} before; "
+                        "return the same keys for every batch"
+                    )
+                n = call_hook(module.num_items, "num_items", batch, where, batch)
+                n_t = n.to(torch.float64) if isinstance(n, torch.Tensor) else torch.tensor(float(n), dtype=torch.float64, device=device)
+                items += n_t
+                values = {"loss": loss.detach(), **values}
+                for k, v in values.items():
+                    contrib = v.to(torch.float64) * n_t
+                    sums[k] = sums[k] + contrib if k in sums else contrib
+                if streams:
+                    for s in streams.values():
+                        s.update(outputs, batch)
             if collect:
-                preds.append(_detach_cpu(module.predictions(outputs, batch)))
-                labels.append(_detach_cpu(module.labels(batch)))
+                preds.append(_detach_cpu(call_hook(module.predictions, "predictions", batch, where, outputs, batch)))
+                if label is not None:
+                    labels.append(_detach_cpu(label))
             n_batches += 1
     finally:
         model.train(was_training)
-    if n_batches == 0:
-        raise DataError(f"the {prefix} data produced no batches: pass a non-empty dataset")
-    total = strategy.all_reduce(items)
     names = sorted(sums)
-    stacked = strategy.all_reduce(torch.stack([sums[k] for k in names])) / total
-    metrics = {f"{prefix}/{k}": float(v) for k, v in zip(names, stacked.tolist(), strict=True)}
-    predictions = strategy.gather_in_order(_concat(preds)) if collect else None
-    label_set = None
-    if collect and any(x is not None for x in labels):
-        label_set = strategy.gather_in_order(_concat([x for x in labels if x is not None]))
-    if wants_whole_set and not streaming:
+    pred_local = _concat(preds, "predictions") if collect else None
+    label_local = _concat(labels, "labels")
+    if strategy.world_size > 1:
+        # the ranks agree on what each holds, so that a rank whose share is empty (a set smaller
+        # than the world) joins the same collectives, with zeros and empty parts
+        infos = strategy.all_gather_object((n_batches, names, labelled, _spec(pred_local), _spec(label_local)))
+        active = [info for info in infos if info[0]]
+        if not active:
+            raise DataError(f"the {prefix} data produced no batches on any of the {len(infos)} processes: "
+                            "pass a non-empty dataset")
+        if len({tuple(info[1]) for info in active}) > 1:
+            raise ModuleContractError(f"metrics() returned different keys on different ranks "
+                                      f"({sorted({tuple(info[1]) for info in active})}); return the same keys everywhere")
+        if len({info[2] for info in active}) > 1:
+            raise DataError(f"the {prefix} batches have labels on some ranks and none on others "
+                            "(TaskModule.labels(batch)); predict on a set that is labelled throughout or not at all")
+        names, labelled = list(active[0][1]), active[0][2]
+        pred_local = _conform(pred_local, _merge_specs([info[3] for info in infos], "predictions"))
+        label_local = _conform(label_local, _merge_specs([info[4] for info in infos], "labels"))
+    elif n_batches == 0:
+        raise DataError(f"the {prefix} data produced no batches: pass a non-empty dataset")
+    metrics: dict[str, float] = {}
+    if labelled:
+        total = strategy.all_reduce(items)
+        zero = torch.zeros((), dtype=torch.float64, device=device)
+        stacked = strategy.all_reduce(torch.stack([sums.get(k, zero) for k in names])) / total
+        metrics = {f"{prefix}/{k}": float(v) for k, v in zip(names, stacked.tolist(), strict=True)}
+    predictions = strategy.gather_in_order(pred_local) if collect else None
+    label_set = strategy.gather_in_order(label_local) if label_local is not None else None
+    if labelled and wants_whole_set and not streaming:
         extra = module.compute_metrics(predictions, label_set) or {}
         metrics.update({f"{prefix}/{k}": _as_float(v, k) for k, v in extra.items()})
-    if streams:
+    if streams and labelled:
         metrics.update({f"{prefix}/{k}": _as_float(s.compute(), k) for k, s in streams.items()})
     return metrics, predictions, label_set
 
@@ -198,6 +418,15 @@ def _as_float(v: Any, key: str) -> float:
         return float(v)
     except (TypeError, ValueError) as e:
         raise ModuleContractError(f"whole-set metric {key!r} is a {type(v).__name__}, not a number") from e
+
+
+_warned: set[type] = set()
+
+
+def _warn_once(key: type, message: str) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        log.warning(message)
 
 
 def _base_module() -> Any:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import logging
+
+import pytest
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
@@ -59,3 +62,99 @@ def test_fit_on_iterable_with_workers(tmp_path):
     # each worker holds 10 items: batches of 4, 4, 2 -> 6 batches in one pass
     ll.Fitter(max_steps=6, batch_size=4, num_workers=2, output_dir=str(tmp_path), loggers=[]).fit(Record(), Count(20))
     assert sorted(ids) == list(range(20))  # 2 workers, no item twice
+
+
+# -- DataLoaders of the user's on several ranks (ranks simulated: rank/world_size arguments) ---------
+
+def ids(loader):
+    return [int(i) for batch in loader for i in batch["i"]]
+
+
+def tagged_collate(items):
+    batch = torch.utils.data.default_collate(items)
+    batch["collated_by"] = "user"
+    return batch
+
+
+class Items(torch.utils.data.Dataset):
+    def __init__(self, n):
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        return {"x": torch.full((2,), float(i)), "i": torch.tensor(i)}
+
+
+def test_user_eval_loader_is_split_over_ranks_in_order(caplog):
+    """A DataLoader passed for evaluation is rebuilt on each rank over a disjoint, in-order share
+    (round-robin, so gathered outputs interleave back into dataset order), keeping its
+    batch_size and collate_fn; a sampler it had is replaced, with a warning."""
+    from lightlike.data.loading import build_eval_loader
+
+    user = DataLoader(Items(7), batch_size=2, shuffle=True, collate_fn=tagged_collate)
+    with caplog.at_level(logging.WARNING, logger="lightlike"):
+        shares = [build_eval_loader(user, batch_size=5, num_workers=0, pin_memory=False, rank=r, world_size=2)
+                  for r in range(2)]
+    assert [ids(s) for s in shares] == [[0, 2, 4, 6], [1, 3, 5]]
+    assert all(s.batch_size == 2 and next(iter(s))["collated_by"] == "user" for s in shares)
+    assert sum("its sampler (RandomSampler) is replaced" in r.getMessage() for r in caplog.records) == 2
+    assert build_eval_loader(user, batch_size=5, num_workers=0, pin_memory=False) is user  # one process: as it is
+    tiny = [ids(build_eval_loader(DataLoader(Items(1)), batch_size=1, num_workers=0, pin_memory=False, rank=r,
+                                  world_size=3)) for r in range(3)]
+    assert tiny == [[0], [], []]  # a set smaller than the world: some ranks hold nothing
+
+
+def test_iterable_eval_data_is_sharded_in_order_over_ranks_and_workers():
+    """An IterableDataset for evaluation: each item once, and in order on each rank, with
+    DataLoader workers too (one process with 2 workers used to evaluate every item twice)."""
+    from lightlike.data.loading import build_eval_loader
+
+    one = build_eval_loader(Count(11), batch_size=2, num_workers=2, pin_memory=False)
+    assert ids(one) == list(range(11))
+    user = DataLoader(Count(11), batch_size=2, num_workers=2)
+    shares = [ids(build_eval_loader(user, batch_size=4, num_workers=0, pin_memory=False, rank=r, world_size=2))
+              for r in range(2)]
+    assert shares == [list(range(0, 11, 2)), list(range(1, 11, 2))]
+
+
+def test_user_train_loader_is_split_over_ranks():
+    """A plain DataLoader passed to fit on several ranks is rebuilt with lightlike's resumable
+    sampler (each rank its own share, mid-epoch resume works), keeping batch_size, collate_fn,
+    drop_last and its shuffle; one with a ResumableSampler for this job is kept as it is."""
+    from lightlike.data.loading import build_train_data
+
+    common = dict(batch_size=99, shuffle=True, drop_last=False, num_workers=0, pin_memory=False, seed=3)
+    ordered = DataLoader(Items(9), batch_size=2, collate_fn=tagged_collate, drop_last=True)
+    shares = [build_train_data(ordered, rank=r, world_size=2, **common) for r in range(2)]
+    assert [ids(t.epoch_iterator(0)) for t in shares] == [[0, 2, 4, 6], [1, 3, 5, 7]]  # the 9th: left out
+    assert all(isinstance(t.sampler, ResumableSampler) and t.loader.drop_last for t in shares)
+    assert next(iter(shares[0].loader))["collated_by"] == "user"
+    assert ids(shares[1].epoch_iterator(0, start_sample=4)) == [5, 7]  # resumes mid-epoch
+    shuffled = DataLoader(Items(10), batch_size=2, shuffle=True)
+    seen = [ids(build_train_data(shuffled, rank=r, world_size=2, **common).epoch_iterator(1)) for r in range(2)]
+    assert sorted(seen[0] + seen[1]) == list(range(10)) and seen[0] + seen[1] != list(range(10))
+    mine = DataLoader(Items(10), batch_size=2, sampler=ResumableSampler(10, rank=1, world_size=2))
+    assert build_train_data(mine, rank=1, world_size=2, **common).loader is mine
+    assert build_train_data(ordered, **common).loader is ordered  # one process: as it is
+
+
+def test_user_train_loader_that_cannot_be_kept(caplog):
+    from torch.utils.data import WeightedRandomSampler
+
+    from lightlike.data.loading import build_train_data
+
+    common = dict(batch_size=99, shuffle=False, drop_last=False, num_workers=0, pin_memory=False, seed=3)
+    weighted = DataLoader(Items(8), batch_size=2, sampler=WeightedRandomSampler([1.0] * 8, 8))
+    with caplog.at_level(logging.WARNING, logger="lightlike"):
+        t = build_train_data(weighted, rank=0, world_size=2, **common)
+    assert ids(t.epoch_iterator(0)) == [0, 2, 4, 6]  # shuffle as configured (False here)
+    assert any("sampler (WeightedRandomSampler) cannot be split over 2 processes" in r.getMessage()
+               for r in caplog.records)
+    wrong = DataLoader(Items(8), batch_size=2, sampler=ResumableSampler(8))  # built for one process
+    with pytest.raises(ll.DataError, match="world_size=1 but the job runs 2 processes"):
+        build_train_data(wrong, rank=0, world_size=2, **common)
+    batches = DataLoader(Items(8), batch_sampler=[[0, 1], [2, 3]])
+    with pytest.raises(ll.DataError, match=r"batch_sampler \(list\) has no batch_size"):
+        build_train_data(batches, rank=0, world_size=2, **common)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 from helpers import Classifier, DictDataset, TokenClassifier
@@ -132,3 +134,175 @@ def test_eval_does_not_change_training(tmp_path):
         return torch.cat([p.detach().reshape(-1) for p in m.parameters()])
 
     assert torch.equal(run(None), run(2))
+
+
+# -- unlabelled data, missing keys, streaming fallback, variable lengths -------------------------------
+
+class Unlabelled(torch.utils.data.Dataset):
+    """DictDataset's features without its labels: what predict is for."""
+
+    def __init__(self, n):
+        self.data = DictDataset(n=n)
+
+    def __len__(self):
+        return len(self.data)
+
+    def __getitem__(self, i):
+        return {"x": self.data[i]["x"]}
+
+
+def test_predict_on_unlabelled_data(tmp_path):
+    """labels(batch) is None: predictions only, labels None, no loss and no metrics (the loss
+    would read batch['y']); validate on the same data names the key, the hook and the batch's keys."""
+    torch.manual_seed(0)
+    model, data = WithF1(), Unlabelled(10)
+    fitter = ll.Fitter(max_steps=1, eval_batch_size=3, output_dir=str(tmp_path), loggers=[])
+    result = fitter.predict(model, data)
+    assert torch.equal(result.predictions, reference(model, data.data)["pred"])
+    assert result.labels is None and result.metrics == {}
+    with pytest.raises(ll.DataError, match=r"loss\(\) read batch key 'y' in val batch 0.*has keys \['x'\]"):
+        fitter.validate(model, data)
+
+
+def test_missing_key_in_metrics_and_loss_is_a_data_error(tmp_path):
+    from lightlike.evaluation import call_loss
+
+    class ReadsW(Classifier):
+        def metrics(self, outputs, batch):
+            return {"w": batch["weight"].double().mean()}
+
+    data = DictDataset(n=5)
+    fitter = ll.Fitter(max_steps=1, output_dir=str(tmp_path), loggers=[])
+    with pytest.raises(ll.DataError, match=r"metrics\(\) read batch key 'weight' in val batch 0.*\['w', 'x', 'y'\]"):
+        fitter.validate(ReadsW(), data)
+    # the helper the training step uses for the loss: the same error, with the step named
+    batch = {"x": torch.randn(2, 8)}
+    model = Classifier()
+    with pytest.raises(ll.DataError, match=r"loss\(\) read batch key 'y' at step 3, micro-batch 1"):
+        call_loss(model, model(batch), batch, "at step {}, micro-batch {}", 3, 1)
+    ok = {"x": torch.randn(2, 8), "y": torch.tensor([0, 1])}
+    loss = call_loss(model, model(ok), ok, "at step {}", 1)
+    assert torch.equal(loss, model.loss(model(ok), ok))
+
+
+def test_own_key_error_is_not_blamed_on_the_batch(tmp_path):
+    """A KeyError from the module's own dict is re-raised as it is, not reported as a batch key."""
+    class Table(Classifier):
+        def __init__(self):
+            super().__init__()
+            self.table = {"a": 1}
+
+        def forward(self, batch):
+            return self.net(batch["x"]) * self.table["b"]
+
+    with pytest.raises(KeyError) as info:
+        ll.Fitter(max_steps=1, output_dir=str(tmp_path), loggers=[]).validate(Table(), DictDataset(n=4))
+    assert type(info.value) is KeyError and info.value.args == ("b",)
+
+    class ReadsZ(Classifier):
+        def forward(self, batch):
+            return self.net(batch["z"])
+
+    with pytest.raises(ll.DataError, match=r"the module read batch key 'z' in val batch 0"):
+        ll.Fitter(max_steps=1, output_dir=str(tmp_path), loggers=[]).validate(ReadsZ(), DictDataset(n=4))
+
+    # a batch class with its own __getitem__ (like HF's BatchEncoding), and a copy of the batch
+    # (DDP on CUDA moves it into a new dict): still the batch's missing key
+    from collections import UserDict
+
+    from lightlike.evaluation import call_module
+
+    class Copying(ReadsZ):
+        def forward(self, batch):
+            return super().forward(dict(batch))
+
+    for model, batch in ((ReadsZ(), UserDict(x=torch.randn(2, 8))), (Copying(), {"x": torch.randn(2, 8)})):
+        with pytest.raises(ll.DataError, match=r"the module read batch key 'z' here.*has keys \['x'\]"):
+            call_module(model, batch, "here")
+
+
+def test_eval_streaming_without_streaming_metrics_keeps_compute_metrics(tmp_path, caplog):
+    """eval_streaming=True on a module with compute_metrics only: the outputs are held for
+    compute_metrics (never silently dropped), with one warning saying what to change."""
+    class OnlyWhole(WithF1):
+        streaming_metrics = ll.TaskModule.streaming_metrics
+
+    torch.manual_seed(0)
+    model, data = OnlyWhole(), DictDataset(n=23, seed=4)
+    ref = reference(model, data)
+    with caplog.at_level(logging.WARNING, logger="lightlike"):
+        for _ in range(2):
+            m = ll.Fitter(max_steps=1, eval_batch_size=4, eval_streaming=True, output_dir=str(tmp_path),
+                          loggers=[]).validate(model, data)
+            assert m["val/f1"] == pytest.approx(f1_macro(ref["pred"], ref["y"]))
+    warnings = [r.getMessage() for r in caplog.records if "eval_streaming=True" in r.getMessage()]
+    assert len(warnings) == 1 and "define streaming_metrics()" in warnings[0].lower()
+
+
+class VarLen(torch.utils.data.Dataset):
+    """Item i is a sequence of 1 + i % 4 tokens (8 features each) with a class per token."""
+
+    def __init__(self, n):
+        g = torch.Generator().manual_seed(3)
+        self.items = [(torch.randn(1 + i % 4, 8, generator=g), torch.randint(0, 3, (1 + i % 4,), generator=g))
+                      for i in range(n)]
+
+    def __len__(self):
+        return len(self.items)
+
+    def __getitem__(self, i):
+        return self.items[i]
+
+
+def pad_collate(items):
+    """Pads each batch to its longest sequence: x with 0, y with -100."""
+    t = max(len(x) for x, _ in items)
+    x = torch.zeros(len(items), t, 8)
+    y = torch.full((len(items), t), -100)
+    for i, (xi, yi) in enumerate(items):
+        x[i, :len(xi)], y[i, :len(yi)] = xi, yi
+    return {"x": x, "labels": y}
+
+
+class Tagger(Classifier):
+    seen: list = []
+
+    def loss(self, outputs, batch):
+        return nn.functional.cross_entropy(outputs.flatten(0, 1), batch["labels"].flatten())
+
+    def num_items(self, batch):
+        return (batch["labels"] != -100).sum()
+
+    def metrics(self, outputs, batch):
+        return {}
+
+    def predictions(self, outputs, batch):
+        return torch.where(batch["labels"] != -100, outputs.argmax(-1), -100)
+
+    def compute_metrics(self, predictions, labels):
+        self.seen.append((predictions, labels))
+        real = labels != -100
+        return {"token_accuracy": (predictions[real] == labels[real]).double().mean()}
+
+
+def test_variable_length_predictions_are_padded(tmp_path):
+    """Batches of different sequence lengths: whole-set predictions and labels are padded with
+    -100 to the longest, in dataset order (HF Trainer parity), for compute_metrics and predict."""
+    torch.manual_seed(0)
+    model, data = Tagger(), VarLen(9)
+    loader = torch.utils.data.DataLoader(data, batch_size=2, collate_fn=pad_collate)  # lengths 2, 4, 4, 4, 1
+    fitter = ll.Fitter(max_steps=1, output_dir=str(tmp_path), loggers=[])
+    result = fitter.predict(model, loader)
+    want_pred = torch.full((9, 4), -100)
+    want_y = torch.full((9, 4), -100)
+    correct = total = 0
+    with torch.no_grad():
+        for i, (x, y) in enumerate(data.items):
+            p = model.net(x).argmax(-1)
+            want_pred[i, :len(p)], want_y[i, :len(y)] = p, y
+            correct, total = correct + (p == y).sum().item(), total + len(y)
+    assert torch.equal(result.predictions, want_pred) and torch.equal(result.labels, want_y)
+    assert result.metrics["predict/token_accuracy"] == pytest.approx(correct / total, abs=1e-12)
+    m = fitter.validate(model, loader)
+    assert m["val/token_accuracy"] == pytest.approx(correct / total, abs=1e-12)
+    assert torch.equal(model.seen[-1][0], want_pred)

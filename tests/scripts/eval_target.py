@@ -1,0 +1,96 @@
+"""A script tests/test_ddp_data.py launches with torchrun: evaluation and data splitting on
+several processes, several checks per launch. Each rank writes ``OUT/rank<r>.json``.
+
+    torchrun --nproc_per_node 2 eval_target.py OUT
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+from torch.utils.data import DataLoader, IterableDataset
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from helpers import Classifier, DictDataset  # noqa: E402
+from test_evaluation import Tagger, VarLen, pad_collate  # noqa: E402
+
+import lightlike as ll  # noqa: E402
+
+
+class Indexed(DictDataset):
+    """DictDataset items with their index ``i``."""
+
+    def __getitem__(self, i):
+        return {**super().__getitem__(i), "i": torch.tensor(i)}
+
+
+class Unlabelled(Indexed):
+    def __getitem__(self, i):
+        return {"x": self.x[i]}
+
+
+class Stream(IterableDataset):
+    def __init__(self, n):
+        self.data = Indexed(n=n, dtype=torch.float64)
+
+    def __iter__(self):
+        return (self.data[i] for i in range(len(self.data)))
+
+
+class Module(Classifier):
+    """Predictions: (index, argmax) per item, so order and duplicates show; whole-set metrics
+    see every item once."""
+
+    trained: list[int] = []
+
+    def forward(self, batch):
+        if self.training and "i" in batch:
+            Module.trained.extend(batch["i"].tolist())
+        return self.net(batch["x"])
+
+    def metrics(self, outputs, batch):
+        return {"accuracy": (outputs.argmax(-1) == batch["y"]).double().mean()}
+
+    def predictions(self, outputs, batch):
+        return outputs.argmax(-1)
+
+    def compute_metrics(self, predictions, labels):
+        return {"n": float(len(predictions)), "label_sum": float(labels.sum())}
+
+
+def main() -> None:
+    out = Path(sys.argv[1])
+    rank = int(os.environ.get("RANK", "0"))
+    torch.manual_seed(0)
+    model = Module().double()
+    fitter = ll.Fitter(max_epochs=1, batch_size=2, eval_batch_size=2, output_dir=str(out / "run"), loggers=[],
+                       log_level="warning", learning_rate=0.0)
+    res: dict = {}
+    # a set smaller than the world: ranks without a share join the collectives with nothing
+    res["tiny_val"] = fitter.validate(model, Indexed(n=1, dtype=torch.float64))
+    tiny = fitter.predict(model, Indexed(n=1, dtype=torch.float64))
+    res["tiny_pred"] = [tiny.predictions.tolist(), tiny.labels.tolist(), tiny.metrics]
+    # a DataLoader of the user's: split over ranks, each item once, in dataset order
+    user = fitter.predict(model, DataLoader(Indexed(n=7, dtype=torch.float64), batch_size=2))
+    res["user_loader"] = [user.predictions.tolist(), user.labels.tolist(), user.metrics]
+    stream = fitter.predict(model, Stream(5))
+    res["stream"] = [stream.predictions.tolist(), stream.labels.tolist(), stream.metrics]
+    unlabelled = fitter.predict(model, Unlabelled(n=3, dtype=torch.float64))
+    res["unlabelled"] = [unlabelled.predictions.tolist(), unlabelled.labels, unlabelled.metrics]
+    # variable lengths: rank 0's batches are at most 3 tokens long, rank 1's 4 (2 ranks)
+    torch.manual_seed(0)
+    tagger = Tagger()
+    tagged = fitter.predict(tagger, DataLoader(VarLen(9), batch_size=2, collate_fn=pad_collate))
+    res["varlen"] = [tagged.predictions.tolist(), tagged.labels.tolist(), tagged.metrics]
+    # training on a plain DataLoader: each rank its own share
+    fitter.fit(model, DataLoader(Indexed(n=8, dtype=torch.float64), batch_size=2))
+    res["trained"] = Module.trained
+    (out / f"rank{rank}.json").write_text(json.dumps(res))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,70 @@
+"""Evaluation and data on real processes (torchrun, gloo, CPU): sets smaller than the world,
+DataLoaders and IterableDatasets of the user's split over ranks, variable-length predictions
+gathered and padded, each against hand-computed references."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import DictDataset
+from test_ddp import launch
+from test_evaluation import Tagger, VarLen
+
+SCRIPT = Path(__file__).parent / "scripts" / "eval_target.py"
+
+
+def references():
+    """What one process computes by hand: the script's modules, built from the same seed."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("eval_target", SCRIPT)
+    target = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(target)
+    torch.manual_seed(0)
+    model = target.Module().double()
+    torch.manual_seed(0)
+    tagger = Tagger()
+
+    def classify(n):
+        data = DictDataset(n=n, dtype=torch.float64)
+        with torch.no_grad():
+            pred = model.net(data.x).argmax(-1)
+        return pred, data.y, (pred == data.y).double().mean().item()
+
+    tagged = torch.full((9, 4), -100)
+    tags = torch.full((9, 4), -100)
+    with torch.no_grad():
+        for i, (x, y) in enumerate(VarLen(9).items):
+            tagged[i, :len(y)], tags[i, :len(y)] = tagger.net(x).argmax(-1), y
+    return classify, tagged, tags
+
+
+@pytest.mark.parametrize("nproc", [2, 3])
+def test_eval_and_data_on_several_processes(tmp_path, nproc):
+    p = launch(nproc, tmp_path, script=SCRIPT, timeout=240)
+    assert p.returncode == 0, p.stderr[-3000:]
+    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(nproc)]
+    classify, tagged, tags = references()
+    for r, res in enumerate(results):
+        pred, y, acc = classify(1)
+        assert res["tiny_val"]["val/accuracy"] == pytest.approx(acc, abs=1e-12)
+        assert res["tiny_val"]["val/n"] == 1.0
+        assert res["tiny_pred"][:2] == [pred.tolist(), y.tolist()]
+        for key, n in (("user_loader", 7), ("stream", 5)):
+            pred, y, acc = classify(n)
+            predictions, labels, metrics = res[key]
+            assert predictions == pred.tolist() and labels == y.tolist(), (key, r)  # once each, in order
+            assert metrics["predict/n"] == n and metrics["predict/label_sum"] == y.sum().item()
+            assert metrics["predict/accuracy"] == pytest.approx(acc, abs=1e-12)
+        pred, _, _ = classify(3)
+        assert res["unlabelled"] == [pred.tolist(), None, {}]
+        predictions, labels, metrics = res["varlen"]
+        assert predictions == tagged.tolist() and labels == tags.tolist()
+        real = tags != -100
+        assert metrics["predict/token_accuracy"] == pytest.approx((tagged[real] == tags[real]).double().mean().item())
+    # training on a plain DataLoader: rank r takes items r, r + W, ... (8 items; the tail that
+    # does not split evenly is left out)
+    assert [res["trained"] for res in results] == [list(range(r, 8 - 8 % nproc, nproc)) for r in range(nproc)]
