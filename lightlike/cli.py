@@ -70,8 +70,9 @@ def _cli_options(cmd: str) -> list[tuple[str, dict[str, Any]]]:
             "Datasets or DataLoaders, and may take the arguments 'config' (the FitConfig) and 'module'"))))
     if cmd == "fit":
         opts.append(("resume", dict(metavar="CHECKPOINT", type=_resume_value, help=(
-            "continue from the newest valid checkpoint in output_dir (--resume), or from the one named "
-            "(--resume runs/x/checkpoint-200)"))))
+            "continue from the newest valid checkpoint in output_dir (--resume), from the one named "
+            "(--resume runs/x/checkpoint-200), or from the newest if there is one, else start fresh "
+            "(--resume auto: for scripts that SLURM or torchrun restart)"))))
     if cmd in EVALS:
         opts.append(("checkpoint", dict(metavar="DIR", help=(
             "load weights first: a checkpoint-N directory, an output_dir (its newest valid checkpoint) or a "
@@ -93,7 +94,7 @@ def _resume_value(raw: str) -> bool | str:
         return True
     if low in ("false", "no", "off", "0"):
         return False
-    return raw
+    return "auto" if low == "auto" else raw
 
 
 def _build_parser(cmd: str, fit_opts: dict, model_opts: dict, cls: type | None, add_help: bool = True) -> _Parser:
@@ -169,7 +170,7 @@ def _parse(cmd: str, argv: list[str]) -> dict[str, Any]:
     from lightlike.module import TaskModule
 
     fit_opts = {o.key: o for o in fit_options()}
-    optional = {"resume": lambda t: t.lower() in ("true", "false", "yes", "no", "1", "0") or Path(t).exists(),
+    optional = {"resume": lambda t: t.lower() in ("true", "false", "yes", "no", "1", "0", "auto") or Path(t).exists(),
                 "comments": lambda t: t.lower() in ("true", "false", "yes", "no", "1", "0")}
     own = {f"--{name}" for name, _ in _cli_options(cmd)} | {"-h", "--help"}
     wants_help = any(t in ("-h", "--help") for t in (argv[: argv.index("--")] if "--" in argv else argv))

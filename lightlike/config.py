@@ -10,6 +10,8 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import math
+import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -27,6 +29,7 @@ SCHEDULERS = (
 OPTIMIZERS = ("adamw", "sgd")
 NONFINITE_POLICIES = ("raise", "skip")
 SAVE_STRATEGIES = ("steps", "epoch", "best", "no")
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
 
 def _f(default: Any, help: str, **kw: Any) -> Any:
@@ -97,7 +100,11 @@ class FitConfig:
     loggers: Any = _f("auto", "'auto' (csv + tensorboard if installed), a list of names, or []")
     progress_bar: bool | None = _f(None, "Show a progress bar (None: only when stderr is a TTY).")
     model_summary: bool = _f(True, "Log a table of the module's parameters at fit start.")
-    log_level: str = _f("info", "Python logging level of lightlike on the main process.")
+    log_level: str = _f("info", "Python logging level of lightlike on the main process: "
+                        + ", ".join(LOG_LEVELS) + ".")
+    log_level_other_ranks: str = _f(
+        "warning", "Python logging level of lightlike on the other processes (ranks 1, 2, ...)."
+    )
     # -- checkpoints ---------------------------------------------------------------------------
     save_strategy: str = _f("steps", "When to save: 'steps', 'epoch', 'best' or 'no'.")
     save_every: int | None = _f(None, "With save_strategy='steps': save every this many steps.")
@@ -109,7 +116,11 @@ class FitConfig:
                           "committed at the next save or the end of the fit, invisible until then.")
     metric_for_best: str | None = _f(None, "Metric key that decides the best checkpoint.")
     greater_is_better: bool | None = _f(None, "Whether larger metric_for_best is better.")
-    load_best_at_end: bool = _f(False, "Load the best checkpoint's weights when fit ends.")
+    load_best_at_end: bool = _f(
+        False, "Load the best checkpoint's weights when fit ends. Every evaluation must have a checkpoint: "
+        "save_strategy='best'; 'steps' with eval_every a multiple of save_every; or 'epoch' with "
+        "eval_on_epoch_end=True and no eval_every."
+    )
     # -- preemption -------------------------------------------------------------------------------
     preemption_signals: list = _f(
         ["SIGTERM", "SIGUSR1"],
@@ -124,7 +135,14 @@ class FitConfig:
     )
 
     # ------------------------------------------------------------------------------------------
+    def __new__(cls, *args: Any, **kwargs: Any) -> FitConfig:
+        # the dataclass __init__ would raise a bare TypeError for an unknown keyword
+        check_keys(kwargs, cls)
+        return super().__new__(cls)
+
     def __post_init__(self) -> None:
+        if isinstance(self.output_dir, os.PathLike):
+            self.output_dir = os.fspath(self.output_dir)  # a pathlib.Path is a path too
         self.validate()
 
     def validate(self) -> None:
@@ -132,6 +150,8 @@ class FitConfig:
             if not cond:
                 raise ConfigError(msg)
 
+        for f in fields(self):  # types first: the checks below compare numbers
+            _check_type(f.name, getattr(self, f.name), str(f.type), f.default)
         need(
             self.max_epochs is not None or self.max_steps is not None,
             "no stopping criterion: set max_steps=N or max_epochs=N",
@@ -146,21 +166,60 @@ class FitConfig:
             v = getattr(self, name)
             need(v is None or (isinstance(v, int) and v > 0), f"{name} must be a positive int or None, got {v!r}")
         need(self.num_workers >= 0, f"num_workers must be >= 0, got {self.num_workers}")
-        need(self.learning_rate >= 0, f"learning_rate must be >= 0, got {self.learning_rate}")
-        need(0.0 <= self.warmup_ratio < 1.0, f"warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
-        need(self.warmup_steps >= 0, f"warmup_steps must be >= 0, got {self.warmup_steps}")
+        for name in ("learning_rate", "weight_decay", "adam_epsilon", "momentum", "lr_end"):
+            v = getattr(self, name)
+            need(math.isfinite(v), f"{name} must be finite, got {v!r}")
+            need(v >= 0, f"{name} must be >= 0, got {v!r}")
+        for name in ("adam_beta1", "adam_beta2"):
+            v = getattr(self, name)
+            need(0.0 <= v < 1.0, f"{name} must be in [0, 1), got {v!r}")
+        need(0.0 <= self.warmup_ratio < 1.0, f"warmup_ratio must be in [0, 1), got {self.warmup_ratio!r}")
+        need(self.warmup_steps >= 0, f"warmup_steps must be >= 0, got {self.warmup_steps!r}")
         _choice("lr_scheduler", self.lr_scheduler, SCHEDULERS)
         _choice("optimizer", self.optimizer, OPTIMIZERS)
         _choice("nonfinite_loss", self.nonfinite_loss, NONFINITE_POLICIES)
         _choice("save_strategy", self.save_strategy, SAVE_STRATEGIES)
+        for name in ("log_level", "log_level_other_ranks"):
+            _choice(name, getattr(self, name).strip().lower(), LOG_LEVELS, shown=getattr(self, name))
         for name in ("max_grad_norm", "max_grad_value"):
             v = getattr(self, name)
-            need(v is None or v > 0, f"{name} must be > 0 or None, got {v!r}")
+            need(v is None or (math.isfinite(v) and v > 0), f"{name} must be a finite number > 0 or None, got {v!r}")
         if self.save_strategy == "best" or self.load_best_at_end:
             need(
                 self.metric_for_best is not None,
                 "save_strategy='best' and load_best_at_end need metric_for_best (e.g. 'val/loss')",
             )
+        if self.load_best_at_end:
+            self._check_best_has_checkpoint()
+
+    def _check_best_has_checkpoint(self) -> None:
+        """``load_best_at_end``: the best evaluation must have a checkpoint to load. The best is
+        chosen among all evaluations, so every evaluation step must also be a save step (the
+        HF Trainer's "load_best_model_at_end requires the save and eval strategy to match")."""
+        s, ev, sv = self.save_strategy, self.eval_every, self.save_every
+        fix = "or use save_strategy='best' (saves whenever metric_for_best improves)"
+        if s == "no":
+            raise ConfigError("load_best_at_end=True but save_strategy='no' saves no checkpoint to load: use "
+                              "save_strategy='best' (saves whenever metric_for_best improves), 'steps' or 'epoch'")
+        if s == "steps":
+            if sv is None:
+                raise ConfigError("load_best_at_end=True with save_strategy='steps' needs save_every=N (with eval_every "
+                                  f"a multiple of N), {fix}")
+            if ev is not None and ev % sv != 0:
+                raise ConfigError(f"load_best_at_end=True with save_strategy='steps': eval_every={ev} is not a multiple "
+                                  f"of save_every={sv}, so an evaluation (the best, maybe) can fall on a step without a "
+                                  f"checkpoint; set save_every to a divisor of eval_every (e.g. save_every={ev}), "
+                                  f"{fix}")
+            if self.eval_on_epoch_end:
+                raise ConfigError("load_best_at_end=True with save_strategy='steps' and eval_on_epoch_end=True: the "
+                                  "evaluation at an epoch's end may fall on a step without a checkpoint; use "
+                                  f"save_strategy='epoch' without eval_every, set eval_on_epoch_end=False, {fix}")
+        if s == "epoch":
+            if not self.eval_on_epoch_end or ev is not None:
+                raise ConfigError(f"load_best_at_end=True with save_strategy='epoch' saves at epoch ends only, but "
+                                  f"eval_on_epoch_end={self.eval_on_epoch_end} and eval_every={ev}: set "
+                                  f"eval_on_epoch_end=True and eval_every=None so every evaluation has a checkpoint, "
+                                  f"{fix}")
 
     # -- serialisation ---------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -230,11 +289,64 @@ def check_keys(data: dict[str, Any], cls: type = FitConfig) -> None:
         raise ConfigError(f"unknown config key(s): {'; '.join(parts)}")
 
 
-def _choice(name: str, value: Any, valid: tuple[str, ...]) -> None:
+def _choice(name: str, value: Any, valid: tuple[str, ...], shown: Any = None) -> None:
     if value not in valid:
         close = difflib.get_close_matches(str(value), valid, n=1)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
-        raise ConfigError(f"{name}={value!r} is not valid{hint}; choose one of: {', '.join(valid)}")
+        shown = value if shown is None else shown
+        raise ConfigError(f"{name}={shown!r} is not valid{hint}; choose one of: {', '.join(valid)}")
+
+
+_TAKES = {"int": "an int", "float": "a number (int or float)", "bool": "True or False", "str": "a string",
+          "list": "a list", "None": "None"}
+
+
+def _accepts(value: Any, kind: str) -> bool:
+    if kind == "Any":
+        return True
+    if kind == "None":
+        return value is None
+    if isinstance(value, bool):  # bool is an int subclass, but not a count or a rate here
+        return kind == "bool"
+    if kind == "int":
+        return isinstance(value, int)
+    if kind == "float":
+        return isinstance(value, (int, float))
+    types: dict[str, type | tuple[type, ...]] = {"bool": bool, "str": str, "list": (list, tuple)}
+    return isinstance(value, types.get(kind, object))
+
+
+def _check_type(name: str, value: Any, annotation: str, default: Any) -> None:
+    """One ``ConfigError`` naming the field, the value and what it takes. Strings are not
+    converted: the command line and config-file readers (``cli_args``) do that before here."""
+    kinds = [k.strip() for k in annotation.split("|")]
+    if any(_accepts(value, k) for k in kinds):
+        return
+    takes = " or ".join(_TAKES.get(k, k) for k in kinds)
+    hint = ""
+    if value is None:
+        shown = default if default is not dataclasses.MISSING else "its default"
+        hint = f"; None is not accepted here: leave {name} out for its default ({shown!r})"
+    elif isinstance(value, str):
+        for kind, parse in (("bool", _parse_bool), ("int", int), ("float", float)):
+            if kind in kinds:
+                try:
+                    hint = f"; write {name}={parse(value)!r}, not the string {value!r}"
+                    break
+                except ValueError:
+                    pass
+    elif isinstance(value, bool):
+        hint = f"; {value!r} is a bool, not a number"
+    elif isinstance(value, float) and "int" in kinds and value.is_integer():
+        hint = f"; write {name}={int(value)}"
+    raise ConfigError(f"{name}={value!r} ({type(value).__name__}) is not valid: {name} takes {takes}{hint}")
+
+
+def _parse_bool(text: str) -> bool:
+    low = text.strip().lower()
+    if low not in ("true", "false"):
+        raise ValueError(text)
+    return low == "true"
 
 
 def _read_if_path(path_or_text: str | Path) -> str:

@@ -33,6 +33,71 @@ def test_unknown_keyword_names_closest():
         ll.FitConfig.from_dict({"max_steps": 1, "learning_rte": 0.1})
 
 
+def test_unknown_keyword_to_fit_config_itself_names_closest():
+    with pytest.raises(ll.ConfigError, match=r"'max_step' \(did you mean 'max_steps'"):
+        ll.FitConfig(max_step=1)
+    with pytest.raises(ll.ConfigError, match=r"'learning_rte' \(did you mean 'learning_rate'"):
+        ll.FitConfig(max_steps=1).replace(learning_rte=0.1)
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("learning_rate", "3e-4", r"learning_rate='3e-4' \(str\) is not valid: learning_rate takes a number.*"
+                              r"write learning_rate=0.0003, not the string '3e-4'"),
+    ("warmup_ratio", "0.1", r"warmup_ratio='0.1' \(str\).*takes a number.*write warmup_ratio=0.1"),
+    ("max_grad_norm", "1.0", r"max_grad_norm='1.0' \(str\).*takes a number \(int or float\) or None.*"
+                             r"max_grad_norm=1.0"),
+    ("warmup_ratio", None, r"warmup_ratio=None \(NoneType\).*takes a number.*leave warmup_ratio out for its "
+                           r"default \(0.0\)"),
+    ("batch_size", True, r"batch_size=True \(bool\) is not valid: batch_size takes an int; True is a bool"),
+    ("batch_size", 32.0, r"batch_size=32.0 \(float\).*takes an int; write batch_size=32"),
+    ("shuffle", "false", r"shuffle='false' \(str\).*takes True or False; write shuffle=False"),
+    ("output_dir", None, r"output_dir=None.*takes a string"),
+    ("log_level", "loud", r"log_level='loud' is not valid; choose one of: debug, info"),
+    ("adam_beta2", 1.0, r"adam_beta2 must be in \[0, 1\), got 1.0"),
+    ("learning_rate", float("nan"), r"learning_rate must be finite, got nan"),
+])
+def test_wrong_type_or_value_is_one_config_error(field, value, message):
+    with pytest.raises(ll.ConfigError, match=message):
+        ll.FitConfig(**{"max_steps": 1, field: value})
+
+
+def test_null_in_a_config_file_names_the_field():
+    with pytest.raises(ll.ConfigError, match=r"warmup_ratio=None.*leave warmup_ratio out"):
+        ll.FitConfig.from_json('{"max_steps": 1, "warmup_ratio": null}')
+
+
+def test_accepted_forms_still_work(tmp_path):
+    cfg = ll.FitConfig(max_steps=1, learning_rate=1, max_grad_norm=2, output_dir=tmp_path, log_level="INFO")
+    assert cfg.output_dir == str(tmp_path) and cfg.learning_rate == 1
+    assert ll.FitConfig.from_json(cfg.to_json()) == cfg
+
+
+BEST = dict(max_steps=10, metric_for_best="val/loss", load_best_at_end=True)
+
+
+@pytest.mark.parametrize("kw,message", [
+    (dict(save_every=4, eval_every=2), r"eval_every=2 is not a multiple of save_every=4.*without a checkpoint.*"
+                                       r"save_every=2.*save_strategy='best'"),
+    (dict(save_every=3, eval_every=2), r"eval_every=2 is not a multiple of save_every=3"),
+    (dict(eval_every=2), r"save_strategy='steps' needs save_every=N"),
+    (dict(save_every=2, eval_every=2, eval_on_epoch_end=True), r"eval_on_epoch_end=True.*without a checkpoint"),
+    (dict(save_strategy="epoch"), r"save_strategy='epoch'.*eval_on_epoch_end=False.*set eval_on_epoch_end=True"),
+    (dict(save_strategy="epoch", eval_on_epoch_end=True, eval_every=5), r"eval_every=5: set .*eval_every=None"),
+    (dict(save_strategy="no", eval_every=2), r"save_strategy='no' saves no checkpoint"),
+])
+def test_load_best_at_end_needs_a_checkpoint_at_every_evaluation(kw, message):
+    """HF: "load_best_model_at_end requires the save and eval strategy to match"."""
+    with pytest.raises(ll.ConfigError, match=message):
+        ll.FitConfig(**BEST, **kw)
+
+
+@pytest.mark.parametrize("kw", [dict(save_every=2, eval_every=2), dict(save_every=2, eval_every=4),
+                                dict(save_strategy="epoch", eval_on_epoch_end=True),
+                                dict(save_strategy="best", eval_every=3)])
+def test_load_best_at_end_consistent_settings(kw):
+    ll.FitConfig(**BEST, **kw)
+
+
 def test_no_stopping_criterion():
     with pytest.raises(ll.ConfigError, match="no stopping criterion: set max_steps=N or max_epochs=N"):
         ll.Fitter(batch_size=4)

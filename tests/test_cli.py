@@ -246,7 +246,8 @@ def test_srun_two_tasks_with_an_fsdp_preset_file(tmp_path):
             "--model.train_items", "128", "--output_dir", "out"]
     procs = []
     for rank in range(2):
-        env = {**CLEAN, "SLURM_NTASKS": "2", "SLURM_PROCID": str(rank), "SLURM_LOCALID": str(rank),
+        env = {**CLEAN, "SLURM_NTASKS": "2", "SLURM_STEP_ID": "0", "SLURM_STEP_NUM_TASKS": "2",
+               "SLURM_PROCID": str(rank), "SLURM_LOCALID": str(rank),
                "SLURM_NODEID": "0", "SLURM_JOB_NODELIST": "localhost", "SLURM_JOB_ID": str(50000 + os.getpid() % 9999)}
         procs.append(subprocess.Popen([sys.executable, "-m", "lightlike.cli", *args], cwd=tmp_path, env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
@@ -289,3 +290,14 @@ def test_help_shows_the_field_docs():
     _, fit = cli("fit", TARGET, "--help")
     assert "--grad_accum_steps INT" in fit.stdout and "Micro-batches per optimizer step." in fit.stdout
     assert "--model.width INT" in fit.stdout and "hidden units." in fit.stdout
+
+
+def test_resume_auto_starts_fresh_then_continues(tmp_path):
+    """``--resume auto`` (what the sbatch and torchrun recipes pass): the first launch finds no
+    checkpoint and starts fresh, a relaunch continues from the newest one."""
+    args = ["fit", TARGET, "--loggers", "[]", "--batch_size", "8", "--save_every", "2",
+            "--model.train_items", "64", "--output_dir", str(tmp_path / "out"), "--resume", "auto"]
+    first, _ = cli(*args, "--max_steps", "2")
+    assert first["global_step"] == 2
+    second, proc = cli(*args, "--max_steps", "4")
+    assert second["global_step"] == 4 and "checkpoint-2" in proc.stderr

@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from lightlike.errors import ConfigError
+from lightlike.strategies import environment
 from lightlike.strategies.environment import detect_environment, slurm_main_address, slurm_port
 
 ROOT = Path(__file__).parent.parent
@@ -37,13 +39,103 @@ def test_detect_slurm(monkeypatch):
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"):
         monkeypatch.delenv(k, raising=False)
     env = {"SLURM_NTASKS": "64", "SLURM_PROCID": "17", "SLURM_LOCALID": "1", "SLURM_NODEID": "2",
-           "SLURM_JOB_NODELIST": "gpu[003-010]", "SLURM_JOB_ID": "123456", "SLURM_JOB_NAME": "lightlike"}
+           "SLURM_JOB_NODELIST": "gpu[003-010]", "SLURM_JOB_ID": "123456", "SLURM_JOB_NAME": "lightlike",
+           "SLURM_STEP_ID": "0", "SLURM_STEP_NUM_TASKS": "64"}
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     monkeypatch.setenv("PATH", "/nonexistent")  # no scontrol: the node list is parsed by hand
     e = detect_environment()
     assert (e.kind, e.rank, e.world_size, e.local_rank, e.node_rank) == ("slurm", 17, 64, 1, 2)
     assert e.main_address == "gpu003" and e.main_port == slurm_port("123456") == 15000 + 3456
+
+
+def _slurm(monkeypatch, **env):
+    """This process's environment made that of a SLURM job: nothing from the outer one, then ``env``."""
+    for k in list(os.environ):
+        if k.startswith(("SLURM_", "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_", "TORCHELASTIC", "GROUP_RANK")):
+            monkeypatch.delenv(k)
+    monkeypatch.setenv("PATH", "/nonexistent")  # no scontrol
+    monkeypatch.setattr(environment, "_warned", set(), raising=False)
+    base = {"SLURM_JOB_ID": "777", "SLURM_JOB_NODELIST": "n[1-2]", "SLURM_NODEID": "0", "SLURM_LOCALID": "0"}
+    for k, v in {**base, **env}.items():
+        monkeypatch.setenv(k, v)
+
+
+# What each launch sets, as Slurm's sbatch/salloc/srun man pages describe it: the batch script
+# (and an salloc shell) runs once, with SLURM_NTASKS and SLURM_PROCID=0 but no step id; srun
+# starts SLURM_STEP_NUM_TASKS tasks, each with SLURM_STEP_ID and its own SLURM_PROCID.
+BATCH = {"SLURM_JOB_NAME": "train", "SLURM_NTASKS": "2", "SLURM_PROCID": "0"}
+SRUN = {"SLURM_JOB_NAME": "train", "SLURM_NTASKS": "2", "SLURM_PROCID": "1", "SLURM_LOCALID": "1",
+        "SLURM_STEP_ID": "0", "SLURM_STEP_NUM_TASKS": "2", "SLURM_STEP_NODELIST": "n2"}
+INTERACTIVE = {"SLURM_JOB_NAME": "interactive", "SLURM_NTASKS": "2", "SLURM_PROCID": "0"}
+INTERACTIVE_SRUN = {**INTERACTIVE, "SLURM_PROCID": "1", "SLURM_STEP_ID": "3", "SLURM_STEP_NUM_TASKS": "2"}
+
+
+def test_slurm_batch_step_without_srun_runs_one_process_and_says_so(monkeypatch, caplog):
+    """`python train.py` straight in an sbatch script of 2 tasks: one process (not rank 0 of 2,
+    waiting for a rank 1 nobody starts), with a warning to launch with srun."""
+    _slurm(monkeypatch, **BATCH)
+    with caplog.at_level("WARNING", logger="lightlike"):
+        e = detect_environment()
+        detect_environment()
+    assert (e.kind, e.rank, e.world_size) == ("single", 0, 1)
+    warnings = [r.getMessage() for r in caplog.records if "srun" in r.getMessage()]
+    assert len(warnings) == 1 and "SLURM_NTASKS=2" in warnings[0] and "launch with `srun" in warnings[0]
+    assert "use the 2 tasks" in warnings[0]
+
+
+@pytest.mark.parametrize("step", ["batch", "extern", "interactive", "4294967294", "4294967291"])
+def test_slurm_special_steps_are_not_srun(monkeypatch, step):
+    _slurm(monkeypatch, **BATCH, SLURM_STEP_ID=step)
+    assert detect_environment().world_size == 1
+
+
+def test_slurm_srun_step(monkeypatch):
+    _slurm(monkeypatch, **SRUN)
+    e = detect_environment()
+    assert (e.kind, e.rank, e.world_size, e.local_rank, e.main_address) == ("slurm", 1, 2, 1, "n2")
+
+
+def test_slurm_world_size_is_the_steps_task_count(monkeypatch):
+    """An allocation of 8 tasks, `srun -n 2` inside it: a world of 2, not 8; older Slurm spells
+    the step id SLURM_STEPID; a step of one task is one process."""
+    _slurm(monkeypatch, **{**SRUN, "SLURM_NTASKS": "8"})
+    assert detect_environment().world_size == 2
+    _slurm(monkeypatch, **{k: v for k, v in SRUN.items() if k != "SLURM_STEP_ID"}, SLURM_STEPID="5")
+    assert detect_environment().world_size == 2
+    _slurm(monkeypatch, **{**SRUN, "SLURM_PROCID": "0", "SLURM_STEP_NUM_TASKS": "1"})
+    assert detect_environment().kind == "single"
+
+
+def test_slurm_srun_inside_interactive_allocation(monkeypatch):
+    """srun tasks in an salloc / interactive allocation are one job of 2, not 2 single runs
+    writing the same output_dir."""
+    _slurm(monkeypatch, **INTERACTIVE_SRUN)
+    e = detect_environment()
+    assert (e.kind, e.rank, e.world_size) == ("slurm", 1, 2)
+
+
+def test_slurm_interactive_without_srun(monkeypatch, caplog):
+    _slurm(monkeypatch, **INTERACTIVE)
+    with caplog.at_level("WARNING", logger="lightlike"):
+        e = detect_environment()
+    assert (e.kind, e.world_size) == ("single", 1)
+    assert any("launch with `srun" in r.getMessage() for r in caplog.records)
+
+
+def test_slurm_inconsistent_step(monkeypatch):
+    _slurm(monkeypatch, **{**SRUN, "SLURM_PROCID": "2"})
+    with pytest.raises(ConfigError, match="SLURM_PROCID=2 but SLURM_STEP_NUM_TASKS=2"):
+        detect_environment()
+
+
+def test_world_size_without_ranks_is_an_error(monkeypatch):
+    _slurm(monkeypatch)
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    with pytest.raises(ConfigError, match="WORLD_SIZE=4 is set but RANK and LOCAL_RANK are not.*torchrun"):
+        detect_environment()
+    monkeypatch.setenv("WORLD_SIZE", "1")  # says nothing new: one process
+    assert detect_environment().kind == "single"
 
 
 def test_single_process(monkeypatch):
@@ -84,7 +176,7 @@ def test_sbatch_recipe_under_simulated_slurm(tmp_path, recipe):
     for rank in range(2):
         env = {**CLEAN, "SLURM_NTASKS": "2", "SLURM_PROCID": str(rank), "SLURM_LOCALID": str(rank),
                "SLURM_NODEID": "0", "SLURM_JOB_NODELIST": "localhost", "SLURM_JOB_ID": str(40000 + os.getpid() % 9999),
-               "SLURM_JOB_NAME": "lightlike"}
+               "SLURM_JOB_NAME": "lightlike", "SLURM_STEP_ID": "0", "SLURM_STEP_NUM_TASKS": "2"}
         procs.append(subprocess.Popen([*command, str(tmp_path), "--steps", "3"], env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     for p in procs:

@@ -333,8 +333,8 @@ def test_setup_logging_levels_and_single_handler(restore_lightlike_logger, capsy
         setup_logging("INFO", True)
     assert [h for h in lg.handlers if getattr(h, "_lightlike", False)] == ours and len(ours) == 1
     assert lg.level == logging.INFO
-    assert setup_logging("debug", False).level == logging.WARNING  # other ranks: warnings only
-    assert setup_logging("error", False).level == logging.ERROR  # ... unless asked for less
+    assert setup_logging("debug", False).level == logging.WARNING  # other ranks: log_level_other_ranks
+    assert setup_logging("debug", False, "error").level == logging.ERROR
     setup_logging("info", True)
     capsys.readouterr()
     lg.info("hello %d", 7)

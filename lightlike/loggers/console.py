@@ -1,4 +1,5 @@
-"""Python logging for lightlike: the chosen level on the main process, WARNING elsewhere."""
+"""Python logging for lightlike: ``log_level`` on the main process, ``log_level_other_ranks``
+(WARNING by default) on the others."""
 
 from __future__ import annotations
 
@@ -36,19 +37,25 @@ class _StderrHandler(logging.StreamHandler):  # type: ignore[type-arg]
         pass
 
 
-def setup_logging(level: str, is_global_zero: bool) -> logging.Logger:
-    """Configure the ``lightlike`` logger: one stderr handler (added once, however often this is
-    called), ``level`` on the main process and at least WARNING on the others."""
-    key = level.strip().lower() if isinstance(level, str) else None
+def _level(name: str, value: Any) -> int:
+    key = value.strip().lower() if isinstance(value, str) else None
     if key not in LEVELS:
-        raise ConfigError(f"log_level={level!r} is not valid; choose one of: {', '.join(LEVELS)}")
+        raise ConfigError(f"{name}={value!r} is not valid; choose one of: {', '.join(LEVELS)}")
+    return LEVELS[key]
+
+
+def setup_logging(level: str, is_global_zero: bool, level_other_ranks: str = "warning") -> logging.Logger:
+    """Configure the ``lightlike`` logger: one stderr handler (added once, however often this is
+    called), ``level`` on the main process and ``level_other_ranks`` on the others (the
+    ``log_level`` and ``log_level_other_ranks`` settings)."""
+    chosen = _level("log_level", level)
+    other = _level("log_level_other_ranks", level_other_ranks)
     logger = logging.getLogger("lightlike")
     if not any(getattr(h, "_lightlike", False) for h in logger.handlers):
         handler = _StderrHandler()
         handler.setFormatter(logging.Formatter(FORMAT))
         logger.addHandler(handler)
-    chosen = LEVELS[key]
-    logger.setLevel(chosen if is_global_zero else max(chosen, logging.WARNING))
+    logger.setLevel(chosen if is_global_zero else other)
     return logger
 
 

@@ -79,8 +79,16 @@ class DDPStrategy(Strategy):
             torch.cuda.set_device(self.root_device)
         elif self.accelerator in ("auto", "cpu"):
             self.root_device = torch.device("cpu")
+        elif self.accelerator == "cuda":
+            raise ConfigError("accelerator='cuda' but CUDA is not available here (torch.cuda.is_available() is "
+                              "False): use accelerator='cpu' or 'auto' (gloo on the CPU), or run on a machine with "
+                              "a GPU and a CUDA build of torch")
+        elif str(self.accelerator).startswith("cuda:"):
+            raise ConfigError(f"accelerator={self.accelerator!r} names one device, but under strategy='ddp' each "
+                              "process takes cuda:LOCAL_RANK: use accelerator='cuda' (or 'auto'), and "
+                              "CUDA_VISIBLE_DEVICES to choose the GPUs")
         else:
-            raise ConfigError(f"accelerator={self.accelerator!r} is not available for strategy='ddp'; use 'auto', "
+            raise ConfigError(f"accelerator={self.accelerator!r} is not supported by strategy='ddp'; use 'auto', "
                               "'cpu' or 'cuda'")
         backend = self.backend or ("nccl" if self.root_device.type == "cuda" else "gloo")
         if not dist.is_initialized():

@@ -3,16 +3,35 @@
 Launching is torch's (``torchrun``) or SLURM's (``srun``) job; this module only reads what they
 set. ``detect_environment()`` returns rank, world size, local rank, node rank and the rendezvous
 address and port.
+
+The rule, in order:
+
+1. ``TORCHELASTIC_RUN_ID``, or all of ``RANK``, ``WORLD_SIZE`` and ``LOCAL_RANK``: torchrun.
+2. A numbered srun step (``SLURM_STEP_ID``, or the older ``SLURM_STEPID``, a step number; not the
+   batch, extern or interactive step): one of ``SLURM_STEP_NUM_TASKS`` tasks (``SLURM_NTASKS``
+   where a Slurm version lacks it), rank ``SLURM_PROCID``. A step of one task is a single process.
+   This holds inside interactive allocations too (``SLURM_JOB_NAME=interactive`` or ``bash``).
+3. ``WORLD_SIZE`` > 1 without ``RANK`` and ``LOCAL_RANK``: an error (which process is this?).
+4. Anything else is one process. A SLURM allocation of N > 1 tasks whose script runs
+   ``python train.py`` directly (the batch step, or a shell of ``salloc``) is one process too,
+   with a warning to launch with ``srun`` to use the N tasks: only srun starts them.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import subprocess
 from dataclasses import dataclass
 
 from lightlike.errors import ConfigError
+
+log = logging.getLogger("lightlike")
+#: Step ids at or above this are Slurm's special steps (batch, extern, interactive, pending), in
+#: every version: 0xfffffff0 and up.
+_SPECIAL_STEP = 0xFFFFFFF0
+_warned: set[str] = set()
 
 
 @dataclass(frozen=True)
@@ -62,16 +81,45 @@ def slurm_port(job_id: str) -> int:
     return 15000 + int(digits[-4:]) % 5000
 
 
+def srun_step() -> str | None:
+    """The number of the srun step this process is a task of, or ``None`` outside one (no
+    SLURM, the batch script, ``salloc``'s shell, the extern step)."""
+    raw = os.environ.get("SLURM_STEP_ID", os.environ.get("SLURM_STEPID"))
+    if raw is None or not raw.strip().isdigit() or int(raw) >= _SPECIAL_STEP:
+        return None  # absent, or "batch" / "extern" / "interactive" / their numeric codes
+    return raw.strip()
+
+
 def detect_environment() -> ClusterEnvironment:
+    """Rank, world size and rendezvous of this process; the rule is in the module docstring."""
     env = os.environ
     if "TORCHELASTIC_RUN_ID" in env or ("RANK" in env and "WORLD_SIZE" in env and "LOCAL_RANK" in env):
         return ClusterEnvironment("torchrun", _int("RANK"), _int("WORLD_SIZE"), _int("LOCAL_RANK"),
                                   int(env.get("GROUP_RANK", "0")), env.get("MASTER_ADDR", "127.0.0.1"),
                                   int(env.get("MASTER_PORT", "29500")))
-    if "SLURM_NTASKS" in env and "SLURM_PROCID" in env and env.get("SLURM_JOB_NAME") not in ("bash", "interactive"):
-        nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST") or "127.0.0.1"
-        return ClusterEnvironment("slurm", _int("SLURM_PROCID"), _int("SLURM_NTASKS"), _int("SLURM_LOCALID"),
-                                  int(env.get("SLURM_NODEID", "0")),
-                                  env.get("MASTER_ADDR") or slurm_main_address(nodelist),
-                                  int(env.get("MASTER_PORT") or slurm_port(env.get("SLURM_JOB_ID", "0"))))
+    if srun_step() is not None and "SLURM_PROCID" in env:
+        tasks = next(n for n in ("SLURM_STEP_NUM_TASKS", "SLURM_NTASKS", "SLURM_NPROCS", "SLURM_PROCID") if n in env)
+        world = _int(tasks) if tasks != "SLURM_PROCID" else 1
+        rank = _int("SLURM_PROCID")
+        if not 0 <= rank < world:
+            raise ConfigError(f"SLURM_PROCID={rank} but {tasks}={world}: the srun step's variables disagree")
+        if world > 1:
+            nodelist = (env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
+                        or "127.0.0.1")
+            return ClusterEnvironment("slurm", rank, world, _int("SLURM_LOCALID") if "SLURM_LOCALID" in env else 0,
+                                      int(env.get("SLURM_NODEID", "0")),
+                                      env.get("MASTER_ADDR") or slurm_main_address(nodelist),
+                                      int(env.get("MASTER_PORT") or slurm_port(env.get("SLURM_JOB_ID", "0"))))
+    elif "WORLD_SIZE" in env and _int("WORLD_SIZE") > 1:
+        missing = " and ".join(n for n in ("RANK", "LOCAL_RANK") if n not in env)
+        raise ConfigError(f"WORLD_SIZE={env['WORLD_SIZE']} is set but {missing} {'is' if ' ' not in missing else 'are'} "
+                          "not, so this process cannot tell which of them it is: launch with torchrun (which sets "
+                          "all three), set them yourself, or unset WORLD_SIZE to run one process")
+    else:
+        tasks = env.get("SLURM_NTASKS", env.get("SLURM_NPROCS", ""))
+        if tasks.strip().isdigit() and int(tasks) > 1 and "ntasks" not in _warned:
+            _warned.add("ntasks")
+            log.warning("this SLURM allocation has SLURM_NTASKS=%s tasks but this process was not started by "
+                        "srun (no SLURM_STEP_ID: the batch script or an salloc shell), so it runs as one process; "
+                        "launch with `srun python ...` to use the %s tasks", tasks, tasks)
     return ClusterEnvironment("single", 0, 1, 0, 0, "127.0.0.1", 29500)

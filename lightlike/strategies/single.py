@@ -19,11 +19,19 @@ class SingleDeviceStrategy(Strategy):
         self.root_device = resolve_device(accelerator)
 
     def setup_environment(self) -> None:
+        import os
+
         from lightlike.strategies.environment import detect_environment
 
+        world = os.environ.get("WORLD_SIZE", "").strip()
+        if world.isdigit() and int(world) > 1:  # checked first: detect_environment names only the missing ranks
+            raise ConfigError(
+                f"strategy='single' but WORLD_SIZE={world}: this process says it is one of {world}; use "
+                "strategy='ddp' (or 'auto') under a launcher, or unset WORLD_SIZE to run one process"
+            )
         env = detect_environment()
         if env.world_size > 1:
-            what = "WORLD_SIZE" if env.kind == "torchrun" else "SLURM_NTASKS"
+            what = "WORLD_SIZE" if env.kind == "torchrun" else "SLURM_STEP_NUM_TASKS"
             raise ConfigError(
                 f"strategy='single' but {what}={env.world_size}: this process was launched as one of "
                 f"{env.world_size}; use strategy='ddp' (or 'auto'), or launch a single process"
