@@ -109,17 +109,25 @@ class TaskModule(nn.Module):
                 self.hparams.update(args.locals[args.keywords])
         self.hparams.update(extra)
 
-    def load_weights(self, path: str | Path, strict: bool = True) -> None:
+    def load_weights(self, path: str | Path, strict: bool = True, verify_hashes: bool = True) -> None:
         """Load weights from a ``model.safetensors`` file (or a folder holding one), such as
-        ``lightlike export`` writes."""
+        ``lightlike export`` writes, or from a checkpoint directory. A checkpoint (a folder with a
+        ``manifest.json``, or a file inside one) is verified first, as a resume verifies it: sizes,
+        and checksums unless ``verify_hashes=False``."""
         from safetensors.torch import load_file
 
+        from lightlike.checkpoint.manifest import MANIFEST, verify_checkpoint
+
         p = Path(path)
-        if p.is_dir() and not (p / "model.safetensors").is_file() and (p / "manifest.json").is_file():
+        if p.is_dir() and not (p / "model.safetensors").is_file() and (p / MANIFEST).is_file():
             raise CheckpointError(f"{p} is a sharded checkpoint: consolidate it first with "
                                   f"`lightlike export {p} OUT_DIR`, then load OUT_DIR")
         if p.is_dir():
             p = p / "model.safetensors"
+        if (p.parent / MANIFEST).is_file():
+            manifest = verify_checkpoint(p.parent, hashes=verify_hashes)
+            if p.name not in manifest["files"]:
+                raise CheckpointError(f"{p.parent}: {p.name} is not listed in its {MANIFEST}")
         state = load_file(str(p))
         from lightlike.checkpoint.weights import load_module_state
 

@@ -29,12 +29,13 @@ FULL = {"model.safetensors", "hparams.json", "config.json", "optimizer.pt", "sch
         "rng.pt", "callbacks.pt", "trainer_state.json", "manifest.json"}
 
 
-def train(tmp_path, steps=6, **kw):
+def train(tmp_path, steps=6, resume=None, **kw):
     cfg = dict(max_steps=steps, batch_size=4, save_every=2, output_dir=str(tmp_path / "run"), loggers=[])
     cfg.update(kw)
     torch.manual_seed(0)
     model = Classifier()
-    result = ll.Fitter(**cfg).fit(model, DictDataset(n=40), DictDataset(n=8) if kw.get("metric_for_best") else None)
+    result = ll.Fitter(**cfg).fit(model, DictDataset(n=40), DictDataset(n=8) if kw.get("metric_for_best") else None,
+                                  resume=resume)
     return model, result
 
 
@@ -357,3 +358,214 @@ def test_resume_errors(tmp_path):
         with pytest.raises(ll.CheckpointError, match=r"(?s)do not fit Classifier:.*shape mismatches"):
             ll.Fitter(max_steps=4, output_dir=str(tmp_path / "b" / "run"), loggers=[]).fit(
                 Classifier(width=3), DictDataset(), resume=True)
+
+    class Extra(Classifier):  # a parameter the checkpoint lacks
+        def __init__(self):
+            super().__init__()
+            self.head = torch.nn.Linear(3, 3)
+
+    class Fewer(Classifier):  # a checkpoint parameter the module lacks
+        def __init__(self):
+            super().__init__()
+            del self.net[2]
+
+    for module, expect in ((Extra(), r"missing keys \(in the module, not in the checkpoint\): head.weight, head.bias"),
+                           (Fewer(), r"unexpected keys \(in the checkpoint, not in the module\): net.2.bias, net.2.weight")):
+        with pytest.raises(ll.CheckpointError, match=expect):
+            ll.Fitter(max_steps=4, output_dir=str(tmp_path / "b" / "run"), loggers=[]).fit(
+                module, DictDataset(), resume=True)
+
+
+# -- resuming into an output_dir that holds more than the checkpoint -----------------------------------
+class SaveSpy(ll.Callback):
+    def __init__(self):
+        self.saved = []
+
+    def on_save(self, fitter, state, control, path):
+        self.saved.append((os.path.basename(path), os.path.isdir(path)))
+
+
+def test_rollback_moves_newer_checkpoints_aside(tmp_path):
+    """Resuming from checkpoint-4 of a run that went on to 10: checkpoints 6-10 of the abandoned
+    continuation go to abandoned-<time>/ (kept, named in a warning); rotation then keeps what this
+    run saves, and a later resume=True finds this run's checkpoint, not the abandoned one."""
+    out = tmp_path / "run"
+    train(tmp_path, steps=10, loggers=["csv"])
+    spy = SaveSpy()
+    torch.manual_seed(0)
+    with pytest.warns(UserWarning, match="older than checkpoint-6, checkpoint-8, checkpoint-10"):
+        ll.Fitter(max_steps=10, batch_size=4, save_every=2, save_total_limit=2, max_grad_norm=0.5,
+                  output_dir=str(out), loggers=["csv"], callbacks=[spy]).fit(
+            Classifier(), DictDataset(n=40), resume=str(out / "checkpoint-4"))
+    assert spy.saved == [("checkpoint-6", True), ("checkpoint-8", True), ("checkpoint-10", True)]
+    assert [p.name for p in list_checkpoints(out)] == ["checkpoint-4", "checkpoint-10"]
+    (aside,) = [p for p in out.iterdir() if p.name.startswith("abandoned-")]
+    assert sorted(p.name for p in aside.iterdir()) == ["checkpoint-10", "checkpoint-6", "checkpoint-8", "logs"]
+    for p in aside.glob("checkpoint-*"):
+        verify_checkpoint(p)
+        assert json.loads((p / "config.json").read_text())["max_grad_norm"] is None  # the first run's
+    latest = find_latest_valid(out)
+    assert json.loads((latest / "config.json").read_text())["max_grad_norm"] == 0.5  # this run's
+
+
+def test_stale_temp_and_trash_dirs_are_removed_at_fit_start(tmp_path):
+    out = tmp_path / "run"
+    train(tmp_path, steps=4)
+    dead = 2**22 + 12345  # above pid_max: no such process
+    stale = [out / f".checkpoint-6.tmp-{dead}-abcd1234", out / ".trash-checkpoint-4-deadbeef"]
+    live = out / f".checkpoint-8.tmp-{os.getppid()}-00000000"  # a live process's save: kept
+    for d in (*stale, live):
+        d.mkdir()
+        (d / "optimizer.pt").write_bytes(b"x" * 1000)
+    assert [p.name for p in list_checkpoints(out)] == ["checkpoint-2", "checkpoint-4"]  # never counted
+    train(tmp_path, steps=8, resume=True)
+    assert not any(p.exists() for p in stale) and live.exists()
+    # a fresh fit (overwrite_output_dir) cleans up too
+    stale[0].mkdir()
+    train(tmp_path, steps=2, overwrite_output_dir=True)
+    assert not stale[0].exists()
+
+
+def test_resume_true_falls_back_past_a_corrupt_newest_checkpoint(tmp_path):
+    """The newest checkpoint is damaged: resume=True warns naming it, resumes from the one before
+    (moving the damaged one aside) and ends with the uninterrupted run's weights."""
+    ref, _ = train(tmp_path / "ref", steps=6)
+    train(tmp_path, steps=6)
+    target = tmp_path / "run" / "checkpoint-6" / "optimizer.pt"
+    data = bytearray(target.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    target.write_bytes(bytes(data))
+    with pytest.warns(UserWarning, match="checkpoint-6: file optimizer.pt has changed contents"):
+        model, result = train(tmp_path, steps=6, resume=True)
+    assert result.global_step == 6
+    assert torch.equal(flat_params(model), flat_params(ref))
+    verify_checkpoint(tmp_path / "run" / "checkpoint-6")  # written anew by the resumed run
+
+
+def test_preemption_checkpoint_is_full_with_save_only_model(tmp_path):
+    """save_training_checkpoint(full=True), the preemption save, writes a resumable checkpoint
+    (over a weights-only one of the same step) whatever save_only_model says."""
+    from lightlike.checkpoint.training import save_training_checkpoint
+
+    torch.manual_seed(0)
+    fitter = ll.Fitter(max_steps=2, batch_size=4, save_every=2, save_only_model=True,
+                       output_dir=str(tmp_path / "run"), loggers=[])
+    fitter.fit(Classifier(), DictDataset(n=40))
+    ckpt = tmp_path / "run" / "checkpoint-2"
+    assert verify_checkpoint(ckpt)["meta"]["kind"] == "model"
+    save_training_checkpoint(fitter, full=True)
+    assert verify_checkpoint(ckpt)["meta"]["kind"] == "full" and (ckpt / "optimizer.pt").is_file()
+    _, result = train(tmp_path, steps=4, save_only_model=True, resume=True)
+    assert result.global_step == 4
+
+
+def test_preemption_with_save_only_model_resumes(tmp_path):
+    """End to end: SIGTERM with save_only_model=True, then resume=True (the requeued job)."""
+    import signal
+
+    from lightlike.preemption import Preempted
+
+    class Term(ll.Callback):
+        def on_step_end(self, fitter, state, control):
+            if state.global_step == 3:
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    torch.manual_seed(0)
+    with pytest.raises(Preempted):
+        ll.Fitter(max_steps=6, batch_size=4, save_every=100, save_only_model=True, output_dir=str(tmp_path / "run"),
+                  loggers=[], callbacks=[Term()]).fit(Classifier(), DictDataset(n=40))
+    assert verify_checkpoint(tmp_path / "run" / "checkpoint-3")["meta"]["kind"] == "full"
+    _, result = train(tmp_path, steps=6, save_every=100, save_only_model=True, resume=True)
+    assert result.global_step == 6
+
+
+# -- the best checkpoint ------------------------------------------------------------------------------
+class Scored(Classifier):
+    """val/score is SCORES[step of the evaluation]."""
+    SCORES: dict = {}
+    step = 0
+
+    def metrics(self, outputs, batch):
+        return {"score": torch.tensor(float(self.SCORES[type(self).step]))}
+
+
+class TrackStep(ll.Callback):
+    def on_step_end(self, fitter, state, control):
+        type(fitter.module).step = state.global_step
+
+
+def test_best_checkpoint_is_only_the_best_steps_own(tmp_path, caplog):
+    """Best at step 6, which has no checkpoint (saves at 4, 8, 10): best_checkpoint is None, not
+    checkpoint-4; and loading "the best" from another step's checkpoint is refused."""
+    from lightlike.checkpoint.training import load_weights_from
+
+    class M(Scored):
+        SCORES = {2: 1.0, 4: 5.0, 6: 10.0, 8: 2.0, 10: 0.0}
+
+    torch.manual_seed(0)
+    fitter = ll.Fitter(max_steps=10, batch_size=4, save_every=4, eval_every=2, metric_for_best="val/score",
+                       greater_is_better=True, output_dir=str(tmp_path / "run"), loggers=[], callbacks=[TrackStep()])
+    result = fitter.fit(M(), DictDataset(n=40), DictDataset(n=8))
+    assert result.state.best_step == 6 and result.best_checkpoint is None
+    before = flat_params(fitter.module)
+    fitter.state.best_checkpoint = str(tmp_path / "run" / "checkpoint-4")  # as older versions left it
+    with caplog.at_level("WARNING", logger="lightlike"):
+        load_weights_from(fitter, tmp_path / "run" / "checkpoint-4")
+    assert "best evaluation (step 6) has no checkpoint" in caplog.text
+    assert fitter.state.best_checkpoint is None and torch.equal(flat_params(fitter.module), before)
+
+
+def test_best_checkpoint_survives_a_resume_from_another_working_directory(tmp_path, monkeypatch):
+    """A relative output_dir: the best checkpoint is stored by name, so a run resumed from
+    another cwd (given the absolute path) still protects it from rotation and loads it."""
+
+    class M(Scored):
+        SCORES = {2: 10.0, 4: 1.0, 6: 2.0, 8: 3.0, 10: 4.0, 12: 5.0}
+
+    def go(out, steps, resume=None):
+        torch.manual_seed(0)
+        return ll.Fitter(max_steps=steps, batch_size=4, save_every=2, eval_every=2, metric_for_best="val/score",
+                         greater_is_better=True, load_best_at_end=True, save_total_limit=2, output_dir=out,
+                         loggers=[], callbacks=[TrackStep()]).fit(M(), DictDataset(n=40), DictDataset(n=8), resume=resume)
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    monkeypatch.chdir(tmp_path / "a")
+    go("run", 6)
+    state = json.loads((tmp_path / "a" / "run" / "checkpoint-6" / "trainer_state.json").read_text())["state"]
+    assert state["best_checkpoint"] == "checkpoint-2"
+    monkeypatch.chdir(tmp_path / "b")
+    result = go(str(tmp_path / "a" / "run"), 12, resume=True)
+    # kept: the best, the resume source, the newest
+    assert [p.name for p in list_checkpoints(tmp_path / "a" / "run")] == ["checkpoint-2", "checkpoint-6", "checkpoint-12"]
+    assert result.best_checkpoint == str(tmp_path / "a" / "run" / "checkpoint-2")
+
+
+# -- weights --------------------------------------------------------------------------------------------
+def test_compiled_module_writes_plain_weight_names(tmp_path, monkeypatch):
+    """compile=True: the checkpoint's weights carry the module's own names (no `_orig_mod.`), so
+    they load into a fresh module, and the run resumes."""
+    import functools
+
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="eager"))
+    model, _ = train(tmp_path, steps=2, compile=True)
+    ckpt = tmp_path / "run" / "checkpoint-2"
+    assert sorted(load_file(str(ckpt / "model.safetensors"))) == sorted(Classifier().state_dict())
+    fresh = Classifier()
+    fresh.load_weights(ckpt)
+    assert torch.equal(flat_params(fresh), flat_params(model))
+    _, result = train(tmp_path, steps=4, compile=True, resume=True)
+    assert result.global_step == 4
+
+
+def test_load_weights_verifies_a_checkpoint(tmp_path):
+    train(tmp_path, steps=2)
+    ckpt = tmp_path / "run" / "checkpoint-2"
+    target = ckpt / "model.safetensors"
+    data = bytearray(target.read_bytes())
+    data[-3] ^= 0x40  # inside the last tensor's bytes: the file still parses
+    target.write_bytes(bytes(data))
+    for path in (ckpt, target):
+        with pytest.raises(ll.CheckpointError, match="model.safetensors has changed contents"):
+            Classifier().load_weights(path)
+    Classifier().load_weights(ckpt, verify_hashes=False)  # sizes only, as documented

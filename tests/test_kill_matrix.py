@@ -24,7 +24,13 @@ from lightlike.preemption import EXIT_PREEMPTED
 
 SCRIPT = Path(__file__).parent / "scripts" / "kill_target.py"
 CONFIGS = [("32-true", 0), ("bf16-mixed", 0), ("32-true", 2), ("bf16-mixed", 2)]
+# every kill point must fire (a case whose kill never happens tests nothing). A run from the start
+# makes 21 training forwards, 8 evaluation forwards, 6 saves of 9 files each and 12 steps:
 RANGES = {"micro": (1, 21), "eval": (1, 8), "save": (1, 6), "step": (1, 12)}
+# a second kill hits the resumed run, which has at least steps 11-12 (3 forwards), step 12's
+# evaluation (2 forwards) and its save left to do: the newest checkpoint a killed run leaves is 10
+AGAIN = {"micro": (1, 3), "eval": (1, 2), "save": (1, 1), "step": (11, 12)}
+FILES_PER_SAVE = 9
 
 
 def run(out, precision, workers, kill="", async_save=False):
@@ -54,11 +60,11 @@ def reference(tmp_path_factory, precision, workers):
     return _REFERENCE[key]
 
 
-def kill_point(rng):
-    kind = rng.choice(sorted(RANGES))
-    lo, hi = RANGES[kind]
+def kill_point(rng, ranges=RANGES):
+    kind = rng.choice(sorted(ranges))
+    lo, hi = ranges[kind]
     n = rng.randint(lo, hi)
-    return f"save:{n}:{rng.randint(0, 8)}" if kind == "save" else f"{kind}:{n}"
+    return f"save:{n}:{rng.randint(0, FILES_PER_SAVE - 1)}" if kind == "save" else f"{kind}:{n}"
 
 
 def cases(extended):
@@ -68,7 +74,7 @@ def cases(extended):
         precision, workers = CONFIGS[i % len(CONFIGS)]
         kills = [kill_point(rng)]
         if rng.random() < 0.3:
-            kills.append(kill_point(rng))  # killed again while resuming
+            kills.append(kill_point(rng, AGAIN))  # killed again while resuming
         out.append((precision, workers, kills, i % 3 == 2))  # every third: background commits
     return out
 
@@ -87,7 +93,8 @@ def test_kill_anywhere_resume_is_bit_identical(tmp_path, tmp_path_factory, kill_
     out = tmp_path / "run"
     for kill in kills:
         proc = run(out, precision, workers, kill, async_save)
-        assert proc.returncode in (-signal.SIGKILL, 0), proc.stderr
+        assert proc.returncode == -signal.SIGKILL, f"the kill at {kill} never fired: {proc.stderr}"
+        assert f"kill fired: {kill}" in proc.stdout
         for ckpt in list_checkpoints(out):
             verify_checkpoint(ckpt)  # whatever is visible is complete
     proc = run(out, precision, workers, async_save=async_save)

@@ -69,3 +69,99 @@ def test_resume_from_path_and_changed_settings_warn(tmp_path, caplog):
                         overwrite_output_dir=True)
     assert result.global_step == 14
     assert "no longer a pure continuation" in caplog.text and "learning_rate: 0.01 -> 0.005" in caplog.text
+
+
+class Record(ll.Callback):
+    """The parameters, gradients and learning rate of each optimizer step, as it is taken."""
+
+    def __init__(self):
+        self.steps = {}
+
+    def on_before_optimizer_step(self, fitter, state, control, optimizer):
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        self.steps[state.global_step + 1] = ([p.detach().clone() for p in params], [p.grad.clone() for p in params],
+                                             [g["lr"] for g in optimizer.param_groups])
+
+
+def test_changed_learning_rate_is_applied_on_resume(tmp_path, caplog):
+    """learning_rate 1e-2 -> 1e-4 at a resume from checkpoint-4 (linear schedule over 8 steps): the
+    step after it moves each weight by exactly 1e-4 * (8 - 4) / 8 * grad (SGD), not the old rate."""
+    cfg = dict(max_steps=8, batch_size=4, save_every=4, output_dir=str(tmp_path / "run"), loggers=[],
+               optimizer="sgd", weight_decay=0.0)
+    torch.manual_seed(0)
+    try:
+        ll.Fitter(callbacks=[StopAt(5)], learning_rate=1e-2, **cfg).fit(Classifier(), DictDataset(n=40))
+    except KeyboardInterrupt:
+        pass
+    rec = Record()
+    with caplog.at_level("WARNING", logger="lightlike"):
+        fitter = ll.Fitter(callbacks=[rec], learning_rate=1e-4, **cfg)
+        fitter.fit(Classifier(), DictDataset(n=40), resume=True)
+    assert "learning_rate: 0.01 -> 0.0001" in caplog.text
+    for step in (5, 6, 7):
+        before, grads, lrs = rec.steps[step]
+        expected_lr = 1e-4 * (8 - (step - 1)) / 8  # the linear schedule's rate for this step
+        assert lrs == [pytest.approx(expected_lr, rel=1e-12)]
+        for b, g, a in zip(before, grads, rec.steps[step + 1][0], strict=True):
+            assert torch.equal(a, b.add(g, alpha=-expected_lr))  # SGD: p <- p - lr * grad
+    assert fitter.scheduler.base_lrs == [1e-4]
+
+
+def test_changed_weight_decay_and_betas_are_applied_to_the_right_groups(tmp_path):
+    cfg = dict(max_steps=4, batch_size=4, save_every=2, output_dir=str(tmp_path / "run"), loggers=[])
+    torch.manual_seed(0)
+    try:
+        ll.Fitter(callbacks=[StopAt(3)], weight_decay=0.1, **cfg).fit(Classifier(), DictDataset(n=40))
+    except KeyboardInterrupt:
+        pass
+    fitter = ll.Fitter(weight_decay=0.3, adam_beta2=0.99, adam_epsilon=1e-6, **cfg)
+    fitter.fit(Classifier(), DictDataset(n=40), resume=True)
+    decay, no_decay = fitter.optimizer.param_groups
+    assert decay["weight_decay"] == 0.3 and no_decay["weight_decay"] == 0.0
+    assert all(g["betas"] == (0.9, 0.99) and g["eps"] == 1e-6 for g in (decay, no_decay))
+
+
+def test_custom_optimizer_keeps_the_restored_state_and_says_so(tmp_path, caplog):
+    class Custom(Classifier):
+        def configure_optimizers(self, config):
+            return torch.optim.SGD(self.parameters(), lr=config.learning_rate)
+
+    cfg = dict(max_steps=4, batch_size=4, save_every=2, output_dir=str(tmp_path / "run"), loggers=[])
+    try:
+        ll.Fitter(callbacks=[StopAt(3)], learning_rate=1e-2, **cfg).fit(Custom(), DictDataset(n=40))
+    except KeyboardInterrupt:
+        pass
+    rec = Record()
+    with caplog.at_level("WARNING", logger="lightlike"):
+        ll.Fitter(callbacks=[rec], learning_rate=1e-4, **cfg).fit(Custom(), DictDataset(n=40), resume=True)
+    assert "restored optimizer and scheduler state wins" in caplog.text
+    assert rec.steps[3][2] == [1e-2]
+
+
+def test_resume_auto_starts_fresh_then_resumes(tmp_path, caplog):
+    """resume="auto" (the recipes' setting): no checkpoint yet, a fresh run; then the newest one."""
+    out = tmp_path / "run"
+    ref, _ = run(tmp_path / "ref")
+    with caplog.at_level("INFO", logger="lightlike"):
+        model, result = run(out, stop=6, resume="auto")
+    assert "holds no valid checkpoint; starting a fresh run" in caplog.text
+    model, result = run(out, resume="auto")
+    assert result.global_step == 14 and torch.equal(flat_params(model), flat_params(ref))
+    with pytest.raises(ll.CheckpointError, match="resume=True but .* holds no valid checkpoint"):
+        run(tmp_path / "empty", resume=True)
+
+
+def test_resume_auto_sets_aside_a_run_that_never_saved(tmp_path):
+    """A first job killed before its first checkpoint leaves logs (and maybe a broken
+    checkpoint): resume="auto" starts afresh and moves them aside instead of refusing."""
+    from lightlike.checkpoint.rotation import prepare_output_dir
+
+    out = tmp_path / "run"
+    (out / "logs").mkdir(parents=True)
+    (out / "logs" / "metrics.csv").write_text("step,train/loss\n1,0.5\n")
+    (out / "checkpoint-2").mkdir()  # no manifest: an interrupted save or deletion
+    with pytest.raises(ll.OutputDirError):
+        prepare_output_dir(out, overwrite=False)
+    prepare_output_dir(out, overwrite=False, resume="auto")
+    (aside,) = [p for p in out.iterdir()]
+    assert aside.name.startswith("abandoned-") and sorted(p.name for p in aside.iterdir()) == ["checkpoint-2", "logs"]

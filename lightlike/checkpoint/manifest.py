@@ -185,7 +185,7 @@ def find_latest_valid(output_dir: str | Path, hashes: bool = True) -> Path | Non
         try:
             verify_checkpoint(p, hashes=hashes)
             return p
-        except CheckpointError as e:
+        except (CheckpointError, OSError) as e:  # OSError: moved away by the main rank meanwhile
             msg = f"skipping invalid checkpoint: {e}"
             log.warning(msg)
             warnings.warn(msg, stacklevel=2)

@@ -6,8 +6,9 @@ import logging
 import shutil
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
-from lightlike.checkpoint.manifest import MANIFEST, list_checkpoints
+from lightlike.checkpoint.manifest import _NAME, MANIFEST, list_checkpoints
 from lightlike.errors import OutputDirError
 
 log = logging.getLogger("lightlike")
@@ -33,14 +34,30 @@ def rotate_checkpoints(output_dir: str | Path, limit: int | None, protect: Itera
     return deleted
 
 
-def prepare_output_dir(output_dir: str | Path, overwrite: bool) -> None:
-    """Before a fresh (not resumed) fit: refuse an ``output_dir`` that already holds checkpoints
-    or logs, or remove them when ``overwrite`` (``overwrite_output_dir=True``) says so."""
+def prepare_output_dir(output_dir: str | Path, overwrite: bool, resume: bool | str | None = None) -> None:
+    """Before a fresh (not resumed) fit, on the main rank: remove temp directories of killed
+    saves; refuse an ``output_dir`` that already holds checkpoints or logs, or remove them when
+    ``overwrite`` (``overwrite_output_dir=True``) says so. With ``resume="auto"`` (which found no
+    valid checkpoint to resume from: a first run killed before its first save, say) what is there
+    is moved into ``output_dir/abandoned-<time>/`` with a warning instead of refused."""
+    from lightlike.checkpoint.atomic import cleanup_stale_temps
+
     out = Path(output_dir)
     if not out.exists():
         return
+    for p in cleanup_stale_temps(out):
+        log.info("removed %s, left by an interrupted checkpoint save", p)
     old = list_checkpoints(out) + [p for p in (out / "logs",) if p.exists()]
+    if resume == "auto":  # also the named but invalid ones: nothing here can be resumed
+        old = sorted({*old, *(p for p in out.iterdir() if p.is_dir() and _NAME.match(p.name))})
     if not old:
+        return
+    if resume == "auto" and not overwrite:
+        from lightlike.checkpoint.resume import set_aside
+
+        dest = set_aside(out, old)
+        log.warning("resume='auto' found no valid checkpoint in %s: starting a fresh run; moved what an "
+                    "earlier run left (%s) into %s", out, ", ".join(p.name for p in old), dest)
         return
     if not overwrite:
         names = ", ".join(p.name for p in old[:5])
@@ -51,3 +68,19 @@ def prepare_output_dir(output_dir: str | Path, overwrite: bool) -> None:
     log.warning("overwrite_output_dir=True: removing %s", ", ".join(str(p) for p in old))
     for p in old:
         shutil.rmtree(p)
+
+
+def prepare_output_dir_on_all_ranks(strategy: Any, output_dir: str | Path, overwrite: bool,
+                                    resume: bool | str | None = None) -> None:
+    """``prepare_output_dir`` on the main rank; its error, if any, is raised on every rank, so
+    none goes on into a collective that the failing rank will never join."""
+    problem = None
+    if strategy.is_global_zero:
+        try:
+            prepare_output_dir(output_dir, overwrite, resume=resume)
+        except OutputDirError as error:
+            problem = error
+    if strategy.world_size > 1:
+        problem = strategy.broadcast_object(problem)
+    if problem is not None:
+        raise problem

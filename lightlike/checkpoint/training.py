@@ -27,25 +27,27 @@ import numpy as np
 import torch
 
 from lightlike.checkpoint.atomic import CheckpointWriter
-from lightlike.checkpoint.manifest import find_latest_valid, verify_checkpoint
+from lightlike.checkpoint.manifest import verify_checkpoint
+from lightlike.checkpoint.resume import (
+    CONTINUATION_KEYS,
+    apply_changed_settings,
+    best_checkpoint_name,
+    resolve_best,
+    resolve_resume,
+    tidy_output_dir,
+)
 from lightlike.checkpoint.rotation import rotate_checkpoints
 from lightlike.errors import CheckpointError
 from lightlike.state import FitState
 from lightlike.utils.seed import rng_state, set_rng_state
 
 if TYPE_CHECKING:
-    from lightlike.config import FitConfig
     from lightlike.fitter import Fitter
 
 log = logging.getLogger("lightlike")
 
-#: Settings whose change between runs makes a resumed run no longer a pure continuation.
-CONTINUATION_KEYS = ("batch_size", "grad_accum_steps", "learning_rate", "max_steps", "max_epochs", "seed",
-                     "lr_scheduler", "warmup_steps", "warmup_ratio", "weight_decay", "optimizer", "precision",
-                     "shuffle", "drop_last")
 
-
-def save_training_checkpoint(fitter: Fitter, wait: bool = True) -> Path | None:
+def save_training_checkpoint(fitter: Fitter, wait: bool = True, full: bool | None = None) -> Path | None:
     """Write ``checkpoint-{global_step}`` atomically, then rotate. Collective: every rank calls
     it and writes into the main rank's temp directory what its Strategy shards there (nothing,
     for strategies that gather); the main rank writes the rest and commits once every rank is
@@ -56,7 +58,11 @@ def save_training_checkpoint(fitter: Fitter, wait: bool = True) -> Path | None:
     ``commit_pending_checkpoint`` at the next save or at the end of the fit; a strategy that
     gathers writes its files here, then the main rank fsyncs, hashes, writes the manifest and
     renames in a background thread. Either way the checkpoint is invisible until committed: a
-    kill in between leaves the previous checkpoint as the newest valid one."""
+    kill in between leaves the previous checkpoint as the newest valid one.
+
+    ``full=True`` writes a full, resumable checkpoint even with ``save_only_model=True`` (a
+    preemption save: the requeued job must be able to resume); ``full=False`` weights only;
+    None (the default) follows ``save_only_model``. Every rank must pass the same value."""
     commit_pending_checkpoint(fitter)
     cfg, strategy, state = fitter.config, fitter.strategy, fitter.state
     assert strategy is not None and fitter.optimizer is not None
@@ -65,8 +71,10 @@ def save_training_checkpoint(fitter: Fitter, wait: bool = True) -> Path | None:
     final = out / f"checkpoint-{step}"
     if state.best_step == step:
         state.best_checkpoint = str(final)
+    elif resolve_best(out, state.best_checkpoint, state.best_step) is None:
+        state.best_checkpoint = None  # the best step has no checkpoint: never point at another one
     state.last_save_step = step
-    full = not cfg.save_only_model
+    full = (not cfg.save_only_model) if full is None else bool(full)
     main = strategy.is_global_zero
     meta = {"kind": "full" if full else "model", "state_format": strategy.checkpoint_format}
     writer = CheckpointWriter(out, step, meta=meta, overwrite=True)
@@ -89,8 +97,10 @@ def save_training_checkpoint(fitter: Fitter, wait: bool = True) -> Path | None:
                 writer.save_torch("precision.pt", strategy.precision.state_dict())
                 writer.save_torch("rng.pt", rng_all)
                 writer.save_torch("callbacks.pt", fitter.callbacks.state_dict())
+                saved_state = state.to_dict()  # the best checkpoint by name: valid from any cwd
+                saved_state["best_checkpoint"] = best_checkpoint_name(state.best_checkpoint)
                 writer.write_json("trainer_state.json", {
-                    "state": state.to_dict(),
+                    "state": saved_state,
                     "world_size": strategy.world_size,
                     "pending": fitter.pending_loss_values(),
                     "loss_total": [fitter._loss_total, fitter._items_total],
@@ -160,9 +170,13 @@ def _commit(fitter: Fitter, writer: CheckpointWriter, committing: Any = None) ->
 def load_training_checkpoint(fitter: Fitter, path: Path, verified: bool = False) -> None:
     """Restore weights, optimizer, scheduler, precision, RNG, FitState, callbacks and the
     data position from ``path``, verified first: in full, or by sizes only when ``verified``
-    (``resume=True`` has just checksummed it to choose it; a second pass would double the wait)."""
+    (``resume=True`` has just checksummed it to choose it; a second pass would double the wait).
+    Collective. Once loaded, the main rank tidies ``output_dir`` (``resume.tidy_output_dir``:
+    stale temp directories removed, newer checkpoints of an abandoned continuation moved aside);
+    the barrier first makes sure no rank is still looking for the checkpoint to resume from."""
     cfg, strategy = fitter.config, fitter.strategy
     assert strategy is not None and fitter.optimizer is not None
+    strategy.barrier("resume")
     manifest = verify_checkpoint(path, hashes=cfg.verify_hashes and not verified)
     if manifest.get("meta", {}).get("kind") == "model" or not (path / "trainer_state.json").exists():
         raise CheckpointError(
@@ -178,6 +192,7 @@ def load_training_checkpoint(fitter: Fitter, path: Path, verified: bool = False)
     fitter.callbacks.load_state_dict(_torch_load(path / "callbacks.pt"))
     saved = json.loads((path / "trainer_state.json").read_text())
     fitter.state = state = FitState.from_dict(saved["state"])
+    state.best_checkpoint = resolve_best(cfg.output_dir, state.best_checkpoint, state.best_step)
     fitter.restore_pending_losses(saved.get("pending", []))
     fitter._loss_total, fitter._items_total = saved.get("loss_total", [0.0, 0.0])
     rngs = _torch_load(path / "rng.pt")
@@ -189,46 +204,28 @@ def load_training_checkpoint(fitter: Fitter, path: Path, verified: bool = False)
         torch.manual_seed(cfg.seed + 7919 * (rank + 1) + state.global_step)
     else:
         set_rng_state(_native_rng(rngs[rank]))
-    _warn_on_changed_settings(path, cfg)
+    apply_changed_settings(fitter, path)
     fitter.resumed_from = str(path)
+    if strategy.is_global_zero:
+        tidy_output_dir(cfg.output_dir, state.global_step, path)
     log.info("resumed from %s at step %d (epoch %d, %d samples into it)", path, state.global_step,
              state.epoch_index, state.samples_in_epoch)
 
 
-def resolve_resume(config: FitConfig, resume: bool | str) -> Path:
-    """``True``: the newest valid checkpoint in output_dir; a path: that checkpoint."""
-    if resume is True:
-        found = find_latest_valid(config.output_dir, hashes=config.verify_hashes)
-        if found is None:
-            raise CheckpointError(
-                f"resume=True but {config.output_dir!r} holds no valid checkpoint; "
-                "start without resume, or pass resume='path/to/checkpoint-N'"
-            )
-        return Path(found)
-    p = Path(str(resume))
-    if not p.is_dir():
-        raise CheckpointError(f"resume={str(resume)!r}: no such checkpoint directory")
-    return p
-
-
 def load_weights_from(fitter: Fitter, path: Path) -> None:
-    """Load only the weights of a checkpoint (``load_best_at_end``)."""
+    """Load only the weights of a checkpoint (``load_best_at_end``): the one saved at the best
+    step, or none (with a warning, and ``best_checkpoint`` cleared) if ``path`` is another."""
     assert fitter.strategy is not None
+    state = fitter.state
+    if resolve_best(path.parent, str(path), state.best_step) is None:
+        log.warning("load_best_at_end: the best evaluation (step %s) has no checkpoint of its own (%s is "
+                    "another step's); keeping the final weights. Save at every evaluation step (save_every "
+                    "a multiple of eval_every) to load the best", state.best_step, path.name)
+        state.best_checkpoint = None
+        return
     verify_checkpoint(path, hashes=fitter.config.verify_hashes)
     fitter.strategy.load_checkpoint_state(path, fitter.model, None)
     log.info("loaded the best checkpoint's weights from %s", path)
-
-
-def _warn_on_changed_settings(path: Path, cfg: FitConfig) -> None:
-    try:
-        old = json.loads((path / "config.json").read_text())
-    except (OSError, ValueError):
-        return
-    now = cfg.to_dict()
-    changed = [f"{k}: {old.get(k)!r} -> {now.get(k)!r}" for k in CONTINUATION_KEYS if old.get(k) != now.get(k)]
-    if changed:
-        log.warning("resuming with changed settings (%s): the run is no longer a pure continuation",
-                    "; ".join(changed))
 
 
 def _torch_load(path: Path) -> Any:
@@ -270,4 +267,5 @@ def _is_json(v: Any) -> bool:
         return False
 
 
-__all__ = ["load_training_checkpoint", "load_weights_from", "resolve_resume", "save_training_checkpoint"]
+__all__ = ["CONTINUATION_KEYS", "load_training_checkpoint", "load_weights_from", "resolve_resume",
+           "save_training_checkpoint"]

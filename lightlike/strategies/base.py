@@ -79,8 +79,10 @@ class Strategy:
         return model, optimizer
 
     def unwrap(self, module: nn.Module) -> nn.Module:
-        """The user's TaskModule inside whatever wrapper ``setup_module`` added."""
-        return module
+        """The user's TaskModule inside whatever wrapper ``setup_module`` added, and inside
+        ``torch.compile``'s (``compile=True``), whose ``_orig_mod.`` prefix must not reach the
+        checkpoint's weight names."""
+        return getattr(module, "_orig_mod", module)  # type: ignore[no-any-return]
 
     def batch_to_device(self, batch: Any) -> Any:
         if self.root_device.type != "cpu":  # CPU batches are already where they need to be

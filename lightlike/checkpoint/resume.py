@@ -1,0 +1,213 @@
+"""Choosing the checkpoint to resume from, and what a resume changes around it.
+
+- ``resolve_resume``: ``resume=True`` (the newest valid checkpoint, or an error), ``"auto"`` (the
+  newest valid one, or a fresh start), or a path.
+- ``tidy_output_dir``: on the main rank, after the checkpoint is loaded: removes temp and trash
+  directories left by killed saves, and moves checkpoints newer than the one resumed from (an
+  abandoned continuation, after a rollback to an older one) into ``output_dir/abandoned-<time>/``
+  with a warning, so that neither rotation nor a later ``resume=True`` mixes them with this run.
+- ``apply_changed_settings``: optimizer settings changed between runs (``learning_rate``,
+  ``weight_decay``, AdamW's betas and epsilon, SGD's momentum) are applied to the restored
+  optimizer and schedule state, which would otherwise bring back the old values.
+- ``best_checkpoint_name`` / ``resolve_best``: the best checkpoint is stored by its directory name
+  and found again in the current ``output_dir``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import os
+import shutil
+import warnings
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from lightlike.checkpoint.atomic import cleanup_stale_temps
+from lightlike.checkpoint.manifest import _NAME, find_latest_valid
+from lightlike.errors import CheckpointError
+
+if TYPE_CHECKING:
+    from lightlike.config import FitConfig
+    from lightlike.fitter import Fitter
+
+log = logging.getLogger("lightlike")
+
+#: Settings whose change between runs makes a resumed run no longer a pure continuation.
+CONTINUATION_KEYS = ("batch_size", "grad_accum_steps", "learning_rate", "max_steps", "max_epochs", "seed",
+                     "lr_scheduler", "warmup_steps", "warmup_ratio", "weight_decay", "optimizer", "precision",
+                     "shuffle", "drop_last", "adam_beta1", "adam_beta2", "adam_epsilon", "momentum",
+                     "max_grad_norm", "max_grad_value", "lr_end", "power", "num_cycles")
+#: Optimizer settings the restored optimizer/scheduler state holds: a change is applied after loading
+#: it (built-in optimizers only; a module's own ``configure_optimizers`` keeps the restored values).
+APPLIED_KEYS = ("learning_rate", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon", "momentum")
+#: Prefix of the directory that receives checkpoints of an abandoned continuation.
+ABANDONED = "abandoned-"
+
+
+def resolve_resume(config: FitConfig, resume: bool | str) -> Path | None:
+    """``True``: the newest valid checkpoint in output_dir (an error if there is none);
+    ``"auto"``: the same, or None (start fresh) if there is none; a path: that checkpoint."""
+    if resume is True or resume == "auto":
+        found = find_latest_valid(config.output_dir, hashes=config.verify_hashes)
+        if found is not None:
+            return Path(found)
+        if resume == "auto":
+            log.info("resume='auto': %r holds no valid checkpoint; starting a fresh run", config.output_dir)
+            return None
+        raise CheckpointError(
+            f"resume=True but {config.output_dir!r} holds no valid checkpoint; start without resume, "
+            "pass resume='auto' (resume if there is a checkpoint, else start fresh), or pass "
+            "resume='path/to/checkpoint-N'"
+        )
+    p = Path(str(resume))
+    if not p.is_dir():
+        raise CheckpointError(f"resume={str(resume)!r}: no such checkpoint directory")
+    return p
+
+
+# -- output_dir around a resume ------------------------------------------------------------------
+def tidy_output_dir(output_dir: str | Path, resumed_step: int | None = None, source: str | Path | None = None) -> Path | None:
+    """Main rank only, with no save in flight: remove temp/trash directories of killed saves and,
+    when ``resumed_step`` is given, move ``checkpoint-N`` directories with ``N > resumed_step``
+    aside (``set_aside_newer``). Returns the directory they went to, if any."""
+    for p in cleanup_stale_temps(output_dir):
+        log.info("removed %s, left by an interrupted checkpoint save", p)
+    if resumed_step is None:
+        return None
+    return set_aside_newer(output_dir, resumed_step, source)
+
+
+def set_aside_newer(output_dir: str | Path, step: int, source: str | Path | None = None) -> Path | None:
+    """Move every ``checkpoint-N`` directory of ``output_dir`` with ``N > step`` (valid or not) into
+    a new ``output_dir/abandoned-<UTC time>/``, with a copy of ``logs/``, and warn naming them. A
+    run resumed from an older checkpoint would otherwise count them as its newest (rotation then
+    deletes what it saves, ``resume=True`` later picks them). Returns the new directory or None."""
+    out = Path(output_dir)
+    if not out.is_dir():
+        return None
+    newer = sorted((p for p in out.iterdir() if p.is_dir() and (m := _NAME.match(p.name)) and int(m.group(1)) > step),
+                   key=lambda p: int(p.name.split("-")[1]))
+    if not newer:
+        return None
+    dest = set_aside(out, newer)
+    if (out / "logs").is_dir():  # the loggers are about to drop what was logged after `step`
+        shutil.copytree(out / "logs", dest / "logs")
+    src = f" {Path(source).name}" if source is not None else f" the checkpoint of step {step}"
+    msg = (f"resumed from{src}, older than {', '.join(p.name for p in newer)} in {out}: moved those "
+           f"into {dest} (with a copy of logs/) so that this run does not mix with the one it replaces")
+    log.warning(msg)
+    warnings.warn(msg, stacklevel=2)
+    return dest
+
+
+def set_aside(output_dir: str | Path, paths: list[Path]) -> Path:
+    """Move ``paths`` (entries of ``output_dir``) into a new ``output_dir/abandoned-<UTC time>/``,
+    which ``list_checkpoints``, rotation and ``resume=True`` never look into. Returns it."""
+    out = Path(output_dir)
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    dest, n = out / f"{ABANDONED}{stamp}", 1
+    while dest.exists():
+        n += 1
+        dest = out / f"{ABANDONED}{stamp}-{n}"
+    dest.mkdir()
+    for p in paths:
+        os.rename(p, dest / p.name)
+    fd = os.open(out, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return dest
+
+
+# -- the best checkpoint -------------------------------------------------------------------------
+def best_checkpoint_name(stored: str | None) -> str | None:
+    """What ``trainer_state.json`` stores: the directory name (``checkpoint-N``), valid from any
+    working directory and after the run directory is moved."""
+    return Path(stored).name if stored else None
+
+
+def resolve_best(output_dir: str | Path, stored: str | None, best_step: int | None) -> str | None:
+    """The best checkpoint's path in the current ``output_dir`` from what a checkpoint stored (its
+    name; older checkpoints stored an absolute path or one relative to the then working
+    directory). None unless it names the checkpoint saved at ``best_step``."""
+    if not stored:
+        return None
+    m = _NAME.match(Path(stored).name)
+    if m is None or best_step is None or int(m.group(1)) != best_step:
+        return None
+    return str(Path(output_dir) / Path(stored).name)
+
+
+# -- settings changed between runs ---------------------------------------------------------------
+def apply_changed_settings(fitter: Fitter, path: Path) -> None:
+    """After the optimizer and scheduler state are loaded from ``path``: apply changed optimizer
+    settings to them (built-in optimizers) and warn, listing every changed setting."""
+    try:
+        old = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return
+    now = fitter.config.to_dict()
+    changed = [k for k in CONTINUATION_KEYS if k in old and old.get(k) != now.get(k)]
+    if not changed:
+        return
+    listing = "; ".join(f"{k}: {old.get(k)!r} -> {now.get(k)!r}" for k in changed)
+    log.warning("resuming with changed settings (%s): the run is no longer a pure continuation", listing)
+    applied = [k for k in changed if k in APPLIED_KEYS]
+    if not applied:
+        return
+    from lightlike.module import TaskModule
+
+    module = fitter.module
+    if module is not None and type(module).configure_optimizers is not TaskModule.configure_optimizers:
+        log.warning("%s changed, but the optimizer comes from %s.configure_optimizers: the restored optimizer "
+                    "and scheduler state wins (set the new values there, after loading, if you want them)",
+                    ", ".join(applied), type(module).__name__)
+        return
+    if old.get("optimizer") != now.get("optimizer"):
+        return  # another optimizer's state would not have loaded
+    _apply(fitter, {k: old[k] for k in applied}, {k: now[k] for k in applied})
+    log.info("applied the new %s to the restored optimizer and schedule", ", ".join(applied))
+
+
+def _apply(fitter: Fitter, old: dict[str, Any], new: dict[str, Any]) -> None:
+    sched = fitter.scheduler
+    optimizer = sched.optimizer if sched is not None and hasattr(sched, "optimizer") else fitter.optimizer
+    assert optimizer is not None
+    groups = optimizer.param_groups
+    if "learning_rate" in new:
+        lr = float(new["learning_rate"])
+        for g in groups:
+            if "initial_lr" in g:
+                g["initial_lr"] = lr
+        lambdas = getattr(sched, "lr_lambdas", None)
+        if sched is not None and hasattr(sched, "base_lrs"):
+            sched.base_lrs = [lr for _ in sched.base_lrs]
+        if lambdas is not None and len(lambdas) == len(groups):  # LambdaLR (the built-in schedules)
+            # the rate of the next step: what the schedule gives at its position (LambdaLR.get_lr)
+            lrs = [lr * fn(sched.last_epoch) for fn in lambdas]
+        else:
+            before = float(old["learning_rate"])
+            lrs = [float(g["lr"]) * lr / before if before else lr for g in groups]
+        for g, value in zip(groups, lrs, strict=True):
+            g["lr"] = value
+        if sched is not None and hasattr(sched, "_last_lr"):
+            sched._last_lr = [g["lr"] for g in groups]
+    if "weight_decay" in new:
+        for g in groups:
+            if g.get("weight_decay"):  # only the groups that decay (never biases and norms)
+                g["weight_decay"] = float(new["weight_decay"])
+    for g in groups:
+        if "betas" in g and ("adam_beta1" in new or "adam_beta2" in new):
+            b1, b2 = g["betas"]
+            g["betas"] = (float(new.get("adam_beta1", b1)), float(new.get("adam_beta2", b2)))
+        if "eps" in g and "adam_epsilon" in new:
+            g["eps"] = float(new["adam_epsilon"])
+        if "momentum" in g and "momentum" in new:
+            g["momentum"] = float(new["momentum"])
+
+
+__all__ = ["apply_changed_settings", "best_checkpoint_name", "resolve_best", "resolve_resume", "set_aside",
+           "set_aside_newer", "tidy_output_dir"]
