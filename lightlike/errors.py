@@ -20,14 +20,19 @@ class ModuleContractError(LightlikeError, TypeError):
 class NonFiniteLossError(LightlikeError, FloatingPointError):
     """A training loss was NaN or infinite."""
 
-    def __init__(self, step: int, micro_batch: int, value: float | None = None):
+    def __init__(self, step: int, micro_batch: int, value: float | None = None, items: float | None = None):
         self.step = step
         self.micro_batch = micro_batch
         v = f" ({value})" if value is not None else ""
+        if items == 0:  # a mean over no items is 0/0, whatever the model does
+            hint = ("That micro-batch holds 0 items (num_items): its mean loss is 0/0. Make loss() return 0 "
+                    "for a batch without items, e.g. loss_sum / max(num_items, 1).")
+        else:
+            hint = ("Lower learning_rate, set max_grad_norm, check the data, or pass nonfinite_loss='skip' "
+                    "to skip and count such steps.")
         super().__init__(
             f"non-finite training loss{v} at optimizer step {step}, micro-batch {micro_batch} "
-            "of its accumulation window. Lower learning_rate, set max_grad_norm, check the data, "
-            "or pass nonfinite_loss='skip' to skip and count such steps."
+            f"of its accumulation window. {hint}"
         )
 
 

@@ -8,10 +8,12 @@ the ``Strategy``'s business and numerics the ``Precision`` plugin's; the loop on
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import math
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +23,7 @@ from lightlike.callbacks.base import Callback, CallbackList
 from lightlike.config import FitConfig, check_keys
 from lightlike.data.loading import TrainData, build_eval_loader, build_train_data, normalise_eval_sets
 from lightlike.errors import ConfigError, DataError, NonFiniteLossError
-from lightlike.evaluation import call_module, check_loss, is_improvement, run_evaluation
+from lightlike.evaluation import call_loss, call_module, is_improvement, run_evaluation
 from lightlike.module import TaskModule, check_task_module
 from lightlike.precision import get_precision
 from lightlike.preemption import Preempted, PreemptionHandler, requeue_slurm_job
@@ -79,36 +81,24 @@ class Fitter:
         """Train ``module`` on ``train``; evaluate on ``val`` (a Dataset/DataLoader or a dict of
         them). ``resume=True`` continues from the newest valid checkpoint in ``output_dir``,
         ``resume="path"`` from that checkpoint."""
-        cfg = self.config
-        if not cfg.auto_find_batch_size:
-            return self._fit(module, train, val, resume)
-        snapshot = {k: v.detach().clone() for k, v in module.state_dict().items()}
-        while True:
-            try:
+        with self._failing_fast():
+            if not self.config.auto_find_batch_size:
                 return self._fit(module, train, val, resume)
-            except torch.OutOfMemoryError:
-                if self.config.batch_size == 1:
-                    raise
-                new_bs = self.config.batch_size // 2
-                new_acc = self.config.grad_accum_steps * 2
-                log.warning("out of memory at batch_size=%d: retrying from the start with batch_size=%d, "
-                            "grad_accum_steps=%d", self.config.batch_size, new_bs, new_acc)
-                self.config = self.config.replace(batch_size=new_bs, grad_accum_steps=new_acc,
-                                                  overwrite_output_dir=True)
-                module.load_state_dict(snapshot)
-                if torch.cuda.is_available():
-                    torch.cuda.empty_cache()
+            from lightlike.utils.oom import fit_finding_batch_size
+
+            return fit_finding_batch_size(self, module, train, val, resume)
 
     def _fit(self, module: TaskModule, train: Any, val: Any, resume: bool | str | None) -> FitResult:
         cfg = self.config
+        self._phase = "set-up"
         # ---- set up: processes and devices, output dir, data, module, optimizer ----------------
         strategy = self._setup_strategy()
         check_task_module(module)
         resume_from = self._resume_source(resume)
-        if resume_from is None and strategy.is_global_zero:  # a fresh fit must not mix with an old run
-            from lightlike.checkpoint.rotation import prepare_output_dir
+        if resume_from is None:  # a fresh fit must not mix with an old run
+            from lightlike.checkpoint.rotation import prepare_output_dir_on_all_ranks
 
-            prepare_output_dir(cfg.output_dir, cfg.overwrite_output_dir)
+            prepare_output_dir_on_all_ranks(strategy, cfg.output_dir, cfg.overwrite_output_dir, resume)
         seed_everything(cfg.seed, cfg.deterministic)
         self.train_data = train_data = build_train_data(
             train, batch_size=cfg.batch_size, shuffle=cfg.shuffle, drop_last=cfg.drop_last,
@@ -121,6 +111,9 @@ class Fitter:
             raise ConfigError(f"metric_for_best={cfg.metric_for_best!r} needs evaluation data: pass val=...")
         accum = cfg.grad_accum_steps
         batches_per_epoch = train_data.batches_per_epoch()
+        if batches_per_epoch == 0:
+            raise DataError("the training data gives no batch per epoch (an empty DataLoader, or drop_last=True "
+                            "with fewer items than batch_size): pass more data or a smaller batch_size")
         steps_per_epoch = math.ceil(batches_per_epoch / accum) if batches_per_epoch else None
         if cfg.max_steps is not None:
             max_steps = cfg.max_steps
@@ -128,6 +121,8 @@ class Fitter:
             max_steps = cfg.max_epochs * steps_per_epoch  # type: ignore[operator]
         else:
             raise ConfigError("the training data has no length (IterableDataset): set max_steps")
+        # epochs are counted too (not only the step budget they give): should_epoch_stop ends one early
+        epoch_limit: float = cfg.max_epochs if cfg.max_steps is None and cfg.max_epochs is not None else math.inf
 
         module.gradient_checkpointing = cfg.gradient_checkpointing
         self.module = module
@@ -148,7 +143,7 @@ class Fitter:
         if resume_from is not None:
             from lightlike.checkpoint.training import load_training_checkpoint
 
-            load_training_checkpoint(self, resume_from, verified=resume is True)  # resume=True verified it
+            load_training_checkpoint(self, resume_from, verified=resume in (True, "auto"))  # chosen by verifying
         state = self.state
         state.max_steps = max_steps
         self.loggers = self._build_loggers(resume_step=state.global_step if resume_from else None)
@@ -158,28 +153,41 @@ class Fitter:
             log.info("model summary\n%s", model_summary(module))
 
         self._grad_norm: torch.Tensor | None = None
-        last_metrics: dict[str, float] = {}
+        self._last_metrics: dict[str, float] = {}
         start_time, start_step, start_samples = time.perf_counter(), state.global_step, state.samples_seen
         if strategy.root_device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(strategy.root_device)
 
+        # lightlike's sampler deals every rank the same number of batches, and with the default
+        # num_items the same counts; otherwise the ranks agree each step that all still have data
+        # (an epoch ends everywhere when one rank runs out) and sum their item counts
+        agree_on_data = strategy.world_size > 1 and train_data.sampler is None
+        self._uniform_counts = train_data.sampler is not None and type(module).num_items is TaskModule.num_items
         self._preemption = preemption = PreemptionHandler(cfg.preemption_signals)
-        self._stop_agreed, self._stop_vote = False, None
+        self._stop_agreed: Any = False  # the stop flag agreed in this step's item-count reduction
         preemption.install()
         try:
             callbacks.call("on_fit_start", self, state, control)
             model.train()
             epoch = state.epoch_index
             # ---- the loop ----------------------------------------------------------------------
-            while state.global_step < max_steps and not control.should_training_stop:
+            while state.global_step < max_steps and not control.should_training_stop and epoch < epoch_limit:
                 batches = train_data.epoch_iterator(epoch, state.samples_in_epoch)
+                start_sample, batches_here = state.samples_in_epoch, 0  # where this iterator began
                 if state.batches_in_epoch == 0:
                     callbacks.call("on_epoch_start", self, state, control)
-                epoch_exhausted = False
                 while state.global_step < max_steps:
                     window = list(itertools.islice(batches, accum))  # this step's micro-batches
-                    if not window:
-                        epoch_exhausted = True
+                    if agree_on_data and strategy.reduce_flag(not window) and window:
+                        log.warning("another rank ran out of training data: skipping this rank's last "
+                                    "%d batch(es) of epoch %d", len(window), epoch)
+                        window = []
+                    if not window:  # the epoch ran out (its length was not known, or drop_last)
+                        if state.batches_in_epoch == 0:
+                            raise DataError(f"epoch {epoch} of the training data produced no batch")
+                        epoch = self._end_epoch(epoch, eval_sets)
+                        if self._save_due(epoch_ended=True):
+                            self._save_checkpoint(wait=False)
                         break
                     callbacks.call("on_step_start", self, state, control)
                     self._phase = "train step"
@@ -188,58 +196,44 @@ class Fitter:
                         scheduler.step()
                     state.global_step += 1
                     state.batches_in_epoch += len(window)
-                    in_epoch = train_data.samples_after(state.batches_in_epoch, strategy.world_size)
+                    batches_here += len(window)
+                    in_epoch = train_data.samples_after(start_sample, batches_here, strategy.world_size)
                     state.samples_seen += in_epoch - state.samples_in_epoch
                     state.samples_in_epoch = in_epoch
-                    state.epoch = epoch + (min(1.0, state.batches_in_epoch / batches_per_epoch) if batches_per_epoch else 0.0)
+                    state.epoch = epoch + train_data.epoch_fraction(in_epoch, state.batches_in_epoch, batches_per_epoch)
                     callbacks.call("on_step_end", self, state, control)
 
-                    if control.should_log or self._is_log_step(state.global_step):
+                    # ---- the step boundary: log, evaluate, end the epoch, then save ---------------
+                    # (a checkpoint taken here holds everything done at this step, so a resumed
+                    # run repeats none of it: no log line, evaluation or epoch end twice)
+                    step, last = state.global_step, state.global_step >= max_steps
+                    log_step = self._is_log_step(step)
+                    if control.should_log or log_step or last:
                         self._log_training()
-                    if control.should_evaluate or (cfg.eval_every and state.global_step % cfg.eval_every == 0):
-                        last_metrics = self._evaluate_all(eval_sets)
-                    if control.should_save or self._is_save_step(state.global_step):
+                    if control.should_evaluate or (cfg.eval_every and step % cfg.eval_every == 0) \
+                            or (last and eval_sets and state.last_eval_step != step):
+                        self._evaluate_all(eval_sets)
+                    epoch_ended = control.should_epoch_stop or train_data.epoch_done(state.samples_in_epoch,
+                                                                                     state.batches_in_epoch)
+                    if epoch_ended:
+                        epoch = self._end_epoch(epoch, eval_sets)
+                    if self._save_due(epoch_ended):
                         self._save_checkpoint(wait=False)
-                    if self._stop_requested():
+                    if preemption.stop_requested(strategy, step, self._stop_agreed, log_step):
                         self._preempted(preemption.signal_name or "a signal on another rank")
-                    if control.should_training_stop or control.should_epoch_stop:
+                    if control.should_training_stop or epoch_ended:
                         break
-                if state.batches_in_epoch == 0 and epoch_exhausted:
-                    raise DataError(f"epoch {epoch} of the training data produced no batch")
-                # ---- end of epoch ------------------------------------------------------------------
-                epoch_exhausted = epoch_exhausted or control.should_epoch_stop or (
-                    batches_per_epoch is not None and state.batches_in_epoch >= batches_per_epoch)
-                control.should_epoch_stop = False
-                callbacks.call("on_epoch_end", self, state, control)
-                if epoch_exhausted:
-                    if cfg.eval_on_epoch_end and eval_sets and state.last_eval_step != state.global_step:
-                        last_metrics = self._evaluate_all(eval_sets)
-                    epoch += 1
-                    state.epoch_index, state.batches_in_epoch, state.samples_in_epoch = epoch, 0, 0
-                    state.epoch = float(epoch)
-                    if cfg.save_strategy == "epoch" and state.last_save_step != state.global_step:
-                        self._save_checkpoint(wait=False)
-            # ---- end of training -------------------------------------------------------------
-            self._finish_stop_vote()
+            # ---- end of training (stopped by a callback, or no step left to take) ----------------
+            self._preemption.finish_vote()
             self._log_training(final=True)
             if eval_sets and state.last_eval_step != state.global_step:
-                last_metrics = self._evaluate_all(eval_sets)
-            if cfg.save_strategy == "steps" and cfg.save_every and state.last_save_step != state.global_step:
+                self._evaluate_all(eval_sets)
+            if self._save_due(final=True):
                 self._save_checkpoint()
             self._commit_checkpoint()  # an asynchronous write still in flight
             if cfg.load_best_at_end and state.best_checkpoint:
                 self._load_best_weights()
             callbacks.call("on_fit_end", self, state, control)
-        except BaseException as error:
-            if not isinstance(error, Preempted):
-                strategy.note_failure()
-            if not isinstance(error, (Preempted, KeyboardInterrupt)):
-                # every rank says who failed where; the launcher (torchrun / srun) then ends the
-                # others, and their pending collectives fail instead of waiting
-                log.error("rank %d of %d failed during %s at step %d: %s: %s", strategy.global_rank,
-                          strategy.world_size, self._phase, self.state.global_step, type(error).__name__, error)
-            callbacks.call("on_exception", self, state, control, error)
-            raise
         finally:
             preemption.uninstall()
             for lg in self.loggers:
@@ -248,7 +242,7 @@ class Fitter:
         runtime = time.perf_counter() - start_time
         steps = state.global_step - start_step
         training_loss = self._loss_total / self._items_total if self._items_total else float("nan")
-        metrics = {**last_metrics, "train/loss": training_loss}
+        metrics = {**self._last_metrics, "train/loss": training_loss}
         return FitResult(
             global_step=state.global_step,
             training_loss=training_loss,
@@ -262,6 +256,24 @@ class Fitter:
             state=state,
         )
 
+    @contextlib.contextmanager
+    def _failing_fast(self) -> Iterator[None]:
+        """Around fit/validate/test/predict: on an error, every rank says who failed where, and
+        the strategy is told not to wait for its peers at teardown; the launcher (torchrun /
+        srun) then ends the others, whose pending collectives fail instead of waiting."""
+        try:
+            yield
+        except BaseException as error:
+            strategy = self.strategy
+            if strategy is not None and not isinstance(error, Preempted):
+                strategy.note_failure()
+            if not isinstance(error, (Preempted, KeyboardInterrupt)):
+                rank, world = (strategy.global_rank, strategy.world_size) if strategy else (0, 1)
+                log.error("rank %d of %d failed during %s at step %d: %s: %s", rank, world, self._phase,
+                          self.state.global_step, type(error).__name__, error)
+            self.callbacks.call("on_exception", self, self.state, self.control, error)
+            raise
+
     # ------------------------------------------------------------------------------------------
     def _training_step(self, window: list[Any], want_norm: bool) -> bool:
         """Forward/backward every micro-batch of one optimizer step, then clip and step.
@@ -274,14 +286,14 @@ class Fitter:
         batches = [strategy.batch_to_device(b) for b in window]
         counts = [module.num_items(b) for b in batches]
         normaliser = strategy.item_normaliser(counts, self._preemption.received is not None,
-                                              uniform=self.train_data.sampler is not None)  # type: ignore[union-attr]
+                                              uniform=self._uniform_counts)
         last = len(batches) - 1
         step = self.state.global_step + 1
         for i, batch in enumerate(batches):
             with strategy.no_sync(model, enabled=i < last):
                 with strategy.autocast():
                     outputs = call_module(model, batch, "at step {}, micro-batch {}", step, i)
-                    loss = check_loss(module.loss(outputs, batch), "at step {}, micro-batch {}", step, i)
+                    loss = call_loss(module, outputs, batch, "at step {}, micro-batch {}", step, i)
                 weight = _weight(counts[i], normaliser.total(), loss.dtype)
                 unit = isinstance(weight, float) and weight == 1.0  # one micro-batch: skip the extra op
                 strategy.backward(loss if unit else loss * weight, model)
@@ -324,9 +336,9 @@ class Fitter:
             items = [float(n) for n in counts]
         values = [(loss, n, p[2], p[3]) for loss, n, p in zip(losses, items, self._pending, strict=True)]
         if self.config.nonfinite_loss == "raise":
-            for loss, _, step, micro in values:
+            for loss, n, step, micro in values:
                 if not math.isfinite(loss):
-                    raise NonFiniteLossError(step, micro, loss)
+                    raise NonFiniteLossError(step, micro, loss, items=n)
         return values
 
     def _log_training(self, final: bool = False) -> None:
@@ -341,6 +353,7 @@ class Fitter:
         self._loss_total += loss_sum
         self._items_total += item_sum
         state = self.state
+        state.items_seen += item_sum
         metrics: dict[str, float] = {
             "train/loss": loss_sum / item_sum if item_sum else float("nan"),
             "train/epoch": round(state.epoch, 4),
@@ -386,8 +399,7 @@ class Fitter:
             if is_improvement(metrics[key], state.best_metric, greater):
                 state.best_metric, state.best_step = metrics[key], state.global_step
         self._emit("on_evaluate", metrics)
-        if cfg.save_strategy == "best" and state.best_step == state.global_step:
-            self._save_checkpoint(wait=False)
+        self._last_metrics = metrics
         return metrics
 
     def pending_loss_values(self) -> list[list[float]]:
@@ -404,15 +416,22 @@ class Fitter:
     # ==========================================================================================
     def validate(self, module: TaskModule, data: Any) -> dict[str, float]:
         """Evaluate on ``data`` (or a dict of sets); keys ``val/<name>`` (or ``<set>/<name>``)."""
-        return self._evaluate_standalone(module, data, "val")
+        with self._failing_fast():
+            return self._evaluate_standalone(module, data, "val")
 
     def test(self, module: TaskModule, data: Any) -> dict[str, float]:
         """Like ``validate`` with keys ``test/<name>``."""
-        return self._evaluate_standalone(module, data, "test")
+        with self._failing_fast():
+            return self._evaluate_standalone(module, data, "test")
 
     def predict(self, module: TaskModule, data: Any) -> PredictionResult:
         """Predictions (``TaskModule.predictions``) in dataset order, labels if the batches carry
         them, and the metrics over the whole set (keys ``predict/<name>``)."""
+        with self._failing_fast():
+            return self._predict(module, data)
+
+    def _predict(self, module: TaskModule, data: Any) -> PredictionResult:
+        self._phase = "prediction"
         strategy = self._setup_strategy()
         model = self._prepare_for_eval(module)
         loader = self._eval_loaders(data, default_name="predict")["predict"]
@@ -427,6 +446,7 @@ class Fitter:
         return search(self, module_factory, space, n_trials, **options)
 
     def _evaluate_standalone(self, module: TaskModule, data: Any, default_name: str) -> dict[str, float]:
+        self._phase = "evaluation"
         strategy = self._setup_strategy()
         model = self._prepare_for_eval(module)
         metrics: dict[str, float] = {}
@@ -455,7 +475,7 @@ class Fitter:
             strategy.setup_environment()
             from lightlike.loggers.console import setup_logging
 
-            setup_logging(cfg.log_level, strategy.is_global_zero)
+            setup_logging(cfg.log_level, strategy.is_global_zero, cfg.log_level_other_ranks)
             self.strategy = strategy
         return self.strategy
 
@@ -475,14 +495,7 @@ class Fitter:
         custom = module.configure_optimizers(self.config)
         if custom is not None:
             return optim.unwrap_configure_optimizers(custom)
-        cfg = self.config
-        precision = self.strategy.precision  # type: ignore[union-attr]
-        if precision.param_dtype == torch.float16 and cfg.optimizer == "adamw" \
-                and cfg.adam_epsilon < torch.finfo(torch.float16).tiny:
-            log.warning("adam_epsilon=%g underflows in float16 (16-true keeps optimizer state in fp16): "
-                        "updates will be inf/NaN; set adam_epsilon=1e-4 or use precision='16-mixed'",
-                        cfg.adam_epsilon)
-        optimizer = optim.build_optimizer(module, self.config)
+        optimizer = optim.build_optimizer(module, self.config, self.strategy.precision)  # type: ignore[union-attr]
         return optimizer, optim.build_scheduler(optimizer, self.config, max_steps)
 
     def _default_callbacks(self) -> list[Callback]:
@@ -504,39 +517,14 @@ class Fitter:
             lg.log_hyperparams(self.config.to_dict())
         return loggers
 
-    def _stop_requested(self) -> bool:
-        """Preemption: on one process, whether a signal has arrived; on several, the flag agreed in
-        this step's item-count all-reduce (read every step on CPU, at log steps on an accelerator),
-        or with none (equal shares) a vote started every 10 steps and read at the next, which no
-        rank waits for: a signal is acted on 10-20 steps later, on every rank at the same step."""
-        strategy = self.strategy
-        assert strategy is not None
-        if strategy.world_size == 1:
-            return self._preemption.received is not None
-        flag = self._stop_agreed
-        if flag is None:
-            if self.state.global_step % 10:
-                return False
-            vote, self._stop_vote = self._stop_vote, strategy.reduce_flag_async(self._preemption.received is not None)
-            return vote is not None and vote()
-        if isinstance(flag, torch.Tensor):
-            if flag.device.type != "cpu" and not self._is_log_step(self.state.global_step):
-                return False
-            return bool(flag.item())
-        return bool(flag)
-
-    def _finish_stop_vote(self) -> None:
-        """Wait for the vote every rank started and drop it: its handle must not outlive the group."""
-        vote, self._stop_vote = self._stop_vote, None
-        if vote is not None:
-            vote()
-
     def _preempted(self, signal_name: str) -> None:
         """Save (once) at this step boundary, ask SLURM to requeue, exit with code 75."""
         state = self.state
         log.warning("%s received: saving a checkpoint at step %d and exiting", signal_name, state.global_step)
-        self._finish_stop_vote()
-        path = self._save_checkpoint() if state.last_save_step != state.global_step else None
+        self._preemption.finish_vote()
+        # always a full, resumable checkpoint (also over this step's weights-only one)
+        resave = state.last_save_step != state.global_step or self.config.save_only_model
+        path = self._save_checkpoint(full=True) if resave else None
         self._commit_checkpoint()  # this step's save may still be in flight
         checkpoint = str(path) if path else f"{self.config.output_dir}/checkpoint-{state.global_step}"
         if self.config.requeue_on_preemption and self.strategy.is_global_zero:  # type: ignore[union-attr]
@@ -551,8 +539,39 @@ class Fitter:
         cfg = self.config
         return cfg.save_strategy == "steps" and cfg.save_every is not None and step % cfg.save_every == 0
 
+    def _save_due(self, epoch_ended: bool = False, final: bool = False) -> bool:
+        """Whether to save at this step boundary: asked by a callback, or due by ``save_strategy``
+        (every ``save_every`` steps, at an epoch's end, at a new best, at the end); never twice."""
+        cfg, state, control = self.config, self.state, self.control
+        step = state.global_step
+        if state.last_save_step == step:
+            control.should_save = False
+            return False
+        return (control.should_save or self._is_save_step(step)
+                or (cfg.save_strategy == "epoch" and epoch_ended)
+                or (cfg.save_strategy == "best" and state.best_step == step)
+                or (final and cfg.save_strategy == "steps" and cfg.save_every is not None)
+                or (final and cfg.load_best_at_end and state.best_step == step))  # the best must be loadable
+
+    def _end_epoch(self, epoch: int, eval_sets: dict[str, Any]) -> int:
+        """End ``epoch`` at this step boundary: callbacks (their flags are acted on here), the
+        end-of-epoch evaluation, and the data position moves to the start of the next epoch,
+        before any checkpoint of this step is written. Returns the next epoch."""
+        cfg, state, control = self.config, self.state, self.control
+        control.should_epoch_stop = False
+        self.callbacks.call("on_epoch_end", self, state, control)
+        if control.should_log:
+            self._log_training()
+        if (control.should_evaluate or (cfg.eval_on_epoch_end and eval_sets)) and state.last_eval_step != state.global_step:
+            self._evaluate_all(eval_sets)  # once per step, however many reasons there are
+        control.should_evaluate = False
+        epoch += 1
+        state.epoch_index, state.batches_in_epoch, state.samples_in_epoch = epoch, 0, 0
+        state.epoch = float(epoch)
+        return epoch
+
     # -- checkpoints (lightlike/checkpoint/training.py does the work) ---------------------------------
-    def _save_checkpoint(self, wait: bool = True) -> Path | None:
+    def _save_checkpoint(self, wait: bool = True, full: bool | None = None) -> Path | None:
         """Save at this step boundary. ``wait=False`` lets a strategy that writes asynchronously
         return before its shards are on disk; the checkpoint is committed by the next save or at
         the end of the fit (``_commit_checkpoint``)."""
@@ -564,7 +583,7 @@ class Fitter:
         self._read_pending()  # raises now if a pending loss is non-finite
         for lg in self.loggers:  # what was logged up to this checkpoint reaches the disk first
             lg.flush()
-        path = save_training_checkpoint(self, wait=wait)
+        path = save_training_checkpoint(self, wait=wait, full=full)
         if path is not None:
             self.callbacks.call("on_save", self, self.state, self.control, str(path))
         return path
@@ -597,5 +616,6 @@ def _weight(count: int | torch.Tensor, total: int | torch.Tensor, dtype: torch.d
     """count / total: a Python float for int counts, else a device tensor (computed in float64)."""
     if isinstance(count, torch.Tensor) or isinstance(total, torch.Tensor):  # no host read: stays a tensor
         return (torch.as_tensor(count, dtype=torch.float64) / torch.as_tensor(total, dtype=torch.float64)).to(dtype)
-    return count / total
+    return count / total if total else 0.0  # no item in the whole step: its loss is 0/0 anyway
+
 

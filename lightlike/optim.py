@@ -11,6 +11,7 @@ then loads the state. The scheduler is stepped once per applied optimizer step;
 from __future__ import annotations
 
 import functools
+import logging
 import math
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -21,6 +22,8 @@ from torch.optim.lr_scheduler import LambdaLR, ReduceLROnPlateau
 
 from lightlike.config import OPTIMIZERS, SCHEDULERS
 from lightlike.errors import ConfigError, ModuleContractError
+
+log = logging.getLogger("lightlike")
 
 #: Modules whose own parameters never get weight decay (besides biases and 1-D parameters).
 NORM_TYPES: tuple[type[nn.Module], ...] = (
@@ -95,7 +98,7 @@ def _check_optimizer_settings(config: Any) -> None:
 _FUSED_DEVICES = ("cuda", "cpu")
 
 
-def build_optimizer(module: nn.Module, config: Any) -> torch.optim.Optimizer:
+def build_optimizer(module: nn.Module, config: Any, precision: Any = None) -> torch.optim.Optimizer:
     """The optimizer ``config.optimizer`` names, over ``param_groups(module, config.weight_decay)``.
 
     ``"adamw"``: ``AdamW(lr, betas=(adam_beta1, adam_beta2), eps=adam_epsilon)``. ``fused=None``
@@ -107,6 +110,11 @@ def build_optimizer(module: nn.Module, config: Any) -> torch.optim.Optimizer:
     ``"sgd"``: ``SGD(lr, momentum)``; weight decay there is SGD's coupled L2 term.
     """
     _check_optimizer_settings(config)
+    if precision is not None and precision.param_dtype == torch.float16 and config.optimizer == "adamw" \
+            and config.adam_epsilon < torch.finfo(torch.float16).tiny:
+        log.warning("adam_epsilon=%g underflows in float16 (16-true keeps optimizer state in fp16): "
+                    "updates will be inf/NaN; set adam_epsilon=1e-4 or use precision='16-mixed'",
+                    config.adam_epsilon)
     groups = param_groups(module, config.weight_decay)
     if not groups:
         raise ModuleContractError("the module has no trainable parameters (requires_grad=True) to optimize")

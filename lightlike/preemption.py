@@ -41,6 +41,7 @@ class PreemptionHandler:
     def __init__(self, signals: list[str] | tuple[str, ...]):
         self.signals = [_signal(name) for name in signals]
         self.received: int | None = None
+        self.vote: Any = None  # the every-10-steps vote in flight (several processes, equal shares)
         self._previous: dict[int, Any] = {}
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
@@ -57,6 +58,32 @@ class PreemptionHandler:
         for sig, previous in self._previous.items():
             signal.signal(sig, previous)
         self._previous.clear()
+
+    def stop_requested(self, strategy: Any, step: int, agreed: Any, log_step: bool) -> bool:
+        """At a step boundary, whether every rank stops now. On one process: whether a signal
+        has arrived. On several: the flag agreed in this step's item-count all-reduce (``agreed``;
+        read every step on the CPU, at log steps on an accelerator, where the host syncs anyway),
+        or with none (equal shares: ``agreed`` is None) a vote started every 10 steps and read at
+        the next, which no rank waits for: a signal is acted on 10-20 steps later, on every rank
+        at the same step."""
+        if strategy.world_size == 1:
+            return self.received is not None
+        if agreed is None:
+            if step % 10:
+                return False
+            vote, self.vote = self.vote, strategy.reduce_flag_async(self.received is not None)
+            return vote is not None and vote()
+        if isinstance(agreed, bool):
+            return agreed
+        if agreed.device.type != "cpu" and not log_step:  # a device tensor
+            return False
+        return bool(agreed.item())
+
+    def finish_vote(self) -> None:
+        """Wait for the vote every rank started and drop it: its handle must not outlive the group."""
+        vote, self.vote = self.vote, None
+        if vote is not None:
+            vote()
 
     @property
     def signal_name(self) -> str:

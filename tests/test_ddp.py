@@ -43,7 +43,7 @@ def assert_close(a, b, tol=1e-12):
         torch.testing.assert_close(a[k], b[k], rtol=tol, atol=tol, msg=k)
 
 
-@pytest.mark.parametrize("module,accum", [("plain", 1), ("plain", 2), ("token", 2)])
+@pytest.mark.parametrize("module,accum", [("plain", 1), ("plain", 2), ("token", 2), ("inttoken", 2)])
 def test_two_processes_equal_one_with_double_batch(tmp_path, module, accum):
     """2 ranks x batch 4 == 1 rank x batch 8, in float64 (to 1e-12), with accumulation and
     uneven item counts (token module: each item holds 1-4 'tokens'); 46 items: a short last batch."""
@@ -89,6 +89,63 @@ def test_resume_on_another_world_size(tmp_path, before, after):
     assert p.returncode == 0, p.stderr[-3000:]
     assert "not a bit-exact continuation" in p.stderr or after == before
     assert_close(weights(out), weights(tmp_path / "ref"), tol=1e-10)
+
+
+@pytest.mark.parametrize("before,after", [(1, 2), (2, 1)])
+def test_resume_on_another_world_size_with_the_same_per_rank_batch(tmp_path, before, after):
+    """The global batch changes with the world size (4 per rank): the resumed run takes exactly
+    the samples the first run left in the epoch, each once, and its checkpoints record the
+    true global position."""
+    first_steps = 3 if before == 1 else 2  # 12 or 16 of the 40 samples
+    done = 4 * before * first_steps
+    steps = first_steps + -(-(40 - done) // (4 * after))  # to the end of the epoch
+    common = ["--items", "40", "--batch", "4", "--save-every", "1", "--data", "recording"]
+    out = tmp_path / "run"
+    p = launch(before, out, "--steps", str(first_steps), *common)
+    assert p.returncode == 0, p.stderr[-3000:]
+    p = launch(after, out, "--steps", str(steps), "--resume", *common)
+    assert p.returncode == 0, p.stderr[-3000:]
+    first = sum((json.loads((out / f"served-first-rank{r}.json").read_text()) for r in range(before)), [])
+    rest = sum((json.loads((out / f"served-resumed-rank{r}.json").read_text()) for r in range(after)), [])
+    assert len(first) == done
+    assert sorted(first + rest) == list(range(40))
+    for step in range(first_steps + 1, steps):
+        state = json.loads((out / f"checkpoint-{step}" / "trainer_state.json").read_text())["state"]
+        assert (state["epoch_index"], state["samples_in_epoch"]) == (0, done + (step - first_steps) * 4 * after)
+    state = json.loads((out / f"checkpoint-{steps}" / "trainer_state.json").read_text())["state"]
+    assert (state["epoch_index"], state["samples_in_epoch"], state["samples_seen"]) == (1, 0, 40)
+
+
+def test_uneven_iterable_shards_end_the_epoch_on_every_rank(tmp_path):
+    """Rank 0's stream holds 5 items an epoch, rank 1's 3: both ranks end each epoch after 3
+    steps (rank 0 skips its last 2 batches, with a warning) and evaluate together at its end."""
+    p = launch(2, tmp_path / "run", "--data", "uneven-stream", "--batch", "1", "--steps", "7",
+               "--eval-on-epoch-end", timeout=120)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "another rank ran out of training data" in p.stderr
+    w0, w1 = weights(tmp_path / "run", 0), weights(tmp_path / "run", 1)
+    assert all(torch.equal(w0[k], w1[k]) for k in w0), "ranks disagree"
+    evals = [json.loads(x)["step"] for x in (tmp_path / "run" / "logs" / "metrics.jsonl").read_text().splitlines()
+             if "val/loss" in x]
+    assert evals == [3, 6, 7]  # two epoch ends, then the final evaluation
+
+
+def test_failures_outside_the_training_loop_end_every_rank(tmp_path):
+    """An output_dir that holds a run (checked on rank 0 only) and an error in validate() on
+    rank 1: every rank exits quickly, and the message says what to change / who failed."""
+    out = tmp_path / "run"
+    assert launch(2, out, "--steps", "2", "--save-every", "2").returncode == 0
+    start = time.monotonic()
+    p = launch(2, out, "--steps", "2", "--save-every", "2", "--no-overwrite", timeout=120)
+    assert p.returncode != 0
+    assert p.stderr.count("already holds a run") >= 2, p.stderr[-3000:]  # raised on both ranks
+    assert time.monotonic() - start < 60  # generous bounds on a hang, not speed claims
+    start = time.monotonic()
+    p = launch(2, tmp_path / "eval", "--mode", "fail-eval", "--items", "9", timeout=120)
+    elapsed = time.monotonic() - start
+    assert p.returncode != 0
+    assert "rank 1 of 2 failed during evaluation" in p.stderr, p.stderr[-3000:]
+    assert elapsed < 60, f"took {elapsed:.0f}s"
 
 
 def test_failure_on_one_rank_ends_all_quickly(tmp_path):

@@ -8,7 +8,15 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, Dataset, IterableDataset
+from torch.utils.data import (
+    BatchSampler,
+    DataLoader,
+    Dataset,
+    DistributedSampler,
+    IterableDataset,
+    RandomSampler,
+    SequentialSampler,
+)
 
 from lightlike.data.iterable import ShardedIterable
 from lightlike.data.sampler import ResumableSampler
@@ -33,13 +41,33 @@ class TrainData:
         except TypeError:
             return None
 
-    def samples_after(self, batches: int, world_size: int) -> int:
-        """Global samples consumed after ``batches`` batches on each rank: batches are dealt
-        round-robin from the global order, so this is ``batches * batch_size * world_size``,
-        capped at the epoch's length (the last batch may be short)."""
-        consumed = batches * (self.loader.batch_size or 1) * world_size
+    def samples_after(self, start: int, batches: int, world_size: int) -> int:
+        """The global sample position after ``batches`` batches on each rank, counted from an
+        iterator begun at position ``start``: batches are dealt round-robin from the global
+        order, so ``start + batches * batch_size * world_size``, capped at the epoch's end (the
+        last batch may be short). Counting from the iterator's own start keeps the position
+        right when a resumed run uses another batch size or world size."""
+        consumed = start + batches * (self.loader.batch_size or 1) * world_size
         end = self.sampler.global_end() if self.sampler is not None else self.num_samples
         return min(consumed, end) if end is not None else consumed
+
+    def epoch_done(self, samples_in_epoch: int, batches_in_epoch: int) -> bool:
+        """Whether the current epoch has no batch left, when that is known without asking the
+        iterator (False otherwise: an empty accumulation window then ends the epoch)."""
+        if self.sampler is not None:
+            left = self.sampler.global_end() - samples_in_epoch  # a multiple of W for training
+            per_rank = left // self.sampler.world_size
+            return per_rank == 0 or (bool(self.loader.drop_last) and per_rank < (self.loader.batch_size or 1))
+        per_epoch = self.batches_per_epoch()
+        return per_epoch is not None and batches_in_epoch >= per_epoch
+
+    def epoch_fraction(self, samples_in_epoch: int, batches_in_epoch: int, batches_per_epoch: int | None) -> float:
+        """How far into its epoch the run is, in [0, 1] (0 when the length is unknown)."""
+        sampler = self.sampler
+        if sampler is not None:
+            per_epoch = sampler.n - sampler.n % sampler.world_size if sampler.drop_last else sampler.n
+            return min(1.0, samples_in_epoch / per_epoch) if per_epoch else 0.0
+        return min(1.0, batches_in_epoch / batches_per_epoch) if batches_per_epoch else 0.0
 
     def epoch_iterator(self, epoch: int, start_sample: int = 0) -> Any:
         """An iterator over the batches of ``epoch`` beginning ``start_sample`` samples in."""
@@ -85,6 +113,8 @@ def build_train_data(
     if isinstance(data, DataLoader):
         if not isinstance(data.dataset, IterableDataset):
             _check_nonempty(data.dataset, "training")
+        if world_size > 1 and not _already_split(data, world_size=world_size):
+            data = _split_train_loader(data, shuffle=shuffle, seed=seed, rank=rank, world_size=world_size)
         sampler = data.sampler if isinstance(data.sampler, ResumableSampler) else None
         n = sampler.n if sampler is not None else None
         return TrainData(data, sampler, n, seed, data.generator)
@@ -131,14 +161,23 @@ def build_eval_loader(
 ) -> DataLoader:
     """In-order loader; on several ranks each takes a disjoint, unpadded share. It has its own
     generator: starting an iterator must not draw from the global RNG (that would perturb the
-    training run's dropout stream every time it evaluates)."""
+    training run's dropout stream every time it evaluates).
+
+    A DataLoader of the user's is used as it is on one process; on several it is rebuilt over
+    the same dataset and settings with this split (``_split_eval_loader``), unless it already
+    has one (an in-order ``ResumableSampler`` of this rank, or an IterableDataset with
+    ``shards_itself = True``)."""
     if isinstance(data, DataLoader):
+        if world_size > 1 and not _already_split(data, for_eval=True, rank=rank, world_size=world_size):
+            return _split_eval_loader(data, batch_size=batch_size, rank=rank, world_size=world_size, name=name)
         return data
     if not isinstance(data, Dataset) and not hasattr(data, "__getitem__"):
         raise DataError(f"{name} data of type {type(data).__name__} is neither a Dataset nor a DataLoader")
     if isinstance(data, IterableDataset):
+        if (world_size > 1 or num_workers > 1) and not getattr(data, "shards_itself", False):
+            data = ShardedIterable(data, rank, world_size, block=batch_size)  # each item once, in order
         return DataLoader(data, batch_size=batch_size, num_workers=num_workers, collate_fn=collate_fn,
-                          generator=torch.Generator())
+                          pin_memory=pin_memory, generator=torch.Generator())
     n = _check_nonempty(data, name)
     assert n is not None
     sampler = ResumableSampler(n, shuffle=False, rank=rank, world_size=world_size)
@@ -156,3 +195,123 @@ def normalise_eval_sets(data: Any, default_name: str = "val") -> dict[str, Any]:
                 raise DataError(f"evaluation set names must be non-empty strings without '/', got {k!r}")
         return dict(data)
     return {default_name: data}
+
+
+# -- a DataLoader of the user's, on several processes ----------------------------------------------
+# Like Lightning's use_distributed_sampler and Accelerate's prepare: the loader is rebuilt over
+# the same dataset with the same settings and lightlike's split, so every rank takes its own
+# share instead of the whole set.
+
+
+def _batching(loader: DataLoader) -> tuple[int | None, bool, bool]:
+    """``(batch_size, drop_last, custom)``: ``custom`` when the loader has a batch_sampler of the
+    user's, whose own ``batch_size``/``drop_last`` are read when it has them."""
+    bs = loader.batch_sampler
+    if bs is None or type(bs) is BatchSampler:
+        return loader.batch_size, bool(loader.drop_last), False
+    size = getattr(bs, "batch_size", None)
+    return (size if isinstance(size, int) else None), bool(getattr(bs, "drop_last", False)), True
+
+
+def _already_split(loader: DataLoader, *, for_eval: bool = False, rank: int = 0, world_size: int = 1) -> bool:
+    """Whether the user's loader already gives this rank its own share."""
+    if isinstance(loader.dataset, IterableDataset):
+        return bool(getattr(loader.dataset, "shards_itself", False)) or isinstance(loader.dataset, ShardedIterable)
+    sampler = loader.sampler
+    if for_eval:  # only what lightlike would build itself: in order, unpadded, this rank's
+        return (type(sampler) is ResumableSampler and not sampler.shuffle and not sampler.drop_last
+                and sampler.start == 0 and (sampler.rank, sampler.world_size) == (rank, world_size)
+                and _batching(loader)[1:] == (False, False))
+    for s in (sampler, getattr(loader.batch_sampler, "sampler", None)):
+        if isinstance(s, ResumableSampler) and s.world_size != world_size:
+            raise DataError(f"the training DataLoader's {type(s).__name__} has world_size={s.world_size} but the "
+                            f"job runs {world_size} processes: build it with rank=..., world_size=... of this job "
+                            "(or pass the Dataset and let the Fitter split it)")
+        if isinstance(s, (ResumableSampler, DistributedSampler)):
+            return True
+    return False
+
+
+def _loader_like(loader: DataLoader, dataset: Any, sampler: Any, batch_size: int | None, drop_last: bool,
+                 generator: torch.Generator, in_order: bool | None = None) -> DataLoader:
+    """A DataLoader over ``dataset`` with ``loader``'s workers, collate_fn and memory settings."""
+    kwargs: dict[str, Any] = dict(
+        batch_size=batch_size, sampler=sampler, num_workers=loader.num_workers, collate_fn=loader.collate_fn,
+        pin_memory=loader.pin_memory, drop_last=drop_last, timeout=loader.timeout,
+        worker_init_fn=loader.worker_init_fn, multiprocessing_context=loader.multiprocessing_context,
+        generator=generator, persistent_workers=loader.persistent_workers,
+        pin_memory_device=loader.pin_memory_device, in_order=loader.in_order if in_order is None else in_order)
+    if loader.num_workers:
+        kwargs["prefetch_factor"] = loader.prefetch_factor
+    return DataLoader(dataset, **kwargs)
+
+
+def _plain_sampler(loader: DataLoader) -> bool | None:
+    """The user's sampler as a shuffle flag: True for a plain RandomSampler, False for a
+    SequentialSampler, None for anything else (which cannot be kept)."""
+    s = loader.sampler
+    if type(s) is SequentialSampler:
+        return False
+    if type(s) is RandomSampler and not s.replacement and s._num_samples is None:
+        return True
+    return None
+
+
+def _split_train_loader(loader: DataLoader, *, shuffle: bool, seed: int, rank: int, world_size: int) -> DataLoader:
+    batch_size, drop_last, custom = _batching(loader)
+    generator = torch.Generator()
+    generator.manual_seed(seed)
+    if isinstance(loader.dataset, IterableDataset):
+        log.info("the training DataLoader's IterableDataset is sharded over %d processes (set shards_itself = True "
+                 "on a dataset that shards itself)", world_size)
+        return _loader_like(loader, ShardedIterable(loader.dataset, rank, world_size), None, batch_size, drop_last,
+                            generator)
+    if custom and batch_size is None:
+        raise DataError(f"cannot split the training DataLoader over {world_size} processes: its batch_sampler "
+                        f"({type(loader.batch_sampler).__name__}) has no batch_size to keep. Pass the Dataset, a "
+                        "DataLoader with batch_size=..., or one whose sampler is a ResumableSampler (or "
+                        "DistributedSampler) built for this job's ranks")
+    shuffled = _plain_sampler(loader)
+    if custom or shuffled is None:
+        what = f"batch_sampler ({type(loader.batch_sampler).__name__})" if custom else \
+            f"sampler ({type(loader.sampler).__name__})"
+        log.warning("the training DataLoader's %s cannot be split over %d processes: it is replaced by lightlike's "
+                    "ResumableSampler (shuffle=%s, seed=%d, batch_size=%s). To keep your own, give it a "
+                    "ResumableSampler or DistributedSampler built for this job's ranks", what, world_size,
+                    shuffle if shuffled is None else shuffled, seed, batch_size)
+    n = len(loader.dataset)  # type: ignore[arg-type]
+    if drop_last and batch_size and n // world_size < batch_size:
+        raise DataError(f"drop_last=True with batch_size={batch_size} leaves no batch of the {n} training items "
+                        f"on {world_size} processes; lower batch_size or set drop_last=False")
+    if n % world_size:
+        log.warning("%d training items do not split evenly over %d processes: %d item(s) of each epoch's "
+                    "shuffled order are left out so every process takes the same number of steps",
+                    n, world_size, n % world_size)
+    sampler = ResumableSampler(n, shuffle=shuffle if shuffled is None else shuffled, seed=seed, rank=rank,
+                               world_size=world_size, even=True)
+    return _loader_like(loader, loader.dataset, sampler, batch_size, drop_last, generator)
+
+
+def _split_eval_loader(loader: DataLoader, *, batch_size: int, rank: int, world_size: int, name: str) -> DataLoader:
+    own, drop_last, custom = _batching(loader)
+    size = own if own is not None or not custom else batch_size
+    iterable = isinstance(loader.dataset, IterableDataset)
+    changes = []
+    if custom:
+        changes.append(f"its batch_sampler ({type(loader.batch_sampler).__name__}) is replaced by batches of {size}")
+    if drop_last:
+        changes.append("drop_last is ignored (evaluation counts every item once)")
+    if not iterable and type(loader.sampler) is not SequentialSampler:
+        changes.append(f"its sampler ({type(loader.sampler).__name__}) is replaced by an in-order split "
+                       "(predictions come back in dataset order)")
+    if changes:
+        log.warning("the %s DataLoader is split over %d processes: %s", name, world_size, "; ".join(changes))
+    if iterable:
+        dataset: Any = ShardedIterable(loader.dataset, rank, world_size, block=size or 1)  # type: ignore[arg-type]
+        sampler = None
+    else:
+        dataset = loader.dataset
+        n = _check_nonempty(dataset, name)
+        assert n is not None
+        sampler = ResumableSampler(n, shuffle=False, rank=rank, world_size=world_size)
+    return _loader_like(loader, dataset, sampler, size, False, torch.Generator(), in_order=True)

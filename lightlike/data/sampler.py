@@ -67,8 +67,8 @@ class ResumableSampler(Sampler[int]):
         return self._global_end()
 
     def _global_end(self) -> int:
-        if self.drop_last:
-            return self.n - self.n % self.world_size
+        if self.drop_last:  # the rest from ``start`` splits evenly (a resume may start anywhere)
+            return self.n - (self.n - self.start) % self.world_size
         return self.n
 
     def __iter__(self) -> Iterator[int]:

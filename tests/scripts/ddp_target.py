@@ -66,6 +66,43 @@ class Footprint(ll.Callback):
             (self.out / f"footprint-rank{fitter.strategy.global_rank}.json").write_text(json.dumps(footprint))
 
 
+class IntTokenClassifier(TokenClassifier):
+    """Item counts as host ints (not tensors): they differ between ranks all the same."""
+
+    def num_items(self, batch):
+        return int(batch["w"].sum())
+
+
+class FailingMetrics(Classifier):
+    def metrics(self, outputs, batch):
+        if int(os.environ.get("RANK", "0")) == 1:
+            raise RuntimeError("injected failure in metrics on rank 1")
+        return {}
+
+
+class Recording(DictDataset):
+    """Records the indices it serves (num_workers=0), dumped per rank after the fit."""
+
+    served: list[int] = []
+
+    def __getitem__(self, i):
+        Recording.served.append(int(i))
+        return super().__getitem__(i)
+
+
+class UnevenStream(torch.utils.data.IterableDataset):
+    """An iterable dataset that shards itself unevenly: rank r yields 5 - 2r items per epoch."""
+
+    shards_itself = True
+
+    def __init__(self, dtype):
+        self.data = DictDataset(n=8, dtype=dtype)
+
+    def __iter__(self):
+        rank = int(os.environ.get("RANK", "0"))
+        return iter([self.data[i] for i in range(5 - 2 * rank)])
+
+
 class F1Module(Classifier):
     def metrics(self, outputs, batch):
         return {"accuracy": (outputs.argmax(-1) == batch["y"]).double().mean()}
@@ -101,10 +138,17 @@ def main() -> None:
     p.add_argument("--meta", action="store_true", help="build the module on the meta device")
     p.add_argument("--init-module", action="store_true", help="build the module in fitter.init_module()")
     p.add_argument("--gradient-checkpointing", action="store_true")
+    p.add_argument("--data", default="dict", choices=["dict", "recording", "uneven-stream"])
+    p.add_argument("--no-overwrite", action="store_true", help="refuse an output_dir that holds a run")
+    p.add_argument("--eval-on-epoch-end", action="store_true")
     args = p.parse_args()
     rank = int(os.environ.get("RANK", "0"))
     out = Path(args.out)
     torch.manual_seed(0)
+    if args.mode == "fail-eval":  # a failure on rank 1 inside validate(), outside any fit()
+        fitter = ll.Fitter(max_steps=1, eval_batch_size=args.batch, output_dir=str(out), loggers=[], log_level="warning")
+        fitter.validate(FailingMetrics().double(), DictDataset(n=args.items, dtype=torch.float64))
+        return
     if args.mode == "eval":
         model = F1Module().double()
         fitter = ll.Fitter(max_steps=1, eval_batch_size=args.batch, output_dir=str(out), loggers=[], log_level="warning")
@@ -114,7 +158,7 @@ def main() -> None:
             (out / "eval.json").write_text(json.dumps({"metrics": metrics, "predictions": pred.predictions.tolist(),
                                                        "labels": pred.labels.tolist()}))
         return
-    module_cls = TokenClassifier if args.task == "token" else Classifier
+    module_cls = {"token": TokenClassifier, "inttoken": IntTokenClassifier}.get(args.task, Classifier)
     dtype = getattr(torch, args.dtype)
     if args.meta:
         with torch.device("meta"):
@@ -145,9 +189,11 @@ def main() -> None:
     fitter = ll.Fitter(max_steps=args.steps, batch_size=args.batch, grad_accum_steps=args.accum, learning_rate=1e-2,
                        lr_scheduler="constant", output_dir=str(out), loggers=["jsonl"], log_every=1,
                        save_every=args.save_every or None, max_grad_norm=args.max_grad_norm or None,
-                       log_level="warning", callbacks=callbacks, overwrite_output_dir=not args.resume,
+                       log_level="warning", callbacks=callbacks,
+                       overwrite_output_dir=not (args.resume or args.no_overwrite),
                        strategy=strategy, precision=args.precision,
-                       gradient_checkpointing=args.gradient_checkpointing)
+                       gradient_checkpointing=args.gradient_checkpointing,
+                       eval_on_epoch_end=args.eval_on_epoch_end)
     if model is None:
         context = fitter.init_module()  # sets up the process group (which may draw random numbers)
         torch.manual_seed(0)  # the same initial weights as the other runs
@@ -155,9 +201,19 @@ def main() -> None:
             model = module_cls(width=args.width)
             if dtype != torch.float32:
                 model = model.to(dtype)
-    fitter.fit(model, DictDataset(n=args.items, dtype=dtype), resume=args.resume or None)
+    if args.data == "uneven-stream":
+        train: torch.utils.data.Dataset = UnevenStream(dtype)
+    elif args.data == "recording":
+        train = Recording(n=args.items, dtype=dtype)
+    else:
+        train = DictDataset(n=args.items, dtype=dtype)
+    val = DictDataset(n=5, dtype=dtype) if args.data == "uneven-stream" else None
+    fitter.fit(model, train, val, resume=args.resume or None)
+    if args.data == "recording":
+        (out / f"served-{'resumed' if args.resume else 'first'}-rank{fitter.strategy.global_rank}.json").write_text(
+            json.dumps(Recording.served))
     # the last preemption vote was waited for and dropped: no collective handle outlives the fit
-    assert fitter._stop_vote is None, "a preemption vote is still in flight after fit()"
+    assert fitter._preemption.vote is None, "a preemption vote is still in flight after fit()"
     strategy = fitter.strategy
     rank = strategy.global_rank  # under SLURM, known once the Fitter has read the environment
     # full weights (gathered from the shards under FSDP/ZeRO: collective, so every rank asks)

@@ -1,0 +1,40 @@
+"""``auto_find_batch_size``: retry a fit with a smaller batch after running out of memory."""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from lightlike.fitter import Fitter
+    from lightlike.state import FitResult
+
+log = logging.getLogger("lightlike")
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """CUDA's OutOfMemoryError, or the CPU allocator's RuntimeError (the text the HF Trainer matches)."""
+    return isinstance(error, torch.OutOfMemoryError) or "can't allocate memory" in str(error)
+
+
+def fit_finding_batch_size(fitter: Fitter, module: Any, train: Any, val: Any, resume: Any) -> FitResult:
+    """On out-of-memory, halve the batch, double the accumulation (the same items per step) and
+    start again from the module's initial weights, down to batch size 1."""
+    snapshot = {k: v.detach().clone() for k, v in module.state_dict().items()}
+    while True:
+        try:
+            return fitter._fit(module, train, val, resume)
+        except RuntimeError as error:  # torch.OutOfMemoryError is one
+            cfg = fitter.config
+            if not is_out_of_memory(error) or cfg.batch_size == 1:
+                raise
+            new_bs, new_acc = cfg.batch_size // 2, cfg.grad_accum_steps * 2
+            log.warning("out of memory at batch_size=%d: retrying from the start with batch_size=%d, "
+                        "grad_accum_steps=%d", cfg.batch_size, new_bs, new_acc)
+            fitter.config = cfg.replace(batch_size=new_bs, grad_accum_steps=new_acc, overwrite_output_dir=True)
+            module.load_state_dict(snapshot)
+            module.zero_grad(set_to_none=True)  # the failed step's partial gradients
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()

@@ -1,0 +1,183 @@
+"""The loop's bookkeeping at step and epoch boundaries: callback flags at an epoch's end, epoch
+limits, the data position across a change of batch size, logs that a resumed run does not
+repeat, out-of-memory retries, and the figures the state keeps."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+import lightlike as ll
+from lightlike.errors import DataError, NonFiniteLossError
+from tests.helpers import Classifier, DictDataset, flat_params
+
+
+class Recorder(ll.Callback):
+    """Records epoch starts, evaluations and saves; optionally sets flags."""
+
+    def __init__(self, at_epoch_end: tuple[str, ...] = (), stop_epoch_at: int | None = None):
+        self.at_epoch_end, self.stop_epoch_at = at_epoch_end, stop_epoch_at
+        self.epochs: list[int] = []
+        self.evals: list[int] = []
+        self.saves: list[int] = []
+
+    def on_epoch_start(self, fitter, state, control):
+        self.epochs.append(state.epoch_index)
+
+    def on_step_end(self, fitter, state, control):
+        if state.global_step == self.stop_epoch_at:
+            control.should_epoch_stop = True
+
+    def on_epoch_end(self, fitter, state, control):
+        for flag in self.at_epoch_end:
+            setattr(control, flag, True)
+
+    def on_evaluate(self, fitter, state, control, metrics):
+        self.evals.append(state.global_step)
+
+    def on_save(self, fitter, state, control, path):
+        self.saves.append(state.global_step)
+
+
+def test_flags_set_at_an_epoch_end_act_at_that_step(tmp_path):
+    rec = Recorder(at_epoch_end=("should_save", "should_evaluate"))
+    ll.Fitter(max_epochs=2, batch_size=4, output_dir=str(tmp_path), loggers=[], callbacks=[rec]).fit(
+        Classifier(), DictDataset(n=12), DictDataset(n=8))
+    assert rec.saves == [3, 6]
+    assert rec.evals == [3, 6]  # the final evaluation is not repeated at step 6
+    assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-3", "checkpoint-6"]
+
+
+def test_an_epoch_stopped_early_counts_towards_max_epochs(tmp_path):
+    rec = Recorder(stop_epoch_at=1)
+    result = ll.Fitter(max_epochs=2, batch_size=4, output_dir=str(tmp_path), loggers=[], callbacks=[rec]).fit(
+        Classifier(), DictDataset(n=12))
+    assert rec.epochs == [0, 1]  # HF and Lightning: epoch 0 cut short, epoch 1 whole, then stop
+    assert result.global_step == 1 + 3
+    assert result.state.epoch == 2.0
+
+
+class IndexLog(DictDataset):
+    """Records every index it serves (num_workers=0: in this process)."""
+
+    def __init__(self, n: int):
+        super().__init__(n=n)
+        self.served: list[int] = []
+
+    def __getitem__(self, i):
+        self.served.append(int(i))
+        return super().__getitem__(i)
+
+
+@pytest.mark.parametrize("new_batch", [8, 3])
+def test_resume_with_another_batch_size_continues_on_the_right_sample(tmp_path, new_batch):
+    out = str(tmp_path)
+    data = IndexLog(40)
+    ll.Fitter(max_steps=2, batch_size=4, save_every=2, output_dir=out, loggers=[], seed=3).fit(Classifier(), data)
+    first = list(data.served)
+    assert len(first) == 8
+    data.served.clear()
+    steps = -(-32 // new_batch)  # to the end of the epoch
+    ll.Fitter(max_steps=2 + steps, batch_size=new_batch, save_every=1, output_dir=out, loggers=[], seed=3).fit(
+        Classifier(), data, resume=True)
+    # the rest of the epoch is exactly the items not yet seen, each once
+    assert sorted(first + data.served) == list(range(40))
+    # each checkpoint of the resumed run records the true global position
+    positions = {}
+    for path in tmp_path.glob("checkpoint-*"):
+        state = json.loads((path / "trainer_state.json").read_text())["state"]
+        positions[state["global_step"]] = (state["epoch_index"], state["samples_in_epoch"])
+    for k in range(1, steps):
+        assert positions[2 + k] == (0, 8 + k * new_batch)
+    assert positions[2 + steps] == (1, 0)  # the epoch's last step: the next epoch's start
+
+
+class FailAtStep(ll.Callback):
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_step_start(self, fitter, state, control):
+        if state.global_step + 1 == self.step:
+            raise RuntimeError("simulated crash")
+
+
+def _rows(out: Path) -> list[tuple[str, str, str]]:
+    with open(out / "logs" / "metrics.csv", newline="") as fh:
+        return [tuple(r) for r in csv.reader(fh)][1:]
+
+
+def test_a_resumed_run_logs_nothing_twice(tmp_path):
+    """The checkpoint at an epoch's last step is written after that step's log, evaluation and
+    epoch end, so a run resumed from it repeats none of them; nor does re-running a finished fit."""
+    kw = dict(max_epochs=3, batch_size=4, log_every=2, save_every=3, eval_on_epoch_end=True,
+              loggers=["csv"], seed=1)
+    ref_dir, run_dir = tmp_path / "ref", tmp_path / "run"
+    ll.Fitter(output_dir=str(ref_dir), **kw).fit(Classifier(), DictDataset(n=12), DictDataset(n=8))
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        ll.Fitter(output_dir=str(run_dir), callbacks=[FailAtStep(5)], **kw).fit(
+            Classifier(), DictDataset(n=12), DictDataset(n=8))
+    ll.Fitter(output_dir=str(run_dir), **kw).fit(Classifier(), DictDataset(n=12), DictDataset(n=8), resume=True)
+    ll.Fitter(output_dir=str(run_dir), **kw).fit(Classifier(), DictDataset(n=12), DictDataset(n=8), resume=True)
+    ref, got = _rows(ref_dir), _rows(run_dir)
+    keys = [(s, k) for s, k, _ in got]
+    assert len(keys) == len(set(keys)), "a (step, metric) logged twice"
+    assert got == ref
+
+
+class OOMInSecondMicroBatch(Classifier):
+    """Runs out of memory (the CPU allocator's error) on any batch above ``limit`` items, but
+    only after one micro-batch has put gradients in place."""
+
+    def __init__(self, limit: int):
+        super().__init__()
+        self.limit, self.calls = limit, 0
+
+    def forward(self, batch):
+        self.calls += 1
+        if len(batch["x"]) > self.limit and self.calls % 2 == 0:
+            raise RuntimeError("[enforce fail at alloc_cpu.cpp:117] . DefaultCPUAllocator: can't allocate memory")
+        return super().forward(batch)
+
+
+def test_auto_find_batch_size_on_the_cpu_allocator_error_restarts_clean(tmp_path):
+    torch.manual_seed(0)
+    model = OOMInSecondMicroBatch(limit=8)
+    fitter = ll.Fitter(max_steps=3, batch_size=16, grad_accum_steps=2, auto_find_batch_size=True, shuffle=False,
+                       output_dir=str(tmp_path / "a"), loggers=[], learning_rate=1e-2)
+    fitter.fit(model, DictDataset(n=96))
+    assert (fitter.config.batch_size, fitter.config.grad_accum_steps) == (8, 4)
+    torch.manual_seed(0)
+    ref = Classifier()
+    ll.Fitter(max_steps=3, batch_size=8, grad_accum_steps=4, shuffle=False, output_dir=str(tmp_path / "b"),
+              loggers=[], learning_rate=1e-2).fit(ref, DictDataset(n=96))
+    assert torch.equal(flat_params(model), flat_params(ref))  # no gradient left over from the failed try
+
+
+def test_items_seen_counts_every_item(tmp_path):
+    result = ll.Fitter(max_steps=5, batch_size=4, log_every=2, output_dir=str(tmp_path), loggers=[]).fit(
+        Classifier(), DictDataset(n=12))
+    assert result.state.items_seen == 5 * 4
+
+
+def test_an_empty_dataloader_names_the_problem(tmp_path):
+    loader = DataLoader(DictDataset(n=3), batch_size=4, drop_last=True)
+    with pytest.raises(DataError, match="no batch per epoch"):
+        ll.Fitter(max_epochs=1, output_dir=str(tmp_path), loggers=[]).fit(Classifier(), loader)
+
+
+def test_a_micro_batch_without_items_is_named_in_the_error(tmp_path):
+    class MaskedOut(Classifier):
+        def num_items(self, batch):
+            return 0 if bool((batch["y"] >= 0).all()) else len(batch["y"])
+
+        def loss(self, outputs, batch):
+            return outputs.sum() * 0 / 0.0  # the mean over no item
+
+    with pytest.raises(NonFiniteLossError, match="holds 0 items"):
+        ll.Fitter(max_steps=2, batch_size=4, log_every=1, output_dir=str(tmp_path), loggers=[]).fit(
+            MaskedOut(), DictDataset(n=8))
