@@ -173,7 +173,7 @@ class Fitter:
             # ---- the loop ----------------------------------------------------------------------
             while state.global_step < max_steps and not control.should_training_stop and epoch < epoch_limit:
                 batches = train_data.epoch_iterator(epoch, state.samples_in_epoch)
-                start_sample, batches_here = state.samples_in_epoch, 0  # where this iterator began
+                position = train_data.position(state.samples_in_epoch, state.batches_in_epoch, strategy.world_size)
                 if state.batches_in_epoch == 0:
                     callbacks.call("on_epoch_start", self, state, control)
                 while state.global_step < max_steps:
@@ -196,11 +196,10 @@ class Fitter:
                         scheduler.step()
                     state.global_step += 1
                     state.batches_in_epoch += len(window)
-                    batches_here += len(window)
-                    in_epoch = train_data.samples_after(start_sample, batches_here, strategy.world_size)
+                    in_epoch, fraction, epoch_done = position.advance(len(window))
                     state.samples_seen += in_epoch - state.samples_in_epoch
                     state.samples_in_epoch = in_epoch
-                    state.epoch = epoch + train_data.epoch_fraction(in_epoch, state.batches_in_epoch, batches_per_epoch)
+                    state.epoch = epoch + fraction
                     callbacks.call("on_step_end", self, state, control)
 
                     # ---- the step boundary: log, evaluate, end the epoch, then save ---------------
@@ -213,8 +212,7 @@ class Fitter:
                     if control.should_evaluate or (cfg.eval_every and step % cfg.eval_every == 0) \
                             or (last and eval_sets and state.last_eval_step != step):
                         self._evaluate_all(eval_sets)
-                    epoch_ended = control.should_epoch_stop or train_data.epoch_done(state.samples_in_epoch,
-                                                                                     state.batches_in_epoch)
+                    epoch_ended = epoch_done or control.should_epoch_stop
                     if epoch_ended:
                         epoch = self._end_epoch(epoch, eval_sets)
                     if self._save_due(epoch_ended):

@@ -41,33 +41,10 @@ class TrainData:
         except TypeError:
             return None
 
-    def samples_after(self, start: int, batches: int, world_size: int) -> int:
-        """The global sample position after ``batches`` batches on each rank, counted from an
-        iterator begun at position ``start``: batches are dealt round-robin from the global
-        order, so ``start + batches * batch_size * world_size``, capped at the epoch's end (the
-        last batch may be short). Counting from the iterator's own start keeps the position
-        right when a resumed run uses another batch size or world size."""
-        consumed = start + batches * (self.loader.batch_size or 1) * world_size
-        end = self.sampler.global_end() if self.sampler is not None else self.num_samples
-        return min(consumed, end) if end is not None else consumed
-
-    def epoch_done(self, samples_in_epoch: int, batches_in_epoch: int) -> bool:
-        """Whether the current epoch has no batch left, when that is known without asking the
-        iterator (False otherwise: an empty accumulation window then ends the epoch)."""
-        if self.sampler is not None:
-            left = self.sampler.global_end() - samples_in_epoch  # a multiple of W for training
-            per_rank = left // self.sampler.world_size
-            return per_rank == 0 or (bool(self.loader.drop_last) and per_rank < (self.loader.batch_size or 1))
-        per_epoch = self.batches_per_epoch()
-        return per_epoch is not None and batches_in_epoch >= per_epoch
-
-    def epoch_fraction(self, samples_in_epoch: int, batches_in_epoch: int, batches_per_epoch: int | None) -> float:
-        """How far into its epoch the run is, in [0, 1] (0 when the length is unknown)."""
-        sampler = self.sampler
-        if sampler is not None:
-            per_epoch = sampler.n - sampler.n % sampler.world_size if sampler.drop_last else sampler.n
-            return min(1.0, samples_in_epoch / per_epoch) if per_epoch else 0.0
-        return min(1.0, batches_in_epoch / batches_per_epoch) if batches_per_epoch else 0.0
+    def position(self, start: int, batches_in_epoch: int, world_size: int) -> EpochPosition:
+        """The loop's position in the epoch whose iterator ``epoch_iterator`` just began at
+        global sample ``start``."""
+        return EpochPosition(self, start, batches_in_epoch, world_size)
 
     def epoch_iterator(self, epoch: int, start_sample: int = 0) -> Any:
         """An iterator over the batches of ``epoch`` beginning ``start_sample`` samples in."""
@@ -83,6 +60,53 @@ class TrainData:
         if self.generator is not None:
             self.generator.manual_seed(self.seed + epoch)  # DataLoader worker seeds
         return iter(self.loader)
+
+
+class EpochPosition:
+    """Where the loop is in an epoch, advanced once per optimizer step.
+
+    Positions are global samples, counted from where the epoch's iterator began: batches are
+    dealt round-robin from the global order, so after k batches per rank the position is
+    ``start + k * batch_size * world_size``, capped at the epoch's end (the last batch may be
+    short). Counting from the iterator's own start keeps the position right when a resumed run
+    uses another batch size or world size. Everything the step needs comes from one call."""
+
+    __slots__ = ("_start", "_here", "_batches", "_global_batch", "_end", "_done_below", "_per_epoch",
+                 "_batches_per_epoch")
+
+    def __init__(self, data: TrainData, start: int, batches_in_epoch: int, world_size: int):
+        self._start, self._here, self._batches = start, 0, batches_in_epoch
+        batch_size = data.loader.batch_size or 1
+        self._global_batch = batch_size * world_size
+        self._batches_per_epoch = data.batches_per_epoch() if data.sampler is None else None
+        sampler = data.sampler
+        if sampler is not None:
+            self._end: int | None = sampler.global_end()  # the rest from start splits evenly
+            # no batch left once fewer than one sample per rank (or, with drop_last, fewer than
+            # a whole batch per rank) remains
+            self._done_below = self._global_batch if data.loader.drop_last else 1
+            n = sampler.n
+            self._per_epoch = n - n % sampler.world_size if sampler.drop_last else n
+        else:
+            self._end, self._done_below, self._per_epoch = data.num_samples, 0, 0
+
+    def advance(self, batches: int) -> tuple[int, float, bool]:
+        """After a step that took ``batches`` batches on each rank: (global samples consumed in
+        the epoch, the fraction of the epoch done, whether the epoch has no batch left; False
+        where that is unknown, and an empty accumulation window then ends the epoch)."""
+        self._here += batches
+        self._batches += batches
+        samples = self._start + self._here * self._global_batch
+        end = self._end
+        if end is not None and samples > end:
+            samples = end
+        if self._per_epoch:  # lightlike's sampler
+            assert end is not None
+            return samples, min(1.0, samples / self._per_epoch), end - samples < self._done_below
+        per_epoch = self._batches_per_epoch
+        if per_epoch:
+            return samples, min(1.0, self._batches / per_epoch), self._batches >= per_epoch
+        return samples, 0.0, False
 
 
 def _check_nonempty(data: Any, what: str) -> int | None:
