@@ -107,7 +107,8 @@ class FitConfig:
     )
     # -- checkpoints ---------------------------------------------------------------------------
     save_strategy: str = _f("steps", "When to save: 'steps', 'epoch', 'best' or 'no'.")
-    save_every: int | None = _f(None, "With save_strategy='steps': save every this many steps.")
+    save_every: int | None = _f(None, "With save_strategy='steps': save every this many steps and at the end. "
+                                      "None: no periodic checkpoint (a preemption signal still saves one).")
     save_total_limit: int | None = _f(None, "Keep at most this many checkpoints (best is kept).")
     save_only_model: bool = _f(False, "Save weights only (no optimizer/scheduler/RNG: no resume).")
     verify_hashes: bool = _f(True, "Verify file hashes when loading a checkpoint (sizes always).")
@@ -143,6 +144,10 @@ class FitConfig:
     def __post_init__(self) -> None:
         if isinstance(self.output_dir, os.PathLike):
             self.output_dir = os.fspath(self.output_dir)  # a pathlib.Path is a path too
+        for f in dataclasses.fields(self):  # numpy scalars (a sweep over np.arange, say) as Python numbers
+            v = getattr(self, f.name)
+            if type(v).__module__ == "numpy" and hasattr(v, "item") and getattr(v, "ndim", None) == 0:
+                setattr(self, f.name, v.item())
         self.validate()
 
     def validate(self) -> None:

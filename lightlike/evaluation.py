@@ -104,7 +104,7 @@ def _missing_key(e: KeyError, batch: Any) -> bool:
     except TypeError:  # an unhashable key: not a batch lookup
         return False
     known, container = _subscripted(e, batch)
-    return not known or _same_batch(container, batch)
+    return known and _same_batch(container, batch)  # not provably a read of the batch: the module's own
 
 
 def _same_batch(obj: Any, batch: Mapping) -> bool:
@@ -140,7 +140,7 @@ def _subscripted(e: BaseException, batch: Any) -> tuple[bool, Any]:
         text = (lines[0][col:end_col] if len(lines) == 1 else
                 b"".join([lines[0][col:], *lines[1:-1], lines[-1][:end_col]])).decode()
         node = ast.parse(f"({text})", mode="eval").body
-    except (IndexError, ValueError, SyntaxError, UnicodeDecodeError):
+    except (IndexError, ValueError, SyntaxError, UnicodeDecodeError, AttributeError):  # co_positions: 3.11+
         return False, None
     if not isinstance(node, ast.Subscript):
         return False, None
@@ -326,6 +326,7 @@ def run_evaluation(
     labels: list[Any] = []
     n_batches = 0
     labelled: bool | None = None  # whether this rank's batches carry labels (all or none)
+    default_labels = type(module).labels is _base_module().labels
     was_training = model.training
     model.eval()
     try:
@@ -333,7 +334,9 @@ def run_evaluation(
             where = f"in {prefix} batch {i}"
             batch = strategy.batch_to_device(batch)
             label = call_hook(module.labels, "labels", batch, where, batch) if collect else None
-            has_label = label is not None or not keep_outputs
+            # the default labels() reads mappings only: a tuple batch counts as labelled unless the
+            # module's own labels() says otherwise
+            has_label = label is not None or not keep_outputs or (default_labels and not isinstance(batch, Mapping))
             if labelled is None:
                 labelled = has_label
             elif labelled != has_label:

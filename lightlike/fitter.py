@@ -66,6 +66,7 @@ class Fitter:
         # device until a log step reads them all at once
         self._pending: list[tuple[torch.Tensor, int | torch.Tensor, int, int]] = []
         self._loss_total, self._items_total = 0.0, 0.0
+        self._checkpoint_in_flight: Any = None  # an asynchronous save not yet committed
 
     def init_module(self) -> Any:
         """Context in which to build a module too large for one device: ``with
@@ -135,9 +136,14 @@ class Fitter:
 
         self.state = FitState(max_steps=max_steps)
         control = self.control = Control()
-        self.callbacks = callbacks = CallbackList(self._default_callbacks() + self.user_callbacks)
+        from lightlike.callbacks.checks import built_in_callbacks
+        from lightlike.callbacks.progress import ProgressBar
+
+        built_in = built_in_callbacks(cfg, module, strategy.is_global_zero)
+        self._bar_active = any(isinstance(cb, ProgressBar) for cb in built_in)  # the bar replaces log lines
+        self.callbacks = callbacks = CallbackList(built_in + self.user_callbacks)
         self._pending = []
-        self._checkpoint_in_flight: Any = None
+        self._checkpoint_in_flight = None
         self._loss_total, self._items_total = 0.0, 0.0
         self.resumed_from = None
         if resume_from is not None:
@@ -146,7 +152,10 @@ class Fitter:
             load_training_checkpoint(self, resume_from, verified=resume in (True, "auto"))  # chosen by verifying
         state = self.state
         state.max_steps = max_steps
-        self.loggers = self._build_loggers(resume_step=state.global_step if resume_from else None)
+        from lightlike.loggers import build_loggers
+
+        self.loggers = build_loggers(cfg.loggers, cfg.output_dir, enabled=strategy.is_global_zero,
+                                     resume_step=state.global_step if resume_from else None, hyperparams=cfg.to_dict())
         if cfg.model_summary and strategy.is_global_zero and resume_from is None:
             from lightlike.loggers.summary import model_summary
 
@@ -205,17 +214,21 @@ class Fitter:
                     # ---- the step boundary: log, evaluate, end the epoch, then save ---------------
                     # (a checkpoint taken here holds everything done at this step, so a resumed
                     # run repeats none of it: no log line, evaluation or epoch end twice)
-                    step, last = state.global_step, state.global_step >= max_steps
+                    step = state.global_step
+                    epoch_ended = epoch_done or control.should_epoch_stop
+                    last = step >= max_steps or control.should_training_stop or (epoch_ended and epoch + 1 >= epoch_limit)
                     log_step = self._is_log_step(step)
                     if control.should_log or log_step or last:
                         self._log_training()
                     if control.should_evaluate or (cfg.eval_every and step % cfg.eval_every == 0) \
                             or (last and eval_sets and state.last_eval_step != step):
                         self._evaluate_all(eval_sets)
-                    epoch_ended = epoch_done or control.should_epoch_stop
                     if epoch_ended:
                         epoch = self._end_epoch(epoch, eval_sets)
-                    if self._save_due(epoch_ended):
+                    if control.should_training_stop and not last:  # stopped by an evaluation or an epoch end
+                        last = True
+                        self._log_training(final=True)  # what is pending, before this step's checkpoint
+                    if self._save_due(epoch_ended, final=last):
                         self._save_checkpoint(wait=False)
                     if preemption.stop_requested(strategy, step, self._stop_agreed, log_step):
                         self._preempted(preemption.signal_name or "a signal on another rank")
@@ -496,25 +509,6 @@ class Fitter:
         optimizer = optim.build_optimizer(module, self.config, self.strategy.precision)  # type: ignore[union-attr]
         return optimizer, optim.build_scheduler(optimizer, self.config, max_steps)
 
-    def _default_callbacks(self) -> list[Callback]:
-        from lightlike.callbacks.progress import ProgressBar
-
-        enabled = self.config.progress_bar if self.strategy.is_global_zero else False  # type: ignore[union-attr]
-        bar = ProgressBar(enabled=enabled)
-        self._bar_active = bar.active()
-        return [bar] if self._bar_active else []
-
-    def _build_loggers(self, resume_step: int | None) -> list[Any]:
-        from lightlike.loggers import build_loggers
-
-        loggers = build_loggers(self.config.loggers, self.config.output_dir,
-                                enabled=self.strategy.is_global_zero)  # type: ignore[union-attr]
-        for lg in loggers:
-            if resume_step is not None:
-                lg.resume(resume_step)
-            lg.log_hyperparams(self.config.to_dict())
-        return loggers
-
     def _preempted(self, signal_name: str) -> None:
         """Save (once) at this step boundary, ask SLURM to requeue, exit with code 75."""
         state = self.state
@@ -559,7 +553,7 @@ class Fitter:
         control.should_epoch_stop = False
         self.callbacks.call("on_epoch_end", self, state, control)
         if control.should_log:
-            self._log_training()
+            self._log_training(final=not self._pending)  # nothing new since this step's log: no row
         if (control.should_evaluate or (cfg.eval_on_epoch_end and eval_sets)) and state.last_eval_step != state.global_step:
             self._evaluate_all(eval_sets)  # once per step, however many reasons there are
         control.should_evaluate = False

@@ -92,6 +92,8 @@ class TaskModule(nn.Module):
         if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
             from torch.utils.checkpoint import checkpoint
 
+            self.__dict__["_checkpointed"] = True  # seen by the Fitter's check (no Module __setattr__)
+
             return checkpoint(fn, *args, use_reentrant=False, **kwargs)
         return fn(*args, **kwargs)
 

@@ -70,6 +70,12 @@ def test_accepted_forms_still_work(tmp_path):
     cfg = ll.FitConfig(max_steps=1, learning_rate=1, max_grad_norm=2, output_dir=tmp_path, log_level="INFO")
     assert cfg.output_dir == str(tmp_path) and cfg.learning_rate == 1
     assert ll.FitConfig.from_json(cfg.to_json()) == cfg
+    import numpy as np  # numbers from a numpy sweep become Python numbers (and JSON-serialisable)
+
+    cfg = ll.FitConfig(max_steps=np.int64(3), seed=np.int32(1), learning_rate=np.float32(0.5), shuffle=np.bool_(False))
+    assert (cfg.max_steps, cfg.seed, cfg.learning_rate, cfg.shuffle) == (3, 1, 0.5, False)
+    assert type(cfg.max_steps) is int and type(cfg.learning_rate) is float and type(cfg.shuffle) is bool
+    assert ll.FitConfig.from_json(cfg.to_json()) == cfg
 
 
 BEST = dict(max_steps=10, metric_for_best="val/loss", load_best_at_end=True)

@@ -109,6 +109,28 @@ def test_early_stopping(tmp_path):
     assert es.state_dict() == {"best": 0.0, "wait": 2, "stopped_step": 3}
 
 
+def test_early_stopping_min_delta(tmp_path):
+    """Scores 0, 0.2, 0.4, ... (mode max), patience 2. An improvement must exceed the best so
+    far by more than min_delta: with 0.5, evaluations 2 and 3 do not, so training stops at step
+    3; with 0.3 every second evaluation does (0.4 > 0 + 0.3, 0.8 > 0.4 + 0.3, ...): no stop."""
+    class Rising(Classifier):
+        evals = 0
+
+        def metrics(self, outputs, batch):
+            return {"score": torch.tensor(0.2 * self.evals, dtype=torch.float64)}
+
+    class Count(ll.Callback):
+        def on_evaluate(self, fitter, state, control, metrics):
+            fitter.module.evals += 1
+
+    for delta, steps, best in ((0.5, 3, 0.0), (0.3, 8, 1.2)):
+        es = ll.EarlyStopping(monitor="val/score", patience=2, mode="max", min_delta=delta)
+        r = fit(tmp_path / str(delta), [Count(), es], max_steps=8, eval_every=1).fit(
+            Rising(), DictDataset(n=40), DictDataset(n=4))
+        assert r.global_step == steps, delta
+        assert es.best == pytest.approx(best), delta
+
+
 def test_early_stopping_unknown_metric(tmp_path):
     es = ll.EarlyStopping(monitor="val/acc")
     with pytest.raises(ll.ConfigError, match="val/accuracy"):

@@ -140,6 +140,28 @@ def test_user_train_loader_is_split_over_ranks():
     assert build_train_data(ordered, **common).loader is ordered  # one process: as it is
 
 
+def test_a_plain_batch_sampler_keeps_its_batch_size_drop_last_and_order():
+    """DataLoader(batch_sampler=BatchSampler(sampler, 3, drop_last)) has loader.batch_size None:
+    the split loader takes the BatchSampler's own size (and for training its drop_last and
+    shuffle; evaluation never drops an item)."""
+    from torch.utils.data import BatchSampler, RandomSampler, SequentialSampler
+
+    from lightlike.data.loading import build_eval_loader, build_train_data
+
+    ordered = DataLoader(Items(10), batch_sampler=BatchSampler(SequentialSampler(range(10)), 3, True))
+    shares = [build_eval_loader(ordered, batch_size=2, num_workers=0, pin_memory=False, rank=r, world_size=2)
+              for r in range(2)]
+    assert [[len(b["i"]) for b in s] for s in shares] == [[3, 2], [3, 2]]  # evaluation keeps every item
+    assert ids(shares[0]) == [0, 2, 4, 6, 8] and ids(shares[1]) == [1, 3, 5, 7, 9]
+    shuffled = DataLoader(Items(12), batch_sampler=BatchSampler(RandomSampler(range(12)), 4, True))
+    common = dict(batch_size=99, shuffle=True, drop_last=False, num_workers=0, pin_memory=False, seed=3)
+    train = [build_train_data(shuffled, rank=r, world_size=2, **common) for r in range(2)]
+    assert all(t.loader.batch_size == 4 and t.loader.drop_last for t in train)
+    seen = [ids(t.epoch_iterator(0)) for t in train]  # 6 each: one batch of 4, 2 dropped
+    assert len(seen[0]) == len(seen[1]) == 4 and len(set(seen[0] + seen[1])) == 8
+    assert seen[0] + seen[1] != [0, 2, 4, 6, 1, 3, 5, 7]  # shuffled
+
+
 def test_user_train_loader_that_cannot_be_kept(caplog):
     from torch.utils.data import WeightedRandomSampler
 

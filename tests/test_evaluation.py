@@ -199,6 +199,26 @@ def test_own_key_error_is_not_blamed_on_the_batch(tmp_path):
         ll.Fitter(max_steps=1, output_dir=str(tmp_path), loggers=[]).validate(Table(), DictDataset(n=4))
     assert type(info.value) is KeyError and info.value.args == ("b",)
 
+    class Encoder(torch.nn.Module):
+        label2id = {"a": 0}
+
+    class Nested(Classifier):  # a dict on a submodule, one nested in the module's own, a raise
+        def __init__(self, how):
+            super().__init__()
+            self.enc, self.t, self.how = Encoder(), {"a": {}}, how
+
+        def forward(self, batch):
+            if self.how == "submodule":
+                return self.net(batch["x"]) * self.enc.label2id["b"]
+            if self.how == "nested":
+                return self.net(batch["x"]) * self.t["a"]["q"]
+            raise KeyError("config entry 'foo'")
+
+    for how in ("submodule", "nested", "raise"):
+        with pytest.raises(KeyError) as info:
+            ll.Fitter(max_steps=1, output_dir=str(tmp_path), loggers=[]).validate(Nested(how), DictDataset(n=4))
+        assert type(info.value) is KeyError, how
+
     class ReadsZ(Classifier):
         def forward(self, batch):
             return self.net(batch["z"])
@@ -306,3 +326,33 @@ def test_variable_length_predictions_are_padded(tmp_path):
     m = fitter.validate(model, loader)
     assert m["val/token_accuracy"] == pytest.approx(correct / total, abs=1e-12)
     assert torch.equal(model.seen[-1][0], want_pred)
+
+
+def test_predict_on_tuple_batches_still_reports_metrics(tmp_path):
+    """The default labels() reads mapping batches only; a tuple batch counts as labelled, so
+    predict computes the loss and metrics as validate does."""
+    class Pairs(torch.utils.data.Dataset):
+        def __init__(self):
+            self.data = DictDataset(n=6)
+
+        def __len__(self):
+            return 6
+
+        def __getitem__(self, i):
+            item = self.data[i]
+            return item["x"], item["y"]
+
+    class TupleClassifier(Classifier):
+        def forward(self, batch):
+            return self.net(batch[0])
+
+        def loss(self, outputs, batch):
+            return torch.nn.functional.cross_entropy(outputs, batch[1])
+
+        def metrics(self, outputs, batch):
+            return {}
+
+    fitter = ll.Fitter(max_steps=1, output_dir=str(tmp_path), loggers=[])
+    model = TupleClassifier()
+    result = fitter.predict(model, Pairs())
+    assert result.metrics["predict/loss"] == pytest.approx(fitter.validate(model, Pairs())["val/loss"])

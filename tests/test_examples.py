@@ -57,6 +57,9 @@ def test_char_gpt_tiny_run(tmp_path):
     m = re.search(r"final val loss: (\S+)", stdout)
     assert m, stdout
     assert math.isfinite(float(m.group(1)))
+    # the evaluation loss goes down between the run's two evaluations (steps 3 and 6)
+    val = [float(v) for v in re.findall(r"step +\d+/6 +val/loss (\S+)", stdout)]
+    assert len(val) == 2 and val[1] < val[0], stdout
 
     m = re.search(r"sample:\n-+\n(.*?)\n-+\n", stdout, flags=re.S)
     assert m, stdout

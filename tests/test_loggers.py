@@ -7,6 +7,7 @@ import io
 import json
 import logging
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -430,3 +431,47 @@ def test_importing_loggers_and_progress_loads_neither_tensorboard_nor_tqdm():
     out = run_python(code)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+_FIT_SCRIPT = """
+import sys
+sys.path.insert(0, {tests!r})
+import lightlike as ll
+from helpers import Classifier, DictDataset
+ll.Fitter(max_steps=6, batch_size=4, log_every=3, output_dir={out!r}, loggers=[], model_summary=False).fit(
+    Classifier(), DictDataset(n=24))
+"""
+
+
+def test_the_fitter_shows_a_bar_on_a_terminal_and_log_lines_elsewhere(tmp_path):
+    """A real fit in a subprocess, its stderr once a pseudo-terminal and once a pipe: on the
+    terminal tqdm draws the bar (and no per-log line); through the pipe there is no bar, and each
+    log step is a line."""
+    import fcntl
+    import pty
+    import struct
+    import termios
+
+    tests = str(Path(__file__).parent)
+    code = [sys.executable, "-c", _FIT_SCRIPT.format(tests=tests, out=str(tmp_path / "tty"))]
+    main, child = pty.openpty()
+    fcntl.ioctl(child, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))  # a 100-column terminal
+    proc = subprocess.Popen(code, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=child)
+    os.close(child)
+    chunks = []
+    while True:
+        try:
+            data = os.read(main, 4096)
+        except OSError:  # the child closed the terminal
+            break
+        if not data:
+            break
+        chunks.append(data)
+    os.close(main)
+    assert proc.wait(timeout=120) == 0
+    on_tty = b"".join(chunks).decode(errors="replace")
+    assert "fit: 100%" in on_tty and "6/6" in on_tty and "step 3/6" not in on_tty, on_tty[-2000:]
+    piped = subprocess.run([sys.executable, "-c", _FIT_SCRIPT.format(tests=tests, out=str(tmp_path / "pipe"))],
+                           capture_output=True, text=True, timeout=120)
+    assert piped.returncode == 0, piped.stderr[-2000:]
+    assert "fit:" not in piped.stderr and "step 3/6" in piped.stderr and "step 6/6" in piped.stderr

@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import Classifier, DictDataset, flat_params
 from torch.utils.data import DataLoader
 
 import lightlike as ll
 from lightlike.errors import DataError, NonFiniteLossError
-from tests.helpers import Classifier, DictDataset, flat_params
 
 
 class Recorder(ll.Callback):
@@ -181,3 +181,71 @@ def test_a_micro_batch_without_items_is_named_in_the_error(tmp_path):
     with pytest.raises(NonFiniteLossError, match="holds 0 items"):
         ll.Fitter(max_steps=2, batch_size=4, log_every=1, output_dir=str(tmp_path), loggers=[]).fit(
             MaskedOut(), DictDataset(n=8))
+
+
+def test_should_log_at_an_epoch_end_after_that_steps_log_adds_no_row(tmp_path):
+    rec = Recorder(at_epoch_end=("should_log",))
+    ll.Fitter(max_epochs=2, batch_size=4, log_every=1, output_dir=str(tmp_path), loggers=["csv"],
+              callbacks=[rec]).fit(Classifier(), DictDataset(n=12))
+    keys = [(s, k) for s, k, _ in _rows(tmp_path)]
+    assert len(keys) == len(set(keys)) and ("6", "train/loss") in keys
+
+
+class Rising(Classifier):
+    """val/score rises with every evaluation: the last evaluation is the best."""
+
+    evals = 0
+
+    def metrics(self, outputs, batch):
+        return {"score": torch.tensor(float(self.evals))}
+
+
+class CountEvalsAndStopAt(ll.Callback):
+    def __init__(self, step):
+        self.step = step
+
+    def on_step_end(self, fitter, state, control):
+        if state.global_step == self.step:
+            control.should_training_stop = True
+
+    def on_evaluate(self, fitter, state, control, metrics):
+        fitter.module.evals += 1
+
+
+def test_a_run_stopped_early_evaluates_before_its_last_checkpoint(tmp_path):
+    """Stopped by a callback at step 6 (max_steps 20): the final evaluation (the new best) runs
+    before checkpoint-6 is written, so checkpoint-6 holds it and is the best checkpoint."""
+    result = ll.Fitter(max_steps=20, batch_size=4, save_every=2, eval_every=4, metric_for_best="val/score",
+                       greater_is_better=True, load_best_at_end=True, output_dir=str(tmp_path), loggers=[],
+                       callbacks=[CountEvalsAndStopAt(6)]).fit(Rising(), DictDataset(n=40), DictDataset(n=4))
+    assert result.global_step == 6 and result.state.best_step == 6
+    assert Path(result.best_checkpoint).name == "checkpoint-6"
+    state = json.loads((tmp_path / "checkpoint-6" / "trainer_state.json").read_text())["state"]
+    assert state["last_eval_step"] == 6 and state["best_step"] == 6
+
+
+def test_a_changed_schedule_applies_from_the_first_resumed_step(tmp_path):
+    """max_steps 2 -> 20 on resume (linear decay from 0.01, no warmup): step 3 runs at
+    0.01 * (1 - 2/20) = 0.009, not at the old schedule's end value (0)."""
+    class LR(ll.Callback):
+        lrs: dict = {}
+
+        def on_before_optimizer_step(self, fitter, state, control, optimizer):
+            LR.lrs[state.global_step + 1] = optimizer.param_groups[0]["lr"]
+
+    kw = dict(batch_size=4, learning_rate=0.01, lr_scheduler="linear", save_every=2, output_dir=str(tmp_path),
+              loggers=[], callbacks=[LR()])
+    ll.Fitter(max_steps=2, **kw).fit(Classifier(), DictDataset(n=40))
+    ll.Fitter(max_steps=20, **kw).fit(Classifier(), DictDataset(n=40), resume=True)
+    assert LR.lrs[3] == pytest.approx(0.009) and LR.lrs[4] == pytest.approx(0.0085)
+
+
+def test_a_best_checkpoint_that_rotation_removed_is_not_loaded(tmp_path, caplog):
+    from lightlike.checkpoint.resume import resolve_best
+
+    (tmp_path / "checkpoint-4").mkdir()
+    (tmp_path / "checkpoint-4" / "manifest.json").write_text("{}")
+    assert resolve_best(tmp_path, "checkpoint-4", 4) == str(tmp_path / "checkpoint-4")
+    with caplog.at_level("WARNING", logger="lightlike"):
+        assert resolve_best(tmp_path, "checkpoint-2", 2) is None
+    assert "checkpoint-2" in caplog.text

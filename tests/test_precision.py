@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import Classifier, DictDataset
+from helpers import Classifier, DictDataset, flat_grads
 
 import lightlike as ll
 from lightlike.precision import MixedPrecision, get_precision
@@ -101,3 +101,31 @@ def test_get_precision_aliases_and_instances():
     assert get_precision("bf16").name == "bf16-mixed"
     p = MixedPrecision("16")
     assert get_precision(p) is p
+
+
+def test_16_mixed_clips_the_unscaled_gradient(tmp_path):
+    """Under 16-mixed the loss is scaled (by 65536 at first): clipping must see the true
+    gradient, so the logged norm is the fp32 reference's and the clipped gradient has norm
+    max_grad_norm (clipping the scaled one would leave it 65536 times smaller)."""
+    class Grads(ll.Callback):
+        def __init__(self):
+            self.norms, self.logged = [], []
+
+        def on_before_optimizer_step(self, fitter, state, control, optimizer):
+            self.norms.append(float(flat_grads(fitter.module).norm()))
+
+        def on_log(self, fitter, state, control, metrics):
+            self.logged.append(metrics["train/grad_norm"])
+
+    torch.manual_seed(0)
+    model = Classifier()
+    ref = Classifier()
+    ref.load_state_dict(model.state_dict())
+    seen = Grads()
+    ll.Fitter(precision="16-mixed", max_steps=1, batch_size=8, shuffle=False, max_grad_norm=0.01, log_every=1,
+              learning_rate=0.0, output_dir=str(tmp_path), loggers=[], callbacks=[seen]).fit(model, DictDataset(n=8))
+    data = DictDataset(n=8)
+    batch = {k: torch.stack([data[i][k] for i in range(8)]) for k in ("x", "y", "w")}
+    ref.loss(ref(batch), batch).backward()
+    assert seen.logged[0] == pytest.approx(float(flat_grads(ref).norm()), rel=1e-2)
+    assert seen.norms[0] == pytest.approx(0.01, rel=1e-3)

@@ -69,6 +69,22 @@ def test_gradient_checkpointing_same_gradients(tmp_path):
     assert plain_calls == 3 and ckpt_calls == 6  # recomputed in backward
 
 
+def test_gradient_checkpointing_that_does_nothing_is_reported(tmp_path, caplog):
+    """A module whose forward never calls maybe_checkpoint gets a warning (the switch would do
+    nothing); one that calls it does not."""
+    class Checkpointed(Classifier):
+        def forward(self, batch):
+            return self.maybe_checkpoint(self.net, batch["x"])
+
+    for cls, warned in ((Classifier, True), (Checkpointed, False)):
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="lightlike"):
+            ll.Fitter(max_steps=2, batch_size=4, gradient_checkpointing=True, output_dir=str(tmp_path / cls.__name__),
+                      loggers=[]).fit(cls(), DictDataset(n=8))
+        assert ("no activation is checkpointed" in caplog.text) is warned, cls.__name__
+        assert caplog.text.count("no activation is checkpointed") <= 1
+
+
 def test_compile_switch(tmp_path):
     torch.manual_seed(0)
     m = Classifier()

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from lightlike.checkpoint.atomic import cleanup_stale_temps
-from lightlike.checkpoint.manifest import _NAME, find_latest_valid
+from lightlike.checkpoint.manifest import _NAME, MANIFEST, find_latest_valid
 from lightlike.errors import CheckpointError
 
 if TYPE_CHECKING:
@@ -42,6 +42,9 @@ CONTINUATION_KEYS = ("batch_size", "grad_accum_steps", "learning_rate", "max_ste
 #: Optimizer settings the restored optimizer/scheduler state holds: a change is applied after loading
 #: it (built-in optimizers only; a module's own ``configure_optimizers`` keeps the restored values).
 APPLIED_KEYS = ("learning_rate", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon", "momentum")
+#: Settings that shape the schedule: the rebuilt scheduler has them, the restored group lr not yet
+SCHEDULE_KEYS = ("max_steps", "max_epochs", "batch_size", "grad_accum_steps", "lr_scheduler", "warmup_steps",
+                 "warmup_ratio", "lr_end", "power", "num_cycles")
 #: Prefix of the directory that receives checkpoints of an abandoned continuation.
 ABANDONED = "abandoned-"
 
@@ -132,13 +135,19 @@ def best_checkpoint_name(stored: str | None) -> str | None:
 def resolve_best(output_dir: str | Path, stored: str | None, best_step: int | None) -> str | None:
     """The best checkpoint's path in the current ``output_dir`` from what a checkpoint stored (its
     name; older checkpoints stored an absolute path or one relative to the then working
-    directory). None unless it names the checkpoint saved at ``best_step``."""
+    directory). None unless it names the checkpoint saved at ``best_step`` and that checkpoint
+    is still there (committed: it has a manifest), with a warning when it is gone."""
     if not stored:
         return None
     m = _NAME.match(Path(stored).name)
     if m is None or best_step is None or int(m.group(1)) != best_step:
         return None
-    return str(Path(output_dir) / Path(stored).name)
+    path = Path(output_dir) / Path(stored).name
+    if not (path / MANIFEST).is_file():
+        log.warning("the best checkpoint so far (%s) is no longer in %s: load_best_at_end will keep the final "
+                    "weights unless a later evaluation is better", path.name, output_dir)
+        return None
+    return str(path)
 
 
 # -- settings changed between runs ---------------------------------------------------------------
@@ -155,7 +164,7 @@ def apply_changed_settings(fitter: Fitter, path: Path) -> None:
         return
     listing = "; ".join(f"{k}: {old.get(k)!r} -> {now.get(k)!r}" for k in changed)
     log.warning("resuming with changed settings (%s): the run is no longer a pure continuation", listing)
-    applied = [k for k in changed if k in APPLIED_KEYS]
+    applied = [k for k in changed if k in APPLIED_KEYS or k in SCHEDULE_KEYS]
     if not applied:
         return
     from lightlike.module import TaskModule
@@ -168,17 +177,19 @@ def apply_changed_settings(fitter: Fitter, path: Path) -> None:
         return
     if old.get("optimizer") != now.get("optimizer"):
         return  # another optimizer's state would not have loaded
-    _apply(fitter, {k: old[k] for k in applied}, {k: now[k] for k in applied})
+    _apply(fitter, {k: old[k] for k in applied}, {k: now[k] for k in applied},
+           schedule_changed=any(k in SCHEDULE_KEYS for k in applied))
     log.info("applied the new %s to the restored optimizer and schedule", ", ".join(applied))
 
 
-def _apply(fitter: Fitter, old: dict[str, Any], new: dict[str, Any]) -> None:
+def _apply(fitter: Fitter, old: dict[str, Any], new: dict[str, Any], schedule_changed: bool = False) -> None:
     sched = fitter.scheduler
     optimizer = sched.optimizer if sched is not None and hasattr(sched, "optimizer") else fitter.optimizer
     assert optimizer is not None
     groups = optimizer.param_groups
-    if "learning_rate" in new:
-        lr = float(new["learning_rate"])
+    if "learning_rate" in new or (schedule_changed and sched is not None):
+        # the next step's rate from the new schedule at the restored position (LambdaLR.get_lr)
+        lr = float(new.get("learning_rate", fitter.config.learning_rate))
         for g in groups:
             if "initial_lr" in g:
                 g["initial_lr"] = lr
@@ -188,9 +199,11 @@ def _apply(fitter: Fitter, old: dict[str, Any], new: dict[str, Any]) -> None:
         if lambdas is not None and len(lambdas) == len(groups):  # LambdaLR (the built-in schedules)
             # the rate of the next step: what the schedule gives at its position (LambdaLR.get_lr)
             lrs = [lr * fn(sched.last_epoch) for fn in lambdas]
-        else:
+        elif "learning_rate" in new:
             before = float(old["learning_rate"])
             lrs = [float(g["lr"]) * lr / before if before else lr for g in groups]
+        else:
+            lrs = [float(g["lr"]) for g in groups]
         for g, value in zip(groups, lrs, strict=True):
             g["lr"] = value
         if sched is not None and hasattr(sched, "_last_lr"):

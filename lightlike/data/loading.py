@@ -231,8 +231,10 @@ def _batching(loader: DataLoader) -> tuple[int | None, bool, bool]:
     """``(batch_size, drop_last, custom)``: ``custom`` when the loader has a batch_sampler of the
     user's, whose own ``batch_size``/``drop_last`` are read when it has them."""
     bs = loader.batch_sampler
-    if bs is None or type(bs) is BatchSampler:
+    if bs is None or (type(bs) is BatchSampler and loader.batch_size is not None):  # torch's own batching
         return loader.batch_size, bool(loader.drop_last), False
+    if type(bs) is BatchSampler:  # a plain BatchSampler passed as batch_sampler=: its settings are kept
+        return bs.batch_size, bool(bs.drop_last), False
     size = getattr(bs, "batch_size", None)
     return (size if isinstance(size, int) else None), bool(getattr(bs, "drop_last", False)), True
 
@@ -274,6 +276,8 @@ def _plain_sampler(loader: DataLoader) -> bool | None:
     """The user's sampler as a shuffle flag: True for a plain RandomSampler, False for a
     SequentialSampler, None for anything else (which cannot be kept)."""
     s = loader.sampler
+    if type(loader.batch_sampler) is BatchSampler and loader.batch_size is None:  # batch_sampler=BatchSampler(...)
+        s = loader.batch_sampler.sampler
     if type(s) is SequentialSampler:
         return False
     if type(s) is RandomSampler and not s.replacement and s._num_samples is None:

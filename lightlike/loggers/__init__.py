@@ -84,13 +84,15 @@ def _by_name(name: str, log_dir: Path) -> Logger:
     return TensorBoardLogger(log_dir)
 
 
-def build_loggers(spec: Any, output_dir: str | Path, enabled: bool = True) -> list[Logger]:
+def build_loggers(spec: Any, output_dir: str | Path, enabled: bool = True, *, resume_step: int | None = None,
+                  hyperparams: dict[str, Any] | None = None) -> list[Logger]:
     """The loggers of a run, writing under ``output_dir/logs/``.
 
     ``spec``: ``'auto'`` (CSV, plus TensorBoard when installed, else a warning), a list/tuple of
     names among ``csv``, ``jsonl``, ``tensorboard`` and/or ``Logger`` instances, or ``[]``/None
     for none. The spec is checked on every process (an invalid one fails everywhere alike); only
-    where ``enabled`` (the main process) are loggers constructed.
+    where ``enabled`` (the main process) are loggers constructed. ``resume_step``: a resumed run,
+    whose logs drop what was written after that step's checkpoint; ``hyperparams`` are logged.
     """
     if not enabled:
         if not (isinstance(spec, str) and spec.strip().lower() == "auto"):  # no warning on every rank
@@ -98,7 +100,13 @@ def build_loggers(spec: Any, output_dir: str | Path, enabled: bool = True) -> li
         return []
     items = _normalise(spec)
     log_dir = Path(output_dir) / "logs"
-    return [item if isinstance(item, Logger) else _by_name(item, log_dir) for item in items]
+    loggers = [item if isinstance(item, Logger) else _by_name(item, log_dir) for item in items]
+    for lg in loggers:
+        if resume_step is not None:
+            lg.resume(resume_step)
+        if hyperparams is not None:
+            lg.log_hyperparams(hyperparams)
+    return loggers
 
 
 __all__ = ["LOGGER_NAMES", "CSVLogger", "JSONLLogger", "Logger", "build_loggers", "tensorboard_available"]

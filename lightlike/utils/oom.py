@@ -30,6 +30,7 @@ def fit_finding_batch_size(fitter: Fitter, module: Any, train: Any, val: Any, re
             cfg = fitter.config
             if not is_out_of_memory(error) or cfg.batch_size == 1:
                 raise
+            fitter._commit_checkpoint()  # an asynchronous save of the failed try lands before the retry clears it
             new_bs, new_acc = cfg.batch_size // 2, cfg.grad_accum_steps * 2
             log.warning("out of memory at batch_size=%d: retrying from the start with batch_size=%d, "
                         "grad_accum_steps=%d", cfg.batch_size, new_bs, new_acc)
