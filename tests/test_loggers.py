@@ -453,24 +453,25 @@ def test_the_fitter_shows_a_bar_on_a_terminal_and_log_lines_elsewhere(tmp_path):
     import termios
 
     tests = str(Path(__file__).parent)
-    code = [sys.executable, "-c", _FIT_SCRIPT.format(tests=tests, out=str(tmp_path / "tty"))]
-    main, child = pty.openpty()
-    fcntl.ioctl(child, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))  # a 100-column terminal
-    proc = subprocess.Popen(code, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=child)
-    os.close(child)
-    chunks = []
-    while True:
-        try:
-            data = os.read(main, 4096)
-        except OSError:  # the child closed the terminal
-            break
-        if not data:
-            break
-        chunks.append(data)
-    os.close(main)
-    assert proc.wait(timeout=120) == 0
-    on_tty = b"".join(chunks).decode(errors="replace")
-    assert "fit: 100%" in on_tty and "6/6" in on_tty and "step 3/6" not in on_tty, on_tty[-2000:]
+    for columns in (100, 0):  # a sized terminal, and one that reports no size (tqdm drew nothing there)
+        code = [sys.executable, "-c", _FIT_SCRIPT.format(tests=tests, out=str(tmp_path / f"tty{columns}"))]
+        main, child = pty.openpty()
+        fcntl.ioctl(child, termios.TIOCSWINSZ, struct.pack("HHHH", 24, columns, 0, 0))
+        proc = subprocess.Popen(code, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=child)
+        os.close(child)
+        chunks = []
+        while True:
+            try:
+                data = os.read(main, 4096)
+            except OSError:  # the child closed the terminal
+                break
+            if not data:
+                break
+            chunks.append(data)
+        os.close(main)
+        assert proc.wait(timeout=120) == 0
+        on_tty = b"".join(chunks).decode(errors="replace")
+        assert "fit: 100%" in on_tty and "6/6" in on_tty and "step 3/6" not in on_tty, (columns, on_tty[-2000:])
     piped = subprocess.run([sys.executable, "-c", _FIT_SCRIPT.format(tests=tests, out=str(tmp_path / "pipe"))],
                            capture_output=True, text=True, timeout=120)
     assert piped.returncode == 0, piped.stderr[-2000:]

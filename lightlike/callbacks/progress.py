@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import sys
 from typing import TYPE_CHECKING, Any
 
@@ -76,8 +77,15 @@ class ProgressBar(Callback):
             log.warning("tqdm is not installed: no progress bar (%s)", INSTALL_HINT)
             return
         total = state.max_steps or None
+        # follow the terminal's width, except where it reports none (a pseudo-terminal without a
+        # size, as some CI runners and `docker exec -t` give), on which tqdm would draw nothing
+        try:
+            dynamic = os.get_terminal_size(self.stream.fileno()).columns > 0
+        except (AttributeError, OSError, ValueError):  # not a real terminal (a forced bar on a buffer)
+            dynamic = True
         self.bar = tqdm(total=total, initial=min(state.global_step, total or state.global_step),
-                        unit="step", desc="fit", file=self.stream, dynamic_ncols=True, leave=True)
+                        unit="step", desc="fit", file=self.stream, dynamic_ncols=dynamic,
+                        ncols=None if dynamic else 100, leave=True)
 
     def on_step_end(self, fitter: Fitter, state: FitState, control: Control) -> None:
         if self.bar is not None:
