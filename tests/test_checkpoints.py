@@ -350,8 +350,11 @@ def test_resume_errors(tmp_path):
     with pytest.raises(ll.CheckpointError, match="holds no valid checkpoint"):
         ll.Fitter(max_steps=2, output_dir=str(tmp_path / "empty"), loggers=[]).fit(Classifier(), DictDataset(), resume=True)
     train(tmp_path, steps=2, save_only_model=True)
-    with pytest.raises(ll.CheckpointError, match="weights only"):
+    with pytest.raises(ll.CheckpointError, match="weights-only ones, from save_only_model, cannot resume"):
         ll.Fitter(max_steps=4, output_dir=str(tmp_path / "run"), loggers=[]).fit(Classifier(), DictDataset(), resume=True)
+    with pytest.raises(ll.CheckpointError, match="weights only"):  # named explicitly
+        ll.Fitter(max_steps=4, output_dir=str(tmp_path / "run"), loggers=[]).fit(
+            Classifier(), DictDataset(), resume=str(tmp_path / "run" / "checkpoint-2"))
     train(tmp_path / "b", steps=2)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

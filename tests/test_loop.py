@@ -249,3 +249,15 @@ def test_a_best_checkpoint_that_rotation_removed_is_not_loaded(tmp_path, caplog)
     with caplog.at_level("WARNING", logger="lightlike"):
         assert resolve_best(tmp_path, "checkpoint-2", 2) is None
     assert "checkpoint-2" in caplog.text
+
+
+def test_resume_skips_weights_only_checkpoints(tmp_path):
+    """resume=True / 'auto' take the newest *resumable* checkpoint: a newer weights-only one
+    (save_only_model) is passed over, not an error."""
+    kw = dict(batch_size=4, save_every=2, output_dir=str(tmp_path), loggers=[])
+    ll.Fitter(max_steps=2, **kw).fit(Classifier(), DictDataset(n=40))
+    ll.Fitter(max_steps=4, save_only_model=True, **kw).fit(Classifier(), DictDataset(n=40), resume=True)
+    assert (tmp_path / "checkpoint-4").is_dir()
+    fitter = ll.Fitter(max_steps=6, **kw)
+    result = fitter.fit(Classifier(), DictDataset(n=40), resume="auto")
+    assert Path(fitter.resumed_from).name == "checkpoint-2" and result.global_step == 6

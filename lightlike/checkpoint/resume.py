@@ -53,14 +53,15 @@ def resolve_resume(config: FitConfig, resume: bool | str) -> Path | None:
     """``True``: the newest valid checkpoint in output_dir (an error if there is none);
     ``"auto"``: the same, or None (start fresh) if there is none; a path: that checkpoint."""
     if resume is True or resume == "auto":
-        found = find_latest_valid(config.output_dir, hashes=config.verify_hashes)
+        found = find_latest_valid(config.output_dir, hashes=config.verify_hashes, resumable=True)
         if found is not None:
             return Path(found)
         if resume == "auto":
             log.info("resume='auto': %r holds no valid checkpoint; starting a fresh run", config.output_dir)
             return None
         raise CheckpointError(
-            f"resume=True but {config.output_dir!r} holds no valid checkpoint; start without resume, "
+            f"resume=True but {config.output_dir!r} holds no valid checkpoint to resume from (weights-only "
+            "ones, from save_only_model, cannot resume a run); start without resume, "
             "pass resume='auto' (resume if there is a checkpoint, else start fresh), or pass "
             "resume='path/to/checkpoint-N'"
         )
