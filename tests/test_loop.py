@@ -261,3 +261,21 @@ def test_resume_skips_weights_only_checkpoints(tmp_path):
     fitter = ll.Fitter(max_steps=6, **kw)
     result = fitter.fit(Classifier(), DictDataset(n=40), resume="auto")
     assert Path(fitter.resumed_from).name == "checkpoint-2" and result.global_step == 6
+
+
+def test_the_even_split_holds_from_any_resume_position():
+    """Training on W ranks deals every rank the same number of samples; a resume may start at a
+    position that is not a multiple of the new W (2 ranks -> 3): the rest still splits evenly,
+    each sample once, and the position reaches the split's end."""
+    from lightlike.data.sampler import ResumableSampler
+
+    for start in (0, 20, 21, 37):
+        shares = []
+        for rank in range(3):
+            s = ResumableSampler(40, seed=1, rank=rank, world_size=3, even=True)
+            s.set_epoch(0, start)
+            shares.append(list(s))
+        assert len({len(x) for x in shares}) == 1, (start, [len(x) for x in shares])
+        dealt = sum(shares, [])
+        assert len(dealt) == len(set(dealt)) == (40 - start) - (40 - start) % 3
+        assert start + len(dealt) == s.global_end()
