@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from helpers import Classifier, DictDataset, flat_params
@@ -26,6 +28,14 @@ class StopAt(ll.Callback):
     def on_step_end(self, fitter, state, control):
         if state.global_step == self.step:
             raise KeyboardInterrupt  # like a kill right after the step's checkpoint
+
+
+def killed_after(step, module_cls, **kw):
+    """A fit of a fresh ``module_cls()`` on 40 items that dies (KeyboardInterrupt) right after
+    optimizer step ``step``; the module is built after the Fitter, as the tests always did."""
+    with contextlib.suppress(KeyboardInterrupt):
+        fitter = ll.Fitter(callbacks=[StopAt(step)], **kw)
+        fitter.fit(module_cls(), DictDataset(n=40))
 
 
 def run(out, stop=None, resume=None, **kw):
@@ -89,10 +99,7 @@ def test_changed_learning_rate_is_applied_on_resume(tmp_path, caplog):
     cfg = dict(max_steps=8, batch_size=4, save_every=4, output_dir=str(tmp_path / "run"), loggers=[],
                optimizer="sgd", weight_decay=0.0)
     torch.manual_seed(0)
-    try:
-        ll.Fitter(callbacks=[StopAt(5)], learning_rate=1e-2, **cfg).fit(Classifier(), DictDataset(n=40))
-    except KeyboardInterrupt:
-        pass
+    killed_after(5, Classifier, learning_rate=1e-2, **cfg)
     rec = Record()
     with caplog.at_level("WARNING", logger="lightlike"):
         fitter = ll.Fitter(callbacks=[rec], learning_rate=1e-4, **cfg)
@@ -110,10 +117,7 @@ def test_changed_learning_rate_is_applied_on_resume(tmp_path, caplog):
 def test_changed_weight_decay_and_betas_are_applied_to_the_right_groups(tmp_path):
     cfg = dict(max_steps=4, batch_size=4, save_every=2, output_dir=str(tmp_path / "run"), loggers=[])
     torch.manual_seed(0)
-    try:
-        ll.Fitter(callbacks=[StopAt(3)], weight_decay=0.1, **cfg).fit(Classifier(), DictDataset(n=40))
-    except KeyboardInterrupt:
-        pass
+    killed_after(3, Classifier, weight_decay=0.1, **cfg)
     fitter = ll.Fitter(weight_decay=0.3, adam_beta2=0.99, adam_epsilon=1e-6, **cfg)
     fitter.fit(Classifier(), DictDataset(n=40), resume=True)
     decay, no_decay = fitter.optimizer.param_groups
@@ -127,10 +131,7 @@ def test_custom_optimizer_keeps_the_restored_state_and_says_so(tmp_path, caplog)
             return torch.optim.SGD(self.parameters(), lr=config.learning_rate)
 
     cfg = dict(max_steps=4, batch_size=4, save_every=2, output_dir=str(tmp_path / "run"), loggers=[])
-    try:
-        ll.Fitter(callbacks=[StopAt(3)], learning_rate=1e-2, **cfg).fit(Custom(), DictDataset(n=40))
-    except KeyboardInterrupt:
-        pass
+    killed_after(3, Custom, learning_rate=1e-2, **cfg)
     rec = Record()
     with caplog.at_level("WARNING", logger="lightlike"):
         ll.Fitter(callbacks=[rec], learning_rate=1e-4, **cfg).fit(Custom(), DictDataset(n=40), resume=True)

@@ -24,8 +24,8 @@ import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from lightlike.checkpoint.atomic import cleanup_stale_temps
-from lightlike.checkpoint.manifest import _NAME, MANIFEST, find_latest_valid
+from lightlike.checkpoint.atomic import _fsync_path, cleanup_stale_temps
+from lightlike.checkpoint.manifest import _NAME, MANIFEST, checkpoint_step, find_latest_valid
 from lightlike.errors import CheckpointError
 
 if TYPE_CHECKING:
@@ -92,7 +92,7 @@ def set_aside_newer(output_dir: str | Path, step: int, source: str | Path | None
     if not out.is_dir():
         return None
     newer = sorted((p for p in out.iterdir() if p.is_dir() and (m := _NAME.match(p.name)) and int(m.group(1)) > step),
-                   key=lambda p: int(p.name.split("-")[1]))
+                   key=checkpoint_step)
     if not newer:
         return None
     dest = set_aside(out, newer)
@@ -118,11 +118,7 @@ def set_aside(output_dir: str | Path, paths: list[Path]) -> Path:
     dest.mkdir()
     for p in paths:
         os.rename(p, dest / p.name)
-    fd = os.open(out, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    _fsync_path(out)
     return dest
 
 
