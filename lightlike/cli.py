@@ -170,7 +170,10 @@ def _parse(cmd: str, argv: list[str]) -> dict[str, Any]:
     from lightlike.module import TaskModule
 
     fit_opts = {o.key: o for o in fit_options()}
-    optional = {"resume": lambda t: t.lower() in ("true", "false", "yes", "no", "1", "0", "auto") or Path(t).exists(),
+    # --resume's value: a word, or a path (an existing one, or one that names a checkpoint: a missing
+    # one is then reported as missing, not as a stray argument); never the module target (path.py:Name)
+    optional = {"resume": lambda t: t.lower() in ("true", "false", "yes", "no", "1", "0", "auto") or (
+                    ":" not in t and (Path(t).exists() or "/" in t or t.startswith("checkpoint-"))),
                 "comments": lambda t: t.lower() in ("true", "false", "yes", "no", "1", "0")}
     own = {f"--{name}" for name, _ in _cli_options(cmd)} | {"-h", "--help"}
     wants_help = any(t in ("-h", "--help") for t in (argv[: argv.index("--")] if "--" in argv else argv))
@@ -241,7 +244,8 @@ def _parse(cmd: str, argv: list[str]) -> dict[str, Any]:
                               f"--{MODEL}.{missing[0]} VALUE or set it in the config file's [{MODEL}] table")
     return {"config": config, "cls": cls, "model": model, "checkpoint": checkpoint, "args": given,
             "fit_help": {k: o.help for k, o in fit_opts.items()},
-            "model_help": {k: o.help for k, o in model_opts.items()}}
+            "model_help": {k: o.help for k, o in model_opts.items()},
+            "defaults": {**{k: o.default for k, o in fit_opts.items()}, **{k: o.default for k, o in model_opts.items()}}}
 
 
 def _resolve_checkpoint(spec: str, config: Any) -> Path:
@@ -275,7 +279,7 @@ def _cmd_run(cmd: str, argv: list[str]) -> int:
         helps = None
         if r["args"]["cli_comments"]:
             helps = {**r["fit_help"], **{k: v for k, v in r["model_help"].items() if v}}
-        sys.stdout.write(dump_config(r["config"].to_dict(), r["model"], r["args"]["cli_format"], helps))
+        sys.stdout.write(dump_config(r["config"].to_dict(), r["model"], r["args"]["cli_format"], helps, r["defaults"]))
         return 0
     config, cls, kwargs, args = r["config"], r["cls"], r["model"], r["args"]
     fitter = Fitter(config)
@@ -385,6 +389,8 @@ def _eval_data(cmd: str, spec: str | None, module: Any, config: Any) -> Any:
 
 def _write_predictions(path: Path, result: Any) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
+    if path.exists():  # replaced whole (written aside, then renamed), and said so
+        print(f"lightlike predict: replacing {path} (pass --predictions_file to keep it)", file=sys.stderr)
     payload = {"predictions": result.predictions, "labels": result.labels, "metrics": result.metrics}
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     if path.suffix.lower() == ".json":

@@ -246,6 +246,17 @@ def normalise_argv(argv: list[str], options: dict[str, Option], optional_value: 
 
 
 def nearest(name: str, valid: list[str]) -> str:
+    """The hint for an unknown flag or key: the field an HF Trainer / Lightning name maps to
+    (``config.OTHER_NAMES``), else the closest valid name."""
+    from lightlike.config import OTHER_NAMES
+
+    other = OTHER_NAMES.get(name.lstrip("-"))
+    if other is not None:
+        if name.startswith("--"):  # --fp16 -> --precision 16-mixed, --resume_from_checkpoint -> --resume
+            other = "resume" if other.startswith("fit(") else other
+            other = "--" + other.replace("='", " ").rstrip("'") if other.isidentifier() or "='" in other else other
+        plain = other.lstrip("-").isidentifier()
+        return f" (did you mean {other!r}?)" if plain else f" (did you mean {other}?)"
     close = difflib.get_close_matches(name, valid, n=1, cutoff=0.5)
     return f" (did you mean {close[0]!r}?)" if close else ""
 
@@ -295,7 +306,8 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
     except ConfigError:
         raise
     except Exception as e:  # the parser's own message names the line
-        raise ConfigError(f"config file {str(p)!r} does not parse: {e}") from None
+        detail = " ".join(line.strip() for line in str(e).splitlines() if line.strip())  # YAML's span lines
+        raise ConfigError(f"config file {str(p)!r} does not parse: {detail}") from None
     if data is None:
         return {}
     if not isinstance(data, dict):
@@ -337,7 +349,7 @@ def split_config(data: dict[str, Any], source: str, fit_opts: dict[str, Option],
 
 
 def dump_config(fit: dict[str, Any], model: dict[str, Any] | None, fmt: str,
-                helps: dict[str, str] | None = None) -> str:
+                helps: dict[str, str] | None = None, defaults: dict[str, Any] | None = None) -> str:
     """The resolved settings as TOML, YAML or JSON that ``--config`` reads back; ``helps``
     (key → text) adds each field's help as a comment (TOML, YAML)."""
     if fmt == "json":
@@ -355,6 +367,10 @@ def dump_config(fit: dict[str, Any], model: dict[str, Any] | None, fmt: str,
             if helps and helps.get(key if table is None else f"{table}.{key}"):
                 lines.append(f"{indent}# {helps[key if table is None else f'{table}.{key}']}")
             if fmt == "toml":
+                full = key if table is None else f"{table}.{key}"
+                if v is None and (defaults or {}).get(full) not in (None, REQUIRED):
+                    raise ConfigError(f"{full}=None cannot be written as TOML (it has no null; reading it back "
+                                      f"would give the default {defaults[full]!r}): use --format json or yaml")  # type: ignore[index]
                 lines.append(f"# {key} = None (unset)" if v is None else f"{key} = {toml_value(v)}")
             else:
                 yaml = _yaml()

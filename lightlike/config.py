@@ -189,6 +189,10 @@ class FitConfig:
         for name in ("max_grad_norm", "max_grad_value"):
             v = getattr(self, name)
             need(v is None or (math.isfinite(v) and v > 0), f"{name} must be a finite number > 0 or None, got {v!r}")
+        from lightlike.preemption import _signal  # light: signal, os, subprocess
+
+        for name in self.preemption_signals:  # named and catchable, checked before any fit
+            _signal(name)
         if self.save_strategy == "best" or self.load_best_at_end:
             need(
                 self.metric_for_best is not None,
@@ -256,9 +260,13 @@ class FitConfig:
 
     def to_toml(self, path: str | Path | None = None) -> str:
         lines = []
+        defaults = {f.name: f.default for f in fields(self)}
         for k, v in self.to_dict().items():
-            if v is None:
-                continue  # TOML has no null: an absent key means the default (None)
+            if v is None:  # TOML has no null: an absent key means the default, right only if that is None
+                if defaults.get(k) is not None:
+                    raise ConfigError(f"{k}=None cannot be written as TOML (it has no null; reading it back would "
+                                      f"give the default {defaults[k]!r}): write JSON or YAML instead")
+                continue
             lines.append(f"{k} = {toml_value(v)}")
         text = "\n".join(lines) + "\n"
         if path is not None:
@@ -281,6 +289,23 @@ class FitConfig:
         return {f.name: f.metadata.get("help", "") for f in fields(cls)}
 
 
+#: The HF Trainer's and Lightning's names for FitConfig fields (docs/migrating.md): an unknown key
+#: that is one of them is answered with the field, not with a look-alike name.
+OTHER_NAMES = {
+    "lr": "learning_rate", "num_train_epochs": "max_epochs", "per_device_train_batch_size": "batch_size",
+    "per_device_eval_batch_size": "eval_batch_size", "gradient_accumulation_steps": "grad_accum_steps",
+    "accumulate_grad_batches": "grad_accum_steps", "lr_scheduler_type": "lr_scheduler", "optim": "optimizer",
+    "bf16": "precision='bf16-mixed'", "fp16": "precision='16-mixed'", "eval_steps": "eval_every",
+    "eval_strategy": "eval_every or eval_on_epoch_end", "evaluation_strategy": "eval_every or eval_on_epoch_end",
+    "logging_steps": "log_every", "report_to": "loggers", "save_steps": "save_every",
+    "load_best_model_at_end": "load_best_at_end", "metric_for_best_model": "metric_for_best",
+    "log_level_replica": "log_level_other_ranks", "full_determinism": "deterministic",
+    "dataloader_num_workers": "num_workers", "dataloader_drop_last": "drop_last",
+    "dataloader_pin_memory": "pin_memory", "torch_compile": "compile", "gradient_clip_val": "max_grad_norm",
+    "resume_from_checkpoint": "fit(..., resume=True or 'path')",
+}
+
+
 def check_keys(data: dict[str, Any], cls: type = FitConfig) -> None:
     """Reject unknown keys, naming the closest valid ones."""
     valid = [f.name for f in fields(cls)]
@@ -288,8 +313,10 @@ def check_keys(data: dict[str, Any], cls: type = FitConfig) -> None:
     if bad:
         parts = []
         for k in bad:
-            close = difflib.get_close_matches(k, valid, n=3, cutoff=0.5)
-            hint = f" (did you mean {', '.join(repr(c) for c in close)}?)" if close else ""
+            other = OTHER_NAMES.get(k) if cls is FitConfig else None
+            close = [repr(other) if other.isidentifier() else other] if other else \
+                [repr(c) for c in difflib.get_close_matches(k, valid, n=3, cutoff=0.5)]
+            hint = f" (did you mean {', '.join(close)}?)" if close else ""
             parts.append(f"{k!r}{hint}")
         raise ConfigError(f"unknown config key(s): {'; '.join(parts)}")
 
@@ -370,9 +397,9 @@ def toml_value(v: Any) -> str:
     if isinstance(v, (int, float)):
         return repr(v)
     if isinstance(v, str):
-        return json.dumps(v)
+        return json.dumps(v, ensure_ascii=False)  # a JSON \ud83d escape of a non-BMP character is not TOML
     if isinstance(v, (list, tuple)):
         return "[" + ", ".join(toml_value(x) for x in v) + "]"
     if isinstance(v, dict):
-        return "{" + ", ".join(f"{json.dumps(str(k))} = {toml_value(x)}" for k, x in v.items()) + "}"
+        return "{" + ", ".join(f"{json.dumps(str(k), ensure_ascii=False)} = {toml_value(x)}" for k, x in v.items()) + "}"
     raise ConfigError(f"cannot write {v!r} to TOML: write JSON or YAML instead (lightlike config --format json|yaml)")

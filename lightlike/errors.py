@@ -5,6 +5,14 @@ class LightlikeError(Exception):
     """Base class of lightlike's own errors."""
 
 
+def on_every_rank(error: BaseException) -> BaseException:
+    """Mark ``error`` as raised by every rank at the same point, after the ranks agreed on its
+    cause (from gathered values): the ranks are still in step, so a caller may catch it and go
+    on, and teardown still waits for every rank before it destroys the process group."""
+    error.on_every_rank = True  # type: ignore[attr-defined]
+    return error
+
+
 class ConfigError(LightlikeError, ValueError):
     """A setting is invalid; the message names the setting and the valid choices."""
 

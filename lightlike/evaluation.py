@@ -24,12 +24,13 @@ import inspect
 import linecache
 import logging
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from lightlike.errors import ConfigError, DataError, ModuleContractError
+from lightlike.errors import ConfigError, DataError, LightlikeError, ModuleContractError, on_every_rank
+from lightlike.utils.batches import map_tensors
 
 if TYPE_CHECKING:
     from lightlike.strategies import Strategy
@@ -44,9 +45,15 @@ PAD_VALUE = -100
 def check_loss(loss: Any, where: str, *where_args: Any) -> torch.Tensor:
     """The loss must be a scalar tensor; host-side check only (no device sync). ``where`` is
     formatted with ``where_args`` only when there is an error to report."""
-    if isinstance(loss, torch.Tensor) and loss.ndim == 0:
+    if isinstance(loss, torch.Tensor) and loss.ndim == 0 and (loss.requires_grad or not torch.is_grad_enabled()):
         return loss
     where = where.format(*where_args)
+    if isinstance(loss, torch.Tensor) and loss.ndim == 0:
+        raise ModuleContractError(
+            f"loss() returned a tensor that does not require grad {where}, so nothing can be learnt from "
+            "it: compute it from the outputs with torch operations (no .item(), .detach() or torch.tensor(...)), "
+            "and leave some parameters trainable"
+        )
     if not isinstance(loss, torch.Tensor):
         raise ModuleContractError(
             f"loss() returned {type(loss).__name__} {where}; return a scalar torch.Tensor "
@@ -68,6 +75,10 @@ def call_module(model: Any, batch: Any, where: str, *where_args: Any) -> Any:
         if not _missing_key(e, batch):
             raise  # a KeyError of the module's own (a dict attribute): not the batch's fault
         raise _missing_key_error(e, batch, "the module", where, where_args) from e
+    except TypeError as e:
+        if (error := _sequence_read_error(e, batch, "the module", where, where_args)) is None:
+            raise
+        raise error from e
 
 
 def call_loss(module: Any, outputs: Any, batch: Any, where: str, *where_args: Any) -> torch.Tensor:
@@ -79,6 +90,10 @@ def call_loss(module: Any, outputs: Any, batch: Any, where: str, *where_args: An
         if not _missing_key(e, batch):
             raise
         raise _missing_key_error(e, batch, "loss()", where, where_args) from e
+    except TypeError as e:
+        if (error := _sequence_read_error(e, batch, "loss()", where, where_args)) is None:
+            raise
+        raise error from e
     return check_loss(loss, where, *where_args)
 
 
@@ -173,6 +188,63 @@ def _missing_key_error(e: KeyError, batch: Mapping, who: str, where: str, where_
     )
 
 
+def _sequence_read_error(e: TypeError, batch: Any, who: str, where: str, where_args: Any) -> DataError | None:
+    """A batch that is a tuple/list, read by key (``batch["x"]``): say so, naming the read."""
+    if not isinstance(batch, (list, tuple)) or "indices must be integers" not in str(e):
+        return None
+    known, container = _subscripted(e, batch)
+    if not (known and container is batch):
+        return None
+    return DataError(
+        f"{who} read the batch by key {where.format(*where_args)}, but the batch is a {type(batch).__name__} of "
+        f"{len(batch)} elements, not a mapping: index it by position (batch[0]) or let the dataset return dicts"
+    )
+
+
+_END = object()
+
+
+def _agree(infos: list[Any], prefix: str) -> tuple[list[str], bool, Any, Any]:
+    """From every rank's ``(batches, metric names, labelled, prediction spec, label spec)``: the
+    names, whether labelled, and the specs every rank pads its parts to."""
+    active = [info for info in infos if info[0]]
+    if not active:
+        raise DataError(f"the {prefix} data produced no batches on any of the {len(infos)} processes: "
+                        "pass a non-empty dataset")
+    if len({tuple(info[1]) for info in active}) > 1:
+        raise ModuleContractError(f"metrics() returned different keys on different ranks "
+                                  f"({sorted({tuple(info[1]) for info in active})}); return the same keys everywhere")
+    if len({info[2] for info in active}) > 1:
+        raise DataError(f"the {prefix} batches have labels on some ranks and none on others "
+                        "(TaskModule.labels(batch)); predict on a set that is labelled throughout or not at all")
+    return (list(active[0][1]), active[0][2], _merge_specs([info[3] for info in infos], "predictions"),
+            _merge_specs([info[4] for info in infos], "labels"))
+
+
+def _in_lockstep(loader: Any, strategy: Strategy) -> Iterator[tuple[Any, bool]]:
+    """``(batch, True)`` for each of this rank's batches, then ``(stand_in, False)`` until every
+    rank's share is done: all ranks run the same number of forwards. The stand-in is this rank's
+    last batch, or, for a rank whose share is empty, the first batch of the lowest rank that has
+    one (sent once). One small all-gather per batch: only for strategies whose forward is
+    collective, where each forward gathers parameters anyway."""
+    batches = iter(loader)
+    stand_in: Any = _END
+    while True:
+        batch = next(batches, _END)
+        have = batch is not _END
+        if have:
+            stand_in = batch
+        states = strategy.all_gather_object((have, stand_in is not _END))
+        if not any(h for h, _ in states):
+            return
+        if not all(s for _, s in states):  # some rank never had a batch: the first one there is, sent
+            src = next(r for r, (h, _) in enumerate(states) if h)
+            sent = strategy.broadcast_object(batch if strategy.global_rank == src else None, src=src)
+            if stand_in is _END:
+                stand_in = sent
+        yield (batch, True) if have else (stand_in, False)
+
+
 def _metric_tensors(values: Any, device: torch.device, where: str) -> dict[str, torch.Tensor]:
     if values is None:
         return {}
@@ -206,10 +278,16 @@ def _concat(chunks: list[Any], what: str = "predictions") -> Any:
         return torch.cat([_pad(t, shape) for t in tensors])
     if isinstance(first, Mapping):
         return {k: _concat([c[k] for c in chunks], f"{what}[{k!r}]") for k in first}
-    out: list[Any] = []
+    if isinstance(first, tuple):  # fields (logits, hidden), each joined, as the HF Trainer's nested_concat does
+        return _tuple_like(first, [_concat([c[j] for c in chunks], f"{what}[{j}]") for j in range(len(first))])
+    out: list[Any] = []  # a list: one value per item
     for c in chunks:
         out.extend(c if isinstance(c, (list, tuple)) else [c])
     return out
+
+
+def _tuple_like(model: tuple, fields: list[Any]) -> tuple:
+    return type(model)(*fields) if hasattr(model, "_fields") else tuple(fields)
 
 
 def _max_shape(shapes: list[tuple[int, ...]], what: str) -> tuple[int, ...]:
@@ -241,6 +319,8 @@ def _spec(x: Any) -> Any:
         return ("tensor", x.dtype, tuple(x.shape[1:]))
     if isinstance(x, Mapping):
         return ("dict", {k: _spec(v) for k, v in x.items()})
+    if isinstance(x, tuple):
+        return ("tuple", [_spec(v) for v in x])
     return None if x is None else ("list",)
 
 
@@ -255,6 +335,10 @@ def _merge_specs(specs: list[Any], what: str) -> Any:
     if known[0][0] == "dict":
         keys = [k for k in known[0][1]]
         return ("dict", {k: _merge_specs([s[1].get(k) for s in known], f"{what}[{k!r}]") for k in keys})
+    if known[0][0] == "tuple":
+        if len({len(s[1]) for s in known}) > 1:
+            raise ModuleContractError(f"{what} are tuples of different lengths on different ranks")
+        return ("tuple", [_merge_specs([s[1][j] for s in known], f"{what}[{j}]") for j in range(len(known[0][1]))])
     return known[0]
 
 
@@ -266,17 +350,14 @@ def _conform(x: Any, spec: Any) -> Any:
         return torch.empty((0, *spec[2]), dtype=spec[1]) if x is None else _pad(x, spec[2])
     if spec[0] == "dict":
         return {k: _conform(None if x is None else x.get(k), sub) for k, sub in spec[1].items()}
+    if spec[0] == "tuple":
+        fields = [_conform(None if x is None else x[j], sub) for j, sub in enumerate(spec[1])]
+        return tuple(fields) if x is None else _tuple_like(x, fields)
     return [] if x is None else x
 
 
 def _detach_cpu(x: Any) -> Any:
-    if isinstance(x, torch.Tensor):
-        return x.detach().to("cpu")
-    if isinstance(x, Mapping):
-        return {k: _detach_cpu(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return type(x)(_detach_cpu(v) for v in x)
-    return x
+    return map_tensors(x, lambda t: t.detach().to("cpu"))  # namedtuples too (rebuilt field by field)
 
 
 @torch.no_grad()
@@ -329,10 +410,15 @@ def run_evaluation(
     default_labels = type(module).labels is _base_module().labels
     was_training = model.training
     model.eval()
+    lockstep = strategy.forward_is_collective
     try:
-        for i, batch in enumerate(loader):
+        for i, (batch, real) in enumerate(_in_lockstep(loader, strategy) if lockstep else ((b, True) for b in loader)):
             where = f"in {prefix} batch {i}"
             batch = strategy.batch_to_device(batch)
+            if not real:  # this rank's share is done: a forward whose output is dropped keeps the
+                with strategy.autocast():  # others' parameter gathers company
+                    call_module(model, batch, where)
+                continue
             label = call_hook(module.labels, "labels", batch, where, batch) if collect else None
             # the default labels() reads mappings only: a tuple batch counts as labelled unless the
             # module's own labels() says otherwise
@@ -381,19 +467,12 @@ def run_evaluation(
         # the ranks agree on what each holds, so that a rank whose share is empty (a set smaller
         # than the world) joins the same collectives, with zeros and empty parts
         infos = strategy.all_gather_object((n_batches, names, labelled, _spec(pred_local), _spec(label_local)))
-        active = [info for info in infos if info[0]]
-        if not active:
-            raise DataError(f"the {prefix} data produced no batches on any of the {len(infos)} processes: "
-                            "pass a non-empty dataset")
-        if len({tuple(info[1]) for info in active}) > 1:
-            raise ModuleContractError(f"metrics() returned different keys on different ranks "
-                                      f"({sorted({tuple(info[1]) for info in active})}); return the same keys everywhere")
-        if len({info[2] for info in active}) > 1:
-            raise DataError(f"the {prefix} batches have labels on some ranks and none on others "
-                            "(TaskModule.labels(batch)); predict on a set that is labelled throughout or not at all")
-        names, labelled = list(active[0][1]), active[0][2]
-        pred_local = _conform(pred_local, _merge_specs([info[3] for info in infos], "predictions"))
-        label_local = _conform(label_local, _merge_specs([info[4] for info in infos], "labels"))
+        try:  # every rank judges the same gathered values: it raises everywhere or nowhere
+            names, labelled, pred_spec, label_spec = _agree(infos, prefix)
+        except LightlikeError as error:
+            raise on_every_rank(error)  # noqa: B904 (the same error, marked)
+        pred_local = _conform(pred_local, pred_spec)
+        label_local = _conform(label_local, label_spec)
     elif n_batches == 0:
         raise DataError(f"the {prefix} data produced no batches: pass a non-empty dataset")
     metrics: dict[str, float] = {}

@@ -106,24 +106,14 @@ class Fitter:
             num_workers=cfg.num_workers, pin_memory=cfg.pin_memory, seed=cfg.seed,
             rank=strategy.global_rank, world_size=strategy.world_size)
         eval_sets = self._eval_loaders(val)
-        if cfg.eval_every and not eval_sets:
-            raise ConfigError("eval_every is set but fit() got no evaluation data: pass val=..., or drop eval_every")
+        for option in ("eval_every", "eval_on_epoch_end"):
+            if getattr(cfg, option) and not eval_sets:
+                raise ConfigError(f"{option} is set but fit() got no evaluation data: pass val=..., or drop {option}")
         if cfg.metric_for_best and not eval_sets:
             raise ConfigError(f"metric_for_best={cfg.metric_for_best!r} needs evaluation data: pass val=...")
         accum = cfg.grad_accum_steps
-        batches_per_epoch = train_data.batches_per_epoch()
-        if batches_per_epoch == 0:
-            raise DataError("the training data gives no batch per epoch (an empty DataLoader, or drop_last=True "
-                            "with fewer items than batch_size): pass more data or a smaller batch_size")
-        steps_per_epoch = math.ceil(batches_per_epoch / accum) if batches_per_epoch else None
-        if cfg.max_steps is not None:
-            max_steps = cfg.max_steps
-        elif steps_per_epoch is not None:
-            max_steps = cfg.max_epochs * steps_per_epoch  # type: ignore[operator]
-        else:
-            raise ConfigError("the training data has no length (IterableDataset): set max_steps")
-        # epochs are counted too (not only the step budget they give): should_epoch_stop ends one early
-        epoch_limit: float = cfg.max_epochs if cfg.max_steps is None and cfg.max_epochs is not None else math.inf
+        resumed = FitState.saved_in(resume_from) if resume_from is not None else None
+        max_steps, epoch_limit = train_data.step_budget(cfg.max_steps, cfg.max_epochs, accum, resumed)
 
         module.gradient_checkpointing = cfg.gradient_checkpointing
         self.module = module
@@ -172,7 +162,8 @@ class Fitter:
         # (an epoch ends everywhere when one rank runs out) and sum their item counts
         agree_on_data = strategy.world_size > 1 and train_data.sampler is None
         self._uniform_counts = train_data.sampler is not None and type(module).num_items is TaskModule.num_items
-        self._preemption = preemption = PreemptionHandler(cfg.preemption_signals)
+        # a signal an out-of-memory retry's failed try received is kept (auto_find_batch_size)
+        self._preemption = preemption = PreemptionHandler(cfg.preemption_signals, self.__dict__.pop("_signal_carried", None))
         self._stop_agreed: Any = False  # the stop flag agreed in this step's item-count reduction
         preemption.install()
         try:
@@ -186,6 +177,7 @@ class Fitter:
                 if state.batches_in_epoch == 0:
                     callbacks.call("on_epoch_start", self, state, control)
                 while state.global_step < max_steps:
+                    self._phase = "train step"
                     window = list(itertools.islice(batches, accum))  # this step's micro-batches
                     if agree_on_data and strategy.reduce_flag(not window) and window:
                         log.warning("another rank ran out of training data: skipping this rank's last "
@@ -199,8 +191,8 @@ class Fitter:
                             self._save_checkpoint(wait=False)
                         break
                     callbacks.call("on_step_start", self, state, control)
-                    self._phase = "train step"
-                    stepped = self._training_step(window, want_norm=self._is_log_step(state.global_step + 1))
+                    step = state.global_step + 1  # the norm is logged at log steps and the last one
+                    stepped = self._training_step(window, want_norm=self._is_log_step(step) or step >= max_steps)
                     if stepped and scheduler is not None:
                         scheduler.step()
                     state.global_step += 1
@@ -214,20 +206,25 @@ class Fitter:
                     # ---- the step boundary: log, evaluate, end the epoch, then save ---------------
                     # (a checkpoint taken here holds everything done at this step, so a resumed
                     # run repeats none of it: no log line, evaluation or epoch end twice)
-                    step = state.global_step
+                    # (flags set in on_log / on_evaluate / on_epoch_end count at this step)
                     epoch_ended = epoch_done or control.should_epoch_stop
                     last = step >= max_steps or control.should_training_stop or (epoch_ended and epoch + 1 >= epoch_limit)
                     log_step = self._is_log_step(step)
                     if control.should_log or log_step or last:
                         self._log_training()
+                        epoch_ended = epoch_ended or control.should_epoch_stop
+                        last = last or control.should_training_stop or (epoch_ended and epoch + 1 >= epoch_limit)
                     if control.should_evaluate or (cfg.eval_every and step % cfg.eval_every == 0) \
                             or (last and eval_sets and state.last_eval_step != step):
                         self._evaluate_all(eval_sets)
+                        epoch_ended = epoch_ended or control.should_epoch_stop
                     if epoch_ended:
                         epoch = self._end_epoch(epoch, eval_sets)
-                    if control.should_training_stop and not last:  # stopped by an evaluation or an epoch end
-                        last = True
-                        self._log_training(final=True)  # what is pending, before this step's checkpoint
+                    if not last and (control.should_training_stop or epoch >= epoch_limit):
+                        last = True  # stopped by an evaluation or an epoch end: what is pending is logged
+                        self._log_training(final=True)  # and evaluated before this step's checkpoint
+                        if eval_sets and state.last_eval_step != step:
+                            self._evaluate_all(eval_sets)
                     if self._save_due(epoch_ended, final=last):
                         self._save_checkpoint(wait=False)
                     if preemption.stop_requested(strategy, step, self._stop_agreed, log_step):
@@ -243,7 +240,9 @@ class Fitter:
                 self._save_checkpoint()
             self._commit_checkpoint()  # an asynchronous write still in flight
             if cfg.load_best_at_end and state.best_checkpoint:
-                self._load_best_weights()
+                from lightlike.checkpoint.training import load_weights_from
+
+                load_weights_from(self, Path(state.best_checkpoint))
             callbacks.call("on_fit_end", self, state, control)
         finally:
             preemption.uninstall()
@@ -276,10 +275,10 @@ class Fitter:
             yield
         except BaseException as error:
             strategy = self.strategy
-            if strategy is not None and not isinstance(error, Preempted):
-                strategy.note_failure()
-            if not isinstance(error, (Preempted, KeyboardInterrupt)):
-                rank, world = (strategy.global_rank, strategy.world_size) if strategy else (0, 1)
+            if strategy is not None and not isinstance(error, Preempted) and not getattr(error, "on_every_rank", False):
+                strategy.note_failure()  # a peer may sit in another collective: teardown waits for none
+            rank, world = (strategy.global_rank, strategy.world_size) if strategy else (0, 1)
+            if world > 1 and not isinstance(error, (Preempted, KeyboardInterrupt)):  # one process: its traceback says it
                 log.error("rank %d of %d failed during %s at step %d: %s: %s", rank, world, self._phase,
                           self.state.global_step, type(error).__name__, error)
             self.callbacks.call("on_exception", self, self.state, self.control, error)
@@ -396,10 +395,14 @@ class Fitter:
         self._phase = "evaluation"
         self._read_pending()  # raises now if a pending loss is non-finite
         metrics: dict[str, float] = {}
-        for name, loader in eval_sets.items():
-            m, _, _ = run_evaluation(self.model, self.module, loader, self.strategy, name,  # type: ignore[arg-type]
-                                     streaming=self.config.eval_streaming)
-            metrics.update(m)
+        device = self.strategy.root_device  # type: ignore[union-attr]
+        # training's random streams continue as if no evaluation ran (a user's DataLoader draws
+        # its workers' base seed from the global generator, the module may sample)
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            for name, loader in eval_sets.items():
+                m, _, _ = run_evaluation(self.model, self.module, loader, self.strategy, name,  # type: ignore[arg-type]
+                                         streaming=self.config.eval_streaming)
+                metrics.update(m)
         state, cfg = self.state, self.config
         state.last_eval_step = state.global_step
         key = cfg.metric_for_best
@@ -412,15 +415,6 @@ class Fitter:
         self._emit("on_evaluate", metrics)
         self._last_metrics = metrics
         return metrics
-
-    def pending_loss_values(self) -> list[list[float]]:
-        """The not-yet-logged (loss, items, step, micro-batch) values, on the host: they go into
-        checkpoints so the first log after a resume averages what the uninterrupted run would."""
-        return [list(v) for v in self._read_pending()]
-
-    def restore_pending_losses(self, pending: list[list[float]]) -> None:
-        self._pending = [(torch.tensor(loss, dtype=torch.float64, device=self.strategy.root_device), n, int(step), int(micro))  # type: ignore[union-attr,misc]
-                         for loss, n, step, micro in pending]
 
     # ==========================================================================================
     # evaluation and prediction outside fit
@@ -471,7 +465,7 @@ class Fitter:
         if self.module is module and self.model is not None:
             return self.model
         self.module = module
-        self.model = self.strategy.setup_module(module)  # type: ignore[union-attr]
+        self.model = self.strategy.setup_module_for_evaluation(module)  # type: ignore[union-attr]
         return self.model
 
     # ==========================================================================================
@@ -503,7 +497,7 @@ class Fitter:
     def _configure_optimizers(self, module: TaskModule, max_steps: int) -> tuple[Any, Any]:
         from lightlike import optim
 
-        custom = module.configure_optimizers(self.config)
+        custom = optim.call_configure_optimizers(module, self.config)
         if custom is not None:
             return optim.unwrap_configure_optimizers(custom)
         optimizer = optim.build_optimizer(module, self.config, self.strategy.precision)  # type: ignore[union-attr]
@@ -597,11 +591,6 @@ class Fitter:
         from lightlike.checkpoint.training import resolve_resume
 
         return resolve_resume(self.config, resume)
-
-    def _load_best_weights(self) -> None:
-        from lightlike.checkpoint.training import load_weights_from
-
-        load_weights_from(self, Path(self.state.best_checkpoint))  # type: ignore[arg-type]
 
 
 def _weight(count: int | torch.Tensor, total: int | torch.Tensor, dtype: torch.dtype) -> float | torch.Tensor:

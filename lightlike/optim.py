@@ -228,6 +228,8 @@ def build_scheduler(optimizer: torch.optim.Optimizer, config: Any, total_steps: 
         if not 0.0 <= config.lr_end < lr_init:
             raise ConfigError(f"lr_scheduler='polynomial' needs 0 <= lr_end ({config.lr_end}) < "
                               f"learning_rate ({lr_init})")
+        if not config.power > 0:  # a negative power climbs above the peak rate and divides by zero at the end
+            raise ConfigError(f"lr_scheduler='polynomial' needs power > 0, got {config.power}")
         fn = functools.partial(_polynomial, warmup=warmup, total=total_steps, lr_init=lr_init,
                                lr_end=float(config.lr_end), power=float(config.power))
     else:
@@ -237,7 +239,9 @@ def build_scheduler(optimizer: torch.optim.Optimizer, config: Any, total_steps: 
 
 # -- TaskModule.configure_optimizers ---------------------------------------------------------------
 _ACCEPTED = ("return an Optimizer, (optimizer, scheduler), or {'optimizer': ..., 'lr_scheduler': ...} "
-             "(scheduler may be None; it is stepped once per optimizer step), or None for the built-in ones")
+             "(scheduler may be None, or Lightning's {'scheduler': s, 'interval': 'step'}; it is stepped once per "
+             "optimizer step; Lightning's [optimizer] and ([optimizer], [scheduler]) are read too), or None for "
+             "the built-in ones")
 _SCHEDULER_METHODS = ("step", "get_last_lr", "state_dict", "load_state_dict")
 
 
@@ -258,6 +262,18 @@ def _check_scheduler(scheduler: Any, optimizer: torch.optim.Optimizer) -> Any:
     return scheduler
 
 
+def call_configure_optimizers(module: Any, config: Any) -> Any:
+    """``module.configure_optimizers(config)``; a Lightning-style ``configure_optimizers(self)``
+    (no argument) is called without the config."""
+    import inspect
+
+    try:
+        takes_config = bool(inspect.signature(module.configure_optimizers).parameters)
+    except (TypeError, ValueError):  # no signature to read: call it the documented way
+        takes_config = True
+    return module.configure_optimizers(config) if takes_config else module.configure_optimizers()
+
+
 def unwrap_configure_optimizers(result: Any) -> tuple[torch.optim.Optimizer, Any]:
     """Normalise what ``TaskModule.configure_optimizers`` returned (other than None, which means
     "use the built-in ones" and is the caller's to handle) to ``(optimizer, scheduler or None)``.
@@ -269,15 +285,40 @@ def unwrap_configure_optimizers(result: Any) -> tuple[torch.optim.Optimizer, Any
     """
     if isinstance(result, torch.optim.Optimizer):
         return result, None
+    if isinstance(result, (tuple, list)) and len(result) == 1:  # Lightning's [optimizer] / [{...}]
+        return unwrap_configure_optimizers(result[0])
+    if isinstance(result, (tuple, list)) and len(result) == 2 and all(isinstance(x, (tuple, list)) for x in result) \
+            and len(result[0]) == 1 and len(result[1]) <= 1:  # Lightning's ([optimizer], [scheduler] or [])
+        result = (result[0][0], result[1][0] if result[1] else None)
     if isinstance(result, (tuple, list)) and len(result) == 2 and isinstance(result[0], torch.optim.Optimizer):
-        return result[0], _check_scheduler(result[1], result[0])
+        return result[0], _check_scheduler(_lightning_scheduler(result[1]), result[0])
     if isinstance(result, Mapping) and isinstance(result.get("optimizer"), torch.optim.Optimizer):
         unknown = sorted(str(k) for k in result if k not in ("optimizer", "lr_scheduler"))
         if unknown:
             raise ModuleContractError(f"configure_optimizers returned a dict with unknown key(s) {unknown}; "
                                       "only 'optimizer' and 'lr_scheduler' are read")
-        return result["optimizer"], _check_scheduler(result.get("lr_scheduler"), result["optimizer"])
+        scheduler = _lightning_scheduler(result.get("lr_scheduler"))
+        return result["optimizer"], _check_scheduler(scheduler, result["optimizer"])
     raise ModuleContractError(f"configure_optimizers returned {_describe(result)}; {_ACCEPTED}")
+
+
+def _lightning_scheduler(entry: Any) -> Any:
+    """Lightning's scheduler dict ``{'scheduler': s, 'interval': 'step', 'frequency': 1}``: the
+    scheduler, when it is stepped as lightlike steps every scheduler (once per optimizer step)."""
+    if not isinstance(entry, Mapping):
+        return entry
+    unknown = sorted(str(k) for k in entry if k not in ("scheduler", "interval", "frequency", "name", "monitor",
+                                                          "strict"))
+    interval, frequency = entry.get("interval", "epoch"), entry.get("frequency", 1)
+    if "scheduler" not in entry or unknown:
+        raise ModuleContractError(f"configure_optimizers returned a scheduler dict with keys {sorted(map(str, entry))}; "
+                                  "give {'scheduler': s, 'interval': 'step'} or the scheduler itself")
+    if interval != "step" or frequency != 1:
+        raise ModuleContractError(
+            f"configure_optimizers returned a scheduler with interval={interval!r}, frequency={frequency!r} "
+            "(Lightning's default interval is 'epoch'); lightlike steps a scheduler once per optimizer step: "
+            "give 'interval': 'step' and 'frequency': 1, with the schedule expressed in optimizer steps")
+    return entry["scheduler"]
 
 
 def _describe(result: Any) -> str:

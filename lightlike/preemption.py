@@ -38,9 +38,9 @@ class Preempted(SystemExit):
 class PreemptionHandler:
     """Installs flag-only handlers for the given signals while a fit runs."""
 
-    def __init__(self, signals: list[str] | tuple[str, ...]):
+    def __init__(self, signals: list[str] | tuple[str, ...], received: int | None = None):
         self.signals = [_signal(name) for name in signals]
-        self.received: int | None = None
+        self.received: int | None = received  # a signal an earlier try of this fit got (auto_find_batch_size)
         self.vote: Any = None  # the every-10-steps vote in flight (several processes, equal shares)
         self._previous: dict[int, Any] = {}
 
@@ -51,8 +51,12 @@ class PreemptionHandler:
         if threading.current_thread() is not threading.main_thread():
             log.warning("fit() is not running in the main thread: preemption signals are not handled")
             return
-        for sig in self.signals:
-            self._previous[sig] = signal.signal(sig, self._handle)
+        try:
+            for sig in self.signals:
+                self._previous[sig] = signal.signal(sig, self._handle)
+        except BaseException:  # leave no handler of a fit that never ran
+            self.uninstall()
+            raise
 
     def uninstall(self) -> None:
         for sig, previous in self._previous.items():
@@ -94,9 +98,13 @@ def _signal(name: str) -> int:
     from lightlike.errors import ConfigError
 
     try:
-        return int(getattr(signal.Signals, name.upper() if name.upper().startswith("SIG") else "SIG" + name.upper()))
-    except AttributeError as e:
+        sig = int(getattr(signal.Signals, name.upper() if name.upper().startswith("SIG") else "SIG" + name.upper()))
+    except (AttributeError, TypeError) as e:
         raise ConfigError(f"preemption_signals: unknown signal {name!r} (e.g. 'SIGTERM', 'SIGUSR1')") from e
+    if sig in (signal.SIGKILL, signal.SIGSTOP):
+        raise ConfigError(f"preemption_signals: {name!r} cannot be caught by any process; use signals a job "
+                          "scheduler sends first, e.g. 'SIGTERM', 'SIGUSR1'")
+    return sig
 
 
 def requeue_slurm_job() -> bool:

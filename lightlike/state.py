@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 
@@ -34,6 +36,12 @@ class FitState:
     def from_dict(cls, data: dict[str, Any]) -> FitState:
         names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in data.items() if k in names})
+
+    @classmethod
+    def saved_in(cls, checkpoint: str | Path) -> FitState | None:
+        """The state saved in a checkpoint directory; None for a weights-only one."""
+        path = Path(checkpoint) / "trainer_state.json"
+        return cls.from_dict(json.loads(path.read_text())["state"]) if path.is_file() else None
 
 
 @dataclass

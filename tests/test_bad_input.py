@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from helpers import Classifier, DictDataset
 from torch import nn
 
 import lightlike as ll
+from lightlike.config import OTHER_NAMES
 
 
 def fitter(tmp_path, **kw):
@@ -31,6 +34,18 @@ def test_unknown_keyword_names_closest():
         ll.Fitter(max_step=10)
     with pytest.raises(ll.ConfigError, match=r"'learning_rte' \(did you mean 'learning_rate'"):
         ll.FitConfig.from_dict({"max_steps": 1, "learning_rte": 0.1})
+
+
+@pytest.mark.parametrize("name, hint", [("lr", "'learning_rate'"), ("eval_steps", "'eval_every'"),
+                                        ("num_train_epochs", "'max_epochs'"), ("fp16", "precision='16-mixed'"),
+                                        ("gradient_accumulation_steps", "'grad_accum_steps'")])
+def test_hf_and_lightning_names_point_at_the_field(name, hint):
+    """A migrating user's key gets the field it maps to (docs/migrating.md), not a look-alike
+    ('lr' used to suggest 'lr_end')."""
+    with pytest.raises(ll.ConfigError, match=rf"'{name}' \(did you mean {re.escape(hint)}\?\)"):
+        ll.Fitter(**{name: 1})
+    assert all(v.split("=")[0].split(" ")[0] in ll.FitConfig.__dataclass_fields__ or v.startswith("fit(")
+               for v in OTHER_NAMES.values())
 
 
 def test_unknown_keyword_to_fit_config_itself_names_closest():
@@ -107,6 +122,16 @@ def test_load_best_at_end_consistent_settings(kw):
 def test_no_stopping_criterion():
     with pytest.raises(ll.ConfigError, match="no stopping criterion: set max_steps=N or max_epochs=N"):
         ll.Fitter(batch_size=4)
+
+
+def test_iterable_data_with_max_epochs_only(tmp_path):
+    class Stream(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            return iter(DictDataset()[i] for i in range(8))
+
+    cfg = dict(output_dir=str(tmp_path), batch_size=4, max_epochs=1, loggers=[], progress_bar=False)
+    with pytest.raises(ll.ConfigError, match=r"no length \(IterableDataset\): set max_steps"):
+        ll.Fitter(**cfg).fit(Classifier(), Stream())
 
 
 def test_empty_dataset(tmp_path):
@@ -187,6 +212,52 @@ def test_output_dir_not_overwritten(tmp_path):
     assert (tmp_path / "run" / "checkpoint-1").is_dir()
 
 
+def test_output_dir_without_a_resumable_checkpoint_does_not_suggest_resume(tmp_path):
+    """Logs only (no save): resume=True would fail, so the error must not send the user there."""
+    fitter(tmp_path, loggers=["csv"], save_strategy="no").fit(Classifier(), DictDataset())
+    with pytest.raises(ll.OutputDirError, match="already holds a run") as caught:
+        fitter(tmp_path).fit(Classifier(), DictDataset())
+    assert "resume=True" not in str(caught.value) and "resume='auto'" in str(caught.value)
+    ll.Fitter(max_steps=2, batch_size=4, output_dir=str(tmp_path / "run"), loggers=[],
+              model_summary=False).fit(Classifier(), DictDataset(), resume="auto")  # the advice works
+
+
+def test_output_dir_that_is_a_file(tmp_path):
+    (tmp_path / "run").write_text("notes")
+    with pytest.raises(ll.OutputDirError, match="is a file, not a directory: choose another output_dir"):
+        fitter(tmp_path).fit(Classifier(), DictDataset())
+    assert (tmp_path / "run").read_text() == "notes"
+
+
+def test_eval_on_epoch_end_without_eval_data(tmp_path):
+    with pytest.raises(ll.ConfigError, match="eval_on_epoch_end is set but fit\\(\\) got no evaluation data"):
+        fitter(tmp_path, max_steps=None, max_epochs=1, eval_on_epoch_end=True).fit(Classifier(), DictDataset())
+
+
+def test_tuple_batch_read_by_key(tmp_path):
+    data = torch.utils.data.TensorDataset(torch.randn(8, 8), torch.randint(0, 3, (8,)))
+    with pytest.raises(ll.DataError, match="the module read the batch by key at step 1, micro-batch 0, but the "
+                                           "batch is a list of 2 elements, not a mapping"):
+        fitter(tmp_path).fit(Classifier(), data)
+
+    class ByPosition(Classifier):  # a forward that gets it right, a loss that does not
+        def forward(self, batch):
+            return self.net(batch[0])
+
+    with pytest.raises(ll.DataError, match="loss\\(\\) read the batch by key at step 1"):
+        fitter(tmp_path).fit(ByPosition(), data)
+
+
+def test_loss_that_does_not_require_grad(tmp_path):
+    class Detached(Classifier):
+        def loss(self, outputs, batch):
+            return super().loss(outputs, batch).detach()
+
+    with pytest.raises(ll.ModuleContractError, match="loss\\(\\) returned a tensor that does not require grad "
+                                                     "at step 1, micro-batch 0"):
+        fitter(tmp_path).fit(Detached(), DictDataset())
+
+
 def test_nonfinite_loss_raises_naming_step_and_micro_batch(tmp_path):
     class NaNAtSecondStep(Classifier):
         calls = 0
@@ -224,5 +295,11 @@ def test_config_round_trip(tmp_path):
     path = tmp_path / "c.toml"
     cfg.to_toml(path)
     assert ll.FitConfig.from_toml(path) == cfg
+    # characters outside the BMP (JSON's \ud83d escapes are not TOML), and a None that TOML cannot
+    # hold where the default is not None (it read back as 'auto'): one clear error, not a silent change
+    emoji = ll.FitConfig(max_steps=1, output_dir="runs/\U0001f680")
+    assert ll.FitConfig.from_toml(emoji.to_toml()) == emoji
+    with pytest.raises(ll.ConfigError, match=r"loggers=None cannot be written as TOML.*default 'auto'.*JSON or YAML"):
+        ll.FitConfig(max_steps=1, loggers=None).to_toml()
     with pytest.raises(ll.ConfigError, match="lr_scheduler='cosin' is not valid \\(did you mean 'cosine'"):
         ll.FitConfig(max_steps=1, lr_scheduler="cosin")

@@ -82,6 +82,39 @@ def test_control_flags(tmp_path):
     assert result.state.epoch_index == 1
 
 
+@pytest.mark.parametrize("event", ["on_step_end", "on_log", "on_evaluate"])
+def test_epoch_stop_acts_at_the_step_whichever_event_sets_it(tmp_path, event):
+    """As in the HF Trainer, flags set while the step boundary's log and evaluation run are acted
+    on at that step: the epoch ends at step 2, not a step later. 20 items, batch 3, accumulation 2:
+    4 steps per epoch, 2 epochs -> epoch 0 cut at step 2, epoch 1 takes 4 more."""
+    ends = []
+
+    class CutAtStep2(ll.Callback):
+        def on_epoch_end(self, fitter, state, control):
+            ends.append(state.global_step)
+
+    def cut(self, fitter, state, control, *args):
+        if state.global_step == 2 and state.epoch_index == 0:
+            control.should_epoch_stop = True
+
+    setattr(CutAtStep2, event, cut)
+    result = fit(tmp_path, [CutAtStep2()], max_epochs=2, batch_size=3, grad_accum_steps=2, eval_every=2,
+                 log_every=2).fit(Classifier(), DictDataset(n=20), DictDataset(n=6, seed=1))
+    assert ends == [2, 6] and result.global_step == 6
+
+
+def test_a_stop_set_at_an_epoch_end_logs_and_evaluates_before_its_checkpoint(tmp_path):
+    class StopAtFirstEpochEnd(ll.Callback):
+        def on_epoch_end(self, fitter, state, control):
+            control.should_training_stop = True
+
+    rec = Recorder()
+    fit(tmp_path, [StopAtFirstEpochEnd(), rec], max_epochs=3, log_every=100, save_every=100, eval_every=100).fit(
+        Classifier(), DictDataset(n=12), DictDataset(n=6, seed=1))
+    tail = [e for e in rec.events if e[0] in ("on_log", "on_evaluate", "on_save", "on_epoch_end")]
+    assert tail == [("on_epoch_end", 3), ("on_log", 3), ("on_evaluate", 3), ("on_save", 3)]
+
+
 def test_early_stopping(tmp_path):
     class WorseAndWorse(Classifier):
         """Evaluation loss that rises after the second evaluation."""

@@ -256,6 +256,7 @@ def test_sigkill_during_saves_never_leaves_a_bad_checkpoint(tmp_path):
     code = f"""
 import torch
 from lightlike.checkpoint import CheckpointWriter
+print("ready", flush=True)
 step = 0
 while True:
     step += 1
@@ -268,8 +269,9 @@ while True:
 
     rng = random.Random(0)
     for _ in range(4):
-        proc = subprocess.Popen([sys.executable, "-c", code])
-        time.sleep(1.0 + rng.random())
+        proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+        assert proc.stdout.readline().strip() == "ready"  # imports done (slow on a loaded machine): saving now
+        time.sleep(0.3 + rng.random())
         proc.kill()
         proc.wait()
         for ckpt in list_checkpoints(tmp_path):
@@ -326,7 +328,7 @@ def test_load_best_at_end_restores_best_weights(tmp_path):
     assert all(torch.equal(best[k], v) for k, v in model.state_dict().items())
 
 
-def test_export_cli_and_load_weights(tmp_path, capsys):
+def test_export_cli_and_load_weights(tmp_path, capsys, caplog):
     model, _ = train(tmp_path, steps=2)
     out = tmp_path / "export"
     assert cli_main(["export", str(tmp_path / "run" / "checkpoint-2"), str(out)]) == 0
@@ -344,6 +346,21 @@ def test_export_cli_and_load_weights(tmp_path, capsys):
     proc = subprocess.run([sys.executable, "-m", "lightlike.cli", "export", str(tmp_path / "nope"), str(out)],
                           capture_output=True, text=True)
     assert proc.returncode == 2 and "manifest.json is missing" in proc.stderr
+    # a second export into the same folder, of a checkpoint without hparams.json: the first one's
+    # must not stay beside the new weights (it described another model), and the replacing is said
+    ckpt = tmp_path / "run" / "checkpoint-2"
+    for name in ("hparams.json", "config.json"):
+        (ckpt / name).unlink()
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    for name in ("hparams.json", "config.json"):
+        manifest["files"].pop(name)
+    (ckpt / "manifest.json").write_text(json.dumps(manifest))
+    from lightlike.checkpoint.export import export_weights
+
+    with caplog.at_level("WARNING", logger="lightlike"):
+        export_weights(ckpt, out)
+    assert sorted(p.name for p in out.iterdir()) == ["model.safetensors"]
+    assert "replaced model.safetensors, hparams.json, config.json" in caplog.text
 
 
 def test_resume_errors(tmp_path):
@@ -572,3 +589,21 @@ def test_load_weights_verifies_a_checkpoint(tmp_path):
         with pytest.raises(ll.CheckpointError, match="model.safetensors has changed contents"):
             Classifier().load_weights(path)
     Classifier().load_weights(ckpt, verify_hashes=False)  # sizes only, as documented
+
+
+def test_load_weights_not_strict_says_what_it_left_out(tmp_path, caplog):
+    """strict=False loads what matches and lists the rest (as torch returns it and Lightning and
+    HF log it): with no key in common it used to load nothing without a word."""
+    from safetensors.torch import save_file
+
+    module = Classifier()
+    renamed = {k.replace("net.", "model."): v.clone() + 1 for k, v in module.state_dict().items()}
+    renamed["net.0.bias"] = module.state_dict()["net.0.bias"] + 5  # the one key that matches
+    save_file(renamed, str(tmp_path / "w.safetensors"))
+    before = module.state_dict()["net.2.weight"].clone()
+    with caplog.at_level("WARNING", logger="lightlike"):
+        module.load_weights(tmp_path / "w.safetensors", strict=False)
+    assert torch.equal(module.state_dict()["net.0.bias"], renamed["net.0.bias"])
+    assert torch.equal(module.state_dict()["net.2.weight"], before)
+    assert "3 missing keys (kept as they were): net.0.weight, net.2.weight, net.2.bias" in caplog.text
+    assert "4 unexpected keys (ignored): model.0.bias, model.0.weight, model.2.bias, model.2.weight" in caplog.text

@@ -146,13 +146,17 @@ def test_validate_test_predict_match_python_api(run, tmp_path):
     assert val.keys() == want_val.keys() and all(val[k] == pytest.approx(want_val[k], rel=1e-12) for k in val)
     test, _ = cli("test", TARGET, "--checkpoint", str(run["out"]), "--batch_size", "16")  # newest in output_dir
     assert test.keys() == want_test.keys() and all(test[k] == pytest.approx(want_test[k], rel=1e-12) for k in test)
-    pred, _ = cli("predict", TARGET, "--checkpoint", str(ckpt), "--batch_size", "16",
-                  "--output_dir", str(tmp_path / "pred"))
+    pred, first = cli("predict", TARGET, "--checkpoint", str(ckpt), "--batch_size", "16",
+                      "--output_dir", str(tmp_path / "pred"))
     assert pred["predictions_file"] == str(tmp_path / "pred" / "predictions.pt")
     written = torch.load(pred["predictions_file"], weights_only=True)
     assert torch.equal(written["predictions"], want_pred.predictions)
     assert torch.equal(written["labels"], want_pred.labels)
     assert pred["metrics"] == pytest.approx(want_pred.metrics, rel=1e-12)
+    assert "replacing" not in first.stderr
+    again, p = cli("predict", TARGET, "--checkpoint", str(ckpt), "--batch_size", "16",
+                   "--output_dir", str(tmp_path / "pred"))
+    assert f"lightlike predict: replacing {pred['predictions_file']}" in p.stderr  # not silently
 
 
 def test_yaml_config(tmp_path):
@@ -176,18 +180,23 @@ def test_yaml_config(tmp_path):
     assert json.loads((ckpt / "hparams.json").read_text())["width"] == 7
 
 
-@pytest.mark.parametrize("case", ["flag", "model-flag", "file-key", "file-model-key"])
+@pytest.mark.parametrize("case", ["flag", "model-flag", "file-key", "file-model-key", "hf-flag", "hf-key"])
 def test_misspelt_names_are_named_with_the_nearest(tmp_path, case):
     """A misspelt flag or config-file key: exit 2, one line on stderr naming it and the nearest
     valid name, no traceback, nothing trained."""
     (tmp_path / "bad.toml").write_text({"file-key": "max_step = 3\n",
-                                        "file-model-key": "max_steps = 3\n[model]\nwidht = 3\n"}.get(case, ""))
+                                        "file-model-key": "max_steps = 3\n[model]\nwidht = 3\n",
+                                        "hf-key": "max_steps = 3\nper_device_train_batch_size = 3\n"}.get(case, ""))
     args = {"flag": ["--max_step", "3"], "model-flag": ["--max_steps", "3", "--model.widht", "3"],
-            "file-key": ["--config", "bad.toml"], "file-model-key": ["--config", "bad.toml"]}[case]
+            "file-key": ["--config", "bad.toml"], "file-model-key": ["--config", "bad.toml"],
+            "hf-flag": ["--max_steps", "3", "--lr", "0.1"], "hf-key": ["--config", "bad.toml"]}[case]
     want = {"flag": "unknown flag --max_step (did you mean '--max_steps'?)",
             "model-flag": "unknown flag --model.widht (did you mean '--model.width'?)",
             "file-key": "bad.toml: unknown key 'max_step' (did you mean 'max_steps'?)",
-            "file-model-key": "bad.toml: unknown key 'model.widht' (did you mean 'model.width'?)"}[case]
+            "file-model-key": "bad.toml: unknown key 'model.widht' (did you mean 'model.width'?)",
+            # HF Trainer names point at the field they map to, not at a look-alike (--lr_end)
+            "hf-flag": "unknown flag --lr (did you mean '--learning_rate'?)",
+            "hf-key": "bad.toml: unknown key 'per_device_train_batch_size' (did you mean 'batch_size'?)"}[case]
     p = cli("fit", TARGET, *args, "--output_dir", "out", ok=False, entry=case.startswith("file"), cwd=tmp_path)
     assert p.returncode == 2, p.stderr
     lines = p.stderr.strip().splitlines()
@@ -301,3 +310,19 @@ def test_resume_auto_starts_fresh_then_continues(tmp_path):
     assert first["global_step"] == 2
     second, proc = cli(*args, "--max_steps", "4")
     assert second["global_step"] == 4 and "checkpoint-2" in proc.stderr
+
+
+def test_resume_paths_and_unparsable_yaml_are_one_line_errors(tmp_path):
+    """A missing checkpoint path was reported as a stray argument, the output_dir itself as a torn
+    checkpoint ('manifest.json is missing'), and a YAML parse error took four lines."""
+    cli("fit", TARGET, "--max_steps", "2", "--save_every", "2", "--output_dir", "rr", "--loggers", "[]", cwd=tmp_path)
+    (tmp_path / "bad.yaml").write_text("max_steps: 3\n  bad: [x\n")
+    cases = [(["fit", TARGET, "--max_steps", "4", "--output_dir", "rr", "--resume", "rr/checkpoint-99"],
+              "resume='rr/checkpoint-99': no such checkpoint directory"),
+             (["fit", TARGET, "--max_steps", "4", "--output_dir", "rr", "--resume", "rr"],
+              "resume='rr' is a run's output_dir, not one checkpoint"),
+             (["config", TARGET, "--config", "bad.yaml"], "does not parse: mapping values are not allowed here")]
+    for args, want in cases:
+        p = cli(*args, ok=False, cwd=tmp_path)
+        lines = p.stderr.strip().splitlines()
+        assert p.returncode == 2 and len(lines) == 1 and want in lines[0], p.stderr

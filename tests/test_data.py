@@ -100,7 +100,17 @@ def test_user_eval_loader_is_split_over_ranks_in_order(caplog):
     assert [ids(s) for s in shares] == [[0, 2, 4, 6], [1, 3, 5]]
     assert all(s.batch_size == 2 and next(iter(s))["collated_by"] == "user" for s in shares)
     assert sum("its sampler (RandomSampler) is replaced" in r.getMessage() for r in caplog.records) == 2
-    assert build_eval_loader(user, batch_size=5, num_workers=0, pin_memory=False) is user  # one process: as it is
+    # one process: the same items in the same order as on several (a shuffled or drop_last loader is
+    # rebuilt, with the same warning); an in-order loader is used as it is
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="lightlike"):
+        one = build_eval_loader(user, batch_size=5, num_workers=0, pin_memory=False)
+        dropping = build_eval_loader(DataLoader(Items(7), batch_size=2, drop_last=True), batch_size=5,
+                                     num_workers=0, pin_memory=False)
+    assert ids(one) == list(range(7)) and ids(dropping) == list(range(7))
+    assert [r.getMessage().split(":")[0] for r in caplog.records] == ["the eval DataLoader is rebuilt for evaluation"] * 2
+    plain = DataLoader(Items(7), batch_size=2, collate_fn=tagged_collate)
+    assert build_eval_loader(plain, batch_size=5, num_workers=0, pin_memory=False) is plain
     tiny = [ids(build_eval_loader(DataLoader(Items(1)), batch_size=1, num_workers=0, pin_memory=False, rank=r,
                                   world_size=3)) for r in range(3)]
     assert tiny == [[0], [], []]  # a set smaller than the world: some ranks hold nothing
@@ -117,6 +127,8 @@ def test_iterable_eval_data_is_sharded_in_order_over_ranks_and_workers():
     shares = [ids(build_eval_loader(user, batch_size=4, num_workers=0, pin_memory=False, rank=r, world_size=2))
               for r in range(2)]
     assert shares == [list(range(0, 11, 2)), list(range(1, 11, 2))]
+    # the same user DataLoader on one process: its 2 workers no longer each yield the whole stream
+    assert ids(build_eval_loader(user, batch_size=4, num_workers=0, pin_memory=False)) == list(range(11))
 
 
 def test_user_train_loader_is_split_over_ranks():

@@ -107,6 +107,20 @@ def test_padding_bad_arguments():
 # ============================================================================================
 # LanguageModelingCollator
 # ============================================================================================
+def test_label_fields_pad_with_the_ignore_index_and_empty_sequences_pad():
+    """'label' and 'label_ids' hold per-token labels as 'labels' does (HF's token classification
+    collator pads 'label' with -100): padded with 0 they read as class 0. And an empty sequence
+    ([], which torch makes a float tensor) is padded, not refused, by both collators."""
+    b = PaddingCollator(pad_token_id=0)([{"input_ids": [1, 2, 3], "label": [1, 2, 1], "label_ids": [4, 4, 4]},
+                                         {"input_ids": [5], "label": [2], "label_ids": [3]}])
+    torch.testing.assert_close(b["label"], T([[1, 2, 1], [2, -100, -100]]))
+    torch.testing.assert_close(b["label_ids"], T([[4, 4, 4], [3, -100, -100]]))
+    for mlm in (False, True):
+        b = LanguageModelingCollator(pad_token_id=0, mlm=mlm, mask_token_id=9, vocab_size=10, seed=0)([[5, 6], []])
+        assert b["input_ids"].dtype == torch.long and b["input_ids"][1].tolist() == [0, 0]
+        assert b["labels"][1].tolist() == [-100, -100]
+
+
 def test_causal_labels_by_hand():
     eos = pad = 2  # GPT-2 style: the pad token is the EOS token
     b = LanguageModelingCollator(pad_token_id=pad)([[5, 6, eos], {"input_ids": T([7])}, [8, 9]])

@@ -158,6 +158,31 @@ def test_failure_on_one_rank_ends_all_quickly(tmp_path):
     assert elapsed < 60, f"took {elapsed:.0f}s"  # a generous bound on a hang, not a speed claim
 
 
+def test_on_save_runs_on_every_rank_and_a_data_error_names_the_train_step(tmp_path):
+    """A stop set in on_save (the same on every rank, as the docs ask) ends every rank at that
+    step: on_save ran on rank 0 only, so rank 1 trained on and the job hung or aborted. And a
+    batch that fails to load is blamed on the train step, not on the save before it."""
+    p = launch(2, tmp_path / "stop", "--mode", "stop-on-save", "--steps", "10", "--save-every", "2", timeout=120)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert [(tmp_path / "stop" / f"on_save-rank{r}.txt").read_text() for r in (0, 1)] == ["2 checkpoint-2"] * 2
+    assert sorted(x.name for x in (tmp_path / "stop").glob("checkpoint-*")) == ["checkpoint-2"]
+    start = time.monotonic()
+    p = launch(2, tmp_path / "data", "--mode", "fail-data", "--fail-step", "3", "--save-every", "3", "--steps", "9",
+               timeout=120)
+    assert p.returncode != 0
+    assert "rank 1 of 2 failed during train step at step 3: ValueError: corrupt record on rank 1" in p.stderr, \
+        p.stderr[-3000:]
+    assert time.monotonic() - start < 60  # a generous bound on a hang, not a speed claim
+
+
+def test_fewer_items_than_processes_says_so(tmp_path):
+    """1 item on 2 processes: the even split leaves every item out. The error blamed drop_last and
+    the batch size (neither set, neither the cause)."""
+    p = launch(2, tmp_path / "one", "--items", "1", "--batch", "4", "--steps", "2", timeout=120)
+    assert p.returncode != 0
+    assert "the training data has 1 item(s) for 2 processes" in p.stderr, p.stderr[-3000:]
+
+
 def test_uneven_data_does_not_hang(tmp_path):
     """41 items on 2 ranks, batch 4: without care rank 0 would take a 6th batch per epoch while
     rank 1 waits in a collective. The odd item of each epoch's order is left out, with a warning."""
@@ -171,8 +196,11 @@ def test_uneven_data_does_not_hang(tmp_path):
 @pytest.mark.parametrize("kill_step", [3, 6])
 def test_kill_one_rank_and_resume_is_bit_identical(tmp_path, kill_step):
     """SIGKILL rank 1 mid-run (after step 3: mid-epoch; after 6: past an epoch boundary), let
-    torchrun end rank 0, resume on 2 processes: the same weights, bit for bit, as without the kill."""
-    common = ["--steps", "9", "--items", "40", "--batch", "4", "--accum", "2", "--save-every", "2", "--task", "token"]
+    torchrun end rank 0, resume on 2 processes: the same weights, bit for bit, as without the kill,
+    and the same logs: a log every 4 steps, so each checkpoint holds losses not yet logged, every
+    rank's (only rank 0's were kept, so the resumed run logged a wrong mean)."""
+    common = ["--steps", "9", "--items", "40", "--batch", "4", "--accum", "2", "--save-every", "2", "--task", "token",
+              "--log-every", "4"]
     ref = launch(2, tmp_path / "ref", *common)
     assert ref.returncode == 0, ref.stderr[-3000:]
     out = tmp_path / "run"

@@ -67,4 +67,9 @@ def test_eval_and_data_on_several_processes(tmp_path, nproc):
         assert metrics["predict/token_accuracy"] == pytest.approx((tagged[real] == tags[real]).double().mean().item())
     # training on a plain DataLoader: rank r takes items r, r + W, ... (8 items; the tail that
     # does not split evenly is left out)
+    pred, _, _ = classify(7)
+    for res in results:  # tuple predictions come back as a tuple of joined fields, in order
+        assert res["pairs"] == ["tuple", [pred.tolist(), [10 * i for i in range(7)]]]
+    for res in results:  # metric keys that differ between ranks: an error everywhere, not a wrong mean
+        assert "metrics() returned different keys on different ranks" in res["rank_keys"]
     assert [res["trained"] for res in results] == [list(range(r, 8 - 8 % nproc, nproc)) for r in range(nproc)]

@@ -349,6 +349,32 @@ def test_import_lightlike_does_not_import_deepspeed():
     assert p.returncode == 0, p.stderr[-2000:]
 
 
+def test_evaluating_a_zero3_partitioned_module_without_fit_is_a_clear_error(tmp_path):
+    """Built in init_module() under ZeRO-3, then validate() without fit(): the forward ran on the
+    empty partitions ('mat2 must be a matrix'). One error saying what to do instead."""
+    p = launch(2, tmp_path / "v", "--strategy", "deepspeed_zero3", "--mode", "eval", "--init-module", "--items", "9",
+               "--dtype", "float32", "--width", "400")
+    assert p.returncode != 0
+    assert "built in fitter.init_module() under ZeRO-3" in p.stderr and "evaluate it after fit()" in p.stderr, \
+        p.stderr[-3000:]
+
+
+def test_moves_the_universal_checkpoint_cannot_make_are_refused_by_name(tmp_path):
+    """ZeRO-2 -> ZeRO-3 (DeepSpeed failed on a bare AssertionError: the model-state file names
+    differ) and SGD across world sizes (KeyError: 'exp_avg' inside the conversion): each one
+    clear error before anything is loaded."""
+    short = ["--dtype", "float32", "--width", "16", "--items", "32", "--batch", "4", "--steps", "4",
+             "--save-every", "2", "--stop", "2"]
+    run_ok(2, tmp_path / "z2", "--strategy", "deepspeed_zero2", *short)
+    p = launch(2, tmp_path / "z2", "--strategy", "deepspeed_zero3", *short[:-2], "--resume")
+    assert p.returncode != 0
+    assert "saved with ZeRO-2 and this run uses ZeRO-3" in p.stderr, p.stderr[-3000:]
+    run_ok(2, tmp_path / "sgd", "--strategy", "deepspeed_zero2", "--optimizer", "sgd", *short)
+    p = launch(1, tmp_path / "sgd", "--strategy", "deepspeed_zero2", "--optimizer", "sgd", *short[:-2], "--resume")
+    assert p.returncode != 0
+    assert "carries Adam-family state only, not SGD's" in p.stderr, p.stderr[-3000:]
+
+
 @pytest.mark.parametrize("strategy", ["deepspeed_zero2", "deepspeed_zero3"])
 def test_resume_one_rank_on_two(runs, tmp_path, strategy):
     """The other direction: a 1-process run (batch 8) stopped after its checkpoint-4, resumed on 2

@@ -125,15 +125,18 @@ def test_eval_does_not_change_training(tmp_path):
         def forward(self, batch):
             return self.net(self.drop(batch["x"]))
 
-    def run(eval_every):
+    def run(eval_every, val=None):
         torch.manual_seed(0)
         m = Dropout()
         kw = dict(eval_every=eval_every) if eval_every else {}
-        ll.Fitter(max_steps=6, batch_size=4, output_dir=str(tmp_path / str(eval_every)), loggers=[], **kw
-                  ).fit(m, DictDataset(n=24), DictDataset(n=8) if eval_every else None)
+        ll.Fitter(max_steps=6, batch_size=4, output_dir=str(tmp_path / str(len(list(tmp_path.iterdir())))),
+                  loggers=[], **kw).fit(m, DictDataset(n=24), val)
         return torch.cat([p.detach().reshape(-1) for p in m.parameters()])
 
-    assert torch.equal(run(None), run(2))
+    reference = run(None)
+    assert torch.equal(reference, run(2, DictDataset(n=8)))
+    # a DataLoader of the user's draws its base seed from the global generator at every iter()
+    assert torch.equal(reference, run(2, torch.utils.data.DataLoader(DictDataset(n=8), batch_size=4)))
 
 
 # -- unlabelled data, missing keys, streaming fallback, variable lengths -------------------------------
@@ -356,3 +359,46 @@ def test_predict_on_tuple_batches_still_reports_metrics(tmp_path):
     model = TupleClassifier()
     result = fitter.predict(model, Pairs())
     assert result.metrics["predict/loss"] == pytest.approx(fitter.validate(model, Pairs())["val/loss"])
+
+
+def test_metric_keys_that_change_between_batches_are_refused(tmp_path):
+    """A metric some batches leave out would be averaged over the wrong items (over the full
+    batches only, or counted as 0 elsewhere): an error naming the keys instead."""
+    class FullBatchesOnly(Classifier):
+        def metrics(self, outputs, batch):
+            extra = {"extra": outputs.new_ones(())} if len(batch["y"]) == 4 else {}
+            return {**super().metrics(outputs, batch), **extra}
+
+    fitter = ll.Fitter(max_steps=1, batch_size=4, output_dir=str(tmp_path), loggers=[])
+    with pytest.raises(ll.ModuleContractError, match=r"metrics\(\) returned keys \['accuracy'\] .*but "
+                                                     r"\['accuracy', 'extra'\] before; return the same keys"):
+        fitter.validate(FullBatchesOnly(), DictDataset(n=10))
+
+
+def test_an_eval_set_named_train_is_refused(tmp_path):
+    """Its train/loss would be logged beside the training loss under the same key."""
+    fitter = ll.Fitter(max_steps=2, batch_size=4, eval_every=1, output_dir=str(tmp_path), loggers=[])
+    with pytest.raises(ll.DataError, match="may not be named 'train'.*name it e.g. 'train_eval'"):
+        fitter.fit(Classifier(), DictDataset(n=8), {"val": DictDataset(n=4), "train": DictDataset(n=8)})
+
+
+def test_tuple_predictions_are_joined_field_by_field(tmp_path):
+    """(ids, ids * 10) per batch came back as a flat list of per-batch chunks, fields alternating;
+    now a tuple of two joined tensors (a namedtuple keeps its type), as HF's nested_concat gives."""
+    import collections
+
+    Pair = collections.namedtuple("Pair", "ids tens")
+
+    class Pairs(Classifier):
+        def predictions(self, outputs, batch):
+            ids = torch.arange(len(batch["y"])) + 100 * len(batch["y"])
+            return Pair(ids, ids * 10) if self.named else (ids, ids * 10)
+
+    fitter = ll.Fitter(max_steps=1, eval_batch_size=2, output_dir=str(tmp_path), loggers=[])
+    for named in (False, True):
+        module = Pairs()
+        module.named = named
+        got = fitter.predict(module, DictDataset(n=5)).predictions
+        assert type(got) is (Pair if named else tuple)
+        want = torch.tensor([200, 201, 200, 201, 100])
+        assert torch.equal(got[0], want) and torch.equal(got[1], want * 10)

@@ -8,12 +8,14 @@ once). ``pytest --extended`` runs more cases.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -34,12 +36,28 @@ FILES_PER_SAVE = 9
 
 
 def run(out, precision, workers, kill="", async_save=False):
+    """Run the script to its end (or its kill) and return its exit code and output.
+
+    Waits for the script's own process only, then kills what it left: a DataLoader worker forked
+    just before its parent was SIGKILLed can outlive it for good (torch's worker watchdog reads
+    ``getppid()`` when the worker starts; if the parent is already dead that is 1, which never
+    changes). Such an orphan kept ``capture_output``'s pipes open and hung a CI run for 300 s."""
     cmd = [sys.executable, str(SCRIPT), str(out), "--precision", precision, "--workers", str(workers)]
     if kill:
         cmd += ["--kill", kill]
     if async_save:
         cmd += ["--async-save"]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    with tempfile.TemporaryFile("w+") as stdout, tempfile.TemporaryFile("w+") as stderr:
+        proc = subprocess.Popen(cmd, stdout=stdout, stderr=stderr, text=True, start_new_session=True)
+        try:
+            returncode = proc.wait(timeout=300)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)  # orphaned workers, if any
+            proc.wait()
+        stdout.seek(0)
+        stderr.seek(0)
+        return subprocess.CompletedProcess(cmd, returncode, stdout.read(), stderr.read())
 
 
 def outcome(out):

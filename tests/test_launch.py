@@ -129,6 +129,22 @@ def test_slurm_inconsistent_step(monkeypatch):
         detect_environment()
 
 
+@pytest.mark.parametrize("env, match", [
+    ({"RANK": "3", "WORLD_SIZE": "2", "LOCAL_RANK": "0"}, r"RANK=3 but WORLD_SIZE=2"),
+    ({"RANK": "0", "WORLD_SIZE": "0", "LOCAL_RANK": "0"}, r"RANK=0 but WORLD_SIZE=0"),
+    ({"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_PORT": "abc"}, r"MASTER_PORT='abc' is not an integer"),
+    ({"TORCHELASTIC_RUN_ID": "x", "WORLD_SIZE": "2", "LOCAL_RANK": "0"}, r"RANK is not set"),
+])
+def test_inconsistent_torchrun_variables_are_clear_errors(monkeypatch, env, match):
+    """RANK outside WORLD_SIZE used to wait for the process group timeout; the others were raw
+    ValueError / KeyError."""
+    _slurm(monkeypatch)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(ConfigError, match=match):
+        detect_environment()
+
+
 def test_world_size_without_ranks_is_an_error(monkeypatch):
     _slurm(monkeypatch)
     monkeypatch.setenv("WORLD_SIZE", "4")
@@ -146,7 +162,8 @@ def test_single_process(monkeypatch):
 
 
 @pytest.mark.parametrize("nodelist,first", [("node1", "node1"), ("a[01-04],b7", "a01"), ("x[5,9]", "x5"),
-                                            ("h1,h2", "h1")])
+                                            ("h1,h2", "h1"), ("rack[1-2]-node[01-04]", "rack1-node01"),
+                                            ("gpu-a[1-2],gpu-b3", "gpu-a1")])
 def test_slurm_nodelist(monkeypatch, nodelist, first):
     monkeypatch.setenv("PATH", "/nonexistent")
     assert slurm_main_address(nodelist) == first
@@ -158,6 +175,27 @@ def test_torchrun_recipe_runs(tmp_path):
     p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=240)
     assert p.returncode == 0, p.stderr[-3000:]
     assert (tmp_path / "final-rank0.pt").exists() and (tmp_path / "final-rank1.pt").exists()
+
+
+def test_torchrun_restart_resumes_from_the_newest_checkpoint(tmp_path):
+    """The recipe's promise: with MAX_RESTARTS and resume='auto', a failure restarts the job and
+    it continues from the newest checkpoint, ending with the uninterrupted run's weights. torchrun's
+    agent keeps one store across attempts; the restarted attempt read the dead one's keys (gloo
+    dialled old addresses: 'connectFullMesh failed' or a hang)."""
+    env = {**CLEAN, "NPROC": "2", "PATH": f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}"}
+    common = ["--steps", "9", "--save-every", "2", "--items", "40"]
+    recipe = ["bash", str(ROOT / "strategies" / "torchrun.sh"), str(SCRIPT)]
+    p = subprocess.run([*recipe, str(tmp_path / "ref"), *common], capture_output=True, text=True, env=env, timeout=240)
+    assert p.returncode == 0, p.stderr[-3000:]
+    p = subprocess.run([*recipe, str(tmp_path / "run"), *common, "--mode", "fail-once", "--fail-step", "5",
+                        "--resume", "auto"], capture_output=True, text=True, env={**env, "MAX_RESTARTS": "1"},
+                       timeout=240)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "injected failure on rank 1, first attempt only" in p.stderr
+    for rank in (0, 1):
+        a = torch.load(tmp_path / "run" / f"final-rank{rank}.pt", weights_only=True)
+        b = torch.load(tmp_path / "ref" / f"final-rank{rank}.pt", weights_only=True)
+        assert all(torch.equal(a[k], b[k]) for k in a)
 
 
 @pytest.mark.parametrize("recipe", ["slurm_single_node.sbatch", "slurm_multi_node.sbatch"])

@@ -195,6 +195,27 @@ def test_tensorboard_resume_purges_later_steps_across_writers(tmp_path):
     assert "| nested | {'k': 1} |" in first and "| lr | 0.2 |" in second
 
 
+def test_tensorboard_files_sort_in_the_order_they_were_opened(tmp_path, monkeypatch):
+    """Kill and resume in one process within one second, the file counter going from 9 to 10:
+    the names sorted '.10' before '.9', TensorBoard read the resumed file first, and its purge
+    marker never hid the old file's step 3 (shown twice)."""
+    import itertools
+
+    from lightlike.loggers import tensorboard
+
+    monkeypatch.setattr(tensorboard, "_file_ids", itertools.count(9))
+    a = TensorBoardLogger(tmp_path)
+    for step in (1, 2, 3):
+        a.log_metrics({"loss": float(step)}, step)
+    a.finalize()
+    b = TensorBoardLogger(tmp_path)
+    b.resume(2)
+    for step in (3, 4):
+        b.log_metrics({"loss": 10.0 + step}, step)
+    b.finalize()
+    assert _scalars(tmp_path)["loss"] == [(1, 1.0), (2, 2.0), (3, 13.0), (4, 14.0)]
+
+
 def test_tensorboard_resume_after_writes_and_reopen_do_not_purge_twice(tmp_path):
     lg = TensorBoardLogger(tmp_path)
     for step in range(1, 5):
@@ -281,6 +302,16 @@ def _rows(text: str) -> dict[str, tuple[str, int, int]]:
     return out
 
 
+def test_model_summary_counts_zero3_partitioned_parameters_whole():
+    """Under ZeRO-3 a parameter holds an empty local tensor and its size in ds_numel (DeepSpeed's
+    attribute): the table said 0 parameters on every ZeRO-3 run."""
+    net = nn.Sequential(nn.Linear(4, 64), nn.Tanh(), nn.Linear(64, 3))
+    for p in net.parameters():
+        p.ds_numel = p.numel()
+        p.data = torch.empty(0)
+    assert "total params: 515  trainable: 515" in model_summary(net)
+
+
 def test_model_summary_counts_rows_and_totals():
     text = model_summary(nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2)))
     assert _rows(text) == {"0": ("Linear", 15, 15), "1": ("ReLU", 0, 0), "2": ("Linear", 8, 8)}
@@ -326,7 +357,8 @@ def restore_lightlike_logger():
     lg.handlers[:] = handlers
 
 
-def test_setup_logging_levels_and_single_handler(restore_lightlike_logger, capsys):
+def test_setup_logging_levels_and_single_handler(restore_lightlike_logger, capsys, monkeypatch):
+    monkeypatch.setattr(logging.getLogger(), "handlers", [])  # an application that configured no logging
     lg = setup_logging("debug", True)
     assert lg is restore_lightlike_logger and lg.level == logging.DEBUG
     ours = [h for h in lg.handlers if getattr(h, "_lightlike", False)]
@@ -343,6 +375,24 @@ def test_setup_logging_levels_and_single_handler(restore_lightlike_logger, capsy
     assert "[lightlike INFO] hello 7\n" in capsys.readouterr().err
     with pytest.raises(ConfigError, match=r"log_level='loud' is not valid; choose one of: debug, info, warning"):
         setup_logging("loud", True)
+
+
+def test_an_application_that_configured_logging_gets_each_line_once():
+    """With the application's own handler (logging.basicConfig), lightlike adds none: every line
+    printed twice before, once as '[lightlike INFO] ...' and once in the application's format."""
+    code = f"""
+import logging, sys, tempfile
+logging.basicConfig(level=logging.INFO, format="APP %(name)s %(message)s", stream=sys.stderr)
+sys.path.insert(0, {str(Path(__file__).parent)!r})
+from helpers import Classifier, DictDataset
+import lightlike as ll
+ll.Fitter(max_steps=2, batch_size=4, log_every=1, loggers=[], model_summary=False,
+          output_dir=tempfile.mkdtemp()).fit(Classifier(), DictDataset(n=8))
+"""
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert p.stderr.count("step 1/2") == 1 and "APP lightlike step 1/2" in p.stderr, p.stderr[-2000:]
+    assert "[lightlike" not in p.stderr
 
 
 # -- progress bar --------------------------------------------------------------------------------

@@ -201,3 +201,70 @@ def test_model_summary_logged_at_fit_start(tmp_path, caplog):
         ll.Fitter(max_steps=1, batch_size=4, output_dir=str(tmp_path), loggers=[]).fit(Classifier(), DictDataset(n=8))
     assert "model summary" in caplog.text and "total params: 195" in caplog.text
     torch.manual_seed(0)
+
+
+def test_no_host_read_of_a_tensor_between_log_steps(tmp_path, monkeypatch):
+    """The hot path keeps losses on the device: no tensor is read to the host (``.item()``,
+    ``float()``, ``bool()``, ...; each a device sync on a GPU) on a step that does not log.
+    Counted between the start of step 2 and the end of step 9, with logging every 10 steps and
+    the default settings (loss checks, grad norm for the log, schedule, CSV + TensorBoard), inside
+    one epoch (starting an epoch's iterator reads CPU tensors of the sampler: no device there)."""
+    reads: list[str] = []
+    watching = [False]
+
+    def counting(name):
+        original = getattr(torch.Tensor, name)
+
+        def read(self, *args, **kwargs):
+            if watching[0]:
+                reads.append(name)
+            return original(self, *args, **kwargs)
+
+        return read
+
+    class Window(ll.Callback):
+        def on_step_start(self, fitter, state, control):
+            watching[0] = 2 <= state.global_step + 1 <= 9
+
+        def on_step_end(self, fitter, state, control):
+            watching[0] = 2 <= state.global_step < 9  # through step 9's boundary work (not a log step)
+
+    for name in ("item", "tolist", "numpy", "__bool__", "__float__", "__int__", "__index__"):
+        monkeypatch.setattr(torch.Tensor, name, counting(name))
+    # a hand loop's read is seen: the counter works
+    watching[0] = True
+    float(torch.ones(()))
+    assert reads == ["__float__"]
+    reads.clear()
+    watching[0] = False
+    ll.Fitter(max_steps=12, batch_size=4, grad_accum_steps=2, max_grad_norm=1.0, log_every=10, warmup_steps=3,
+              output_dir=str(tmp_path), callbacks=[Window()]).fit(Classifier(), DictDataset(n=160))
+    assert reads == []
+    # and a log step does read (one batched read of the pending losses)
+    watching[0] = True
+    ll.Fitter(max_steps=2, batch_size=4, log_every=1, output_dir=str(tmp_path / "b"), loggers=[]
+              ).fit(Classifier(), DictDataset(n=64))
+    assert reads
+
+
+def test_grad_norm_in_every_scheduled_row_and_the_last(tmp_path):
+    """The norm is taken at log steps and at the last step (a run whose max_steps is not a multiple
+    of log_every ended on a row without it), equal to clip_grad_norm_'s on the same gradients."""
+    norms = {}
+
+    class Norms(ll.Callback):
+        def on_before_optimizer_step(self, fitter, state, control, optimizer):
+            grads = [p.grad for p in fitter.module.parameters()]
+            norms[state.global_step + 1] = torch.linalg.vector_norm(torch.stack([g.norm() for g in grads])).item()
+
+    rows = {}
+
+    class Rows(ll.Callback):
+        def on_log(self, fitter, state, control, metrics):
+            rows[state.global_step] = metrics.get("train/grad_norm")
+
+    ll.Fitter(max_steps=5, batch_size=4, log_every=2, output_dir=str(tmp_path), loggers=[],
+              callbacks=[Norms(), Rows()]).fit(Classifier(), DictDataset(n=40))
+    assert sorted(rows) == [2, 4, 5]
+    for step, value in rows.items():
+        assert value == pytest.approx(norms[step], rel=1e-6), step

@@ -319,6 +319,28 @@ def test_configure_optimizers_accepted_forms():
     assert unwrap_configure_optimizers((opt, None)) == (opt, None)
     assert unwrap_configure_optimizers({"optimizer": opt, "lr_scheduler": sched}) == (opt, sched)
     assert unwrap_configure_optimizers({"optimizer": opt}) == (opt, None)
+    # Lightning's shapes (docs/migrating.md): lists of one, and its scheduler dict stepped per step
+    assert unwrap_configure_optimizers([opt]) == (opt, None)
+    assert unwrap_configure_optimizers(([opt], [sched])) == (opt, sched)
+    assert unwrap_configure_optimizers(([opt], [])) == (opt, None)
+    assert unwrap_configure_optimizers([{"optimizer": opt, "lr_scheduler": sched}]) == (opt, sched)
+    step = {"scheduler": sched, "interval": "step", "frequency": 1}
+    assert unwrap_configure_optimizers({"optimizer": opt, "lr_scheduler": step}) == (opt, sched)
+
+
+def test_lightning_style_configure_optimizers_without_config(tmp_path):
+    """``def configure_optimizers(self)`` (Lightning's signature) is called without the config."""
+    from helpers import Classifier, DictDataset
+
+    class Lightningish(Classifier):
+        def configure_optimizers(self):
+            opt = torch.optim.SGD(self.parameters(), lr=0.5)
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.StepLR(opt, 2),
+                                                       "interval": "step"}}
+
+    fitter = ll.Fitter(max_steps=3, batch_size=4, output_dir=str(tmp_path), loggers=[])
+    fitter.fit(Lightningish(), DictDataset(n=16))
+    assert isinstance(fitter.optimizer, torch.optim.SGD) and fitter.scheduler.get_last_lr() == [0.05]
 
 
 def test_configure_optimizers_rejected_forms():
@@ -329,7 +351,11 @@ def test_configure_optimizers_rejected_forms():
         ("adam", "returned a str; return an Optimizer"),
         (None, "returned a NoneType"),
         ((sched, opt), r"a tuple of 2 \(StepLR, SGD\)"),
-        (([opt], [sched]), r"a tuple of 2 \(list, list\)"),
+        (([opt, opt], [sched]), r"a tuple of 2 \(list, list\)"),
+        ({"optimizer": opt, "lr_scheduler": {"scheduler": sched}}, r"interval='epoch'.*Lightning's default"),
+        ({"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step", "frequency": 2}},
+         "frequency=2"),
+        ({"optimizer": opt, "lr_scheduler": {"sched": sched}}, r"scheduler dict with keys \['sched'\]"),
         ((opt, sched, sched), "a tuple of 3"),
         ({"lr_scheduler": sched}, "no Optimizer under 'optimizer'"),
         ({"optimizer": opt, "monitor": "val/loss"}, r"unknown key\(s\) \['monitor'\]"),

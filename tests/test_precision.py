@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers import Classifier, DictDataset, flat_grads
+from torch import nn
 
 import lightlike as ll
 from lightlike.precision import MixedPrecision, get_precision
@@ -129,3 +130,49 @@ def test_16_mixed_clips_the_unscaled_gradient(tmp_path):
     ref.loss(ref(batch), batch).backward()
     assert seen.logged[0] == pytest.approx(float(flat_grads(ref).norm()), rel=1e-2)
     assert seen.norms[0] == pytest.approx(0.01, rel=1e-3)
+
+
+def test_input_conversion_keeps_defaultdicts_and_dataclasses():
+    """Batches rebuilt as their own types, tensors inside cast (floats only) and moved: a
+    defaultdict used to fail to rebuild, a dataclass was left uncast (bf16 weights, fp32 input)."""
+    import collections
+    import dataclasses
+
+    from lightlike.precision import get_precision
+    from lightlike.strategies import move_to_device
+
+    @dataclasses.dataclass(frozen=True)
+    class Batch:
+        x: torch.Tensor
+        y: torch.Tensor
+        note: str = "kept"
+
+    cast = get_precision("bf16-true").convert_input
+    out = cast(Batch(torch.ones(2), torch.ones(2, dtype=torch.long)))
+    assert type(out) is Batch and out.x.dtype == torch.bfloat16 and out.y.dtype == torch.long and out.note == "kept"
+    d = cast(collections.defaultdict(list, {"x": torch.ones(2), "n": 3}))
+    assert type(d) is collections.defaultdict and d.default_factory is list
+    assert d["x"].dtype == torch.bfloat16 and d["n"] == 3 and d["missing"] == []
+    moved = move_to_device({"b": [Batch(torch.ones(1), torch.zeros(1))]}, torch.device("cpu"))
+    assert type(moved["b"][0]) is Batch
+
+
+def test_true_half_precisions_keep_non_persistent_buffers():
+    """bf16-true/16-true convert parameters and saved buffers; a non-persistent buffer (a rotary
+    embedding's inv_freq: a derived constant, not in the state dict) keeps its dtype, as HF keeps it
+    in a bf16 model: converted, RoPE angles were off by up to 0.7 rad at position 4000 and the
+    trained model's logits differed from the exported one's."""
+    from lightlike.precision import get_precision
+
+    class Rotary(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+            self.register_buffer("running", torch.ones(4))  # persistent: saved, so converted
+            self.register_buffer("inv_freq", 1.0 / 10000 ** (torch.arange(0, 4, 2) / 4), persistent=False)
+            self.register_buffer("steps", torch.zeros((), dtype=torch.long))
+
+    for name, dtype in (("bf16-true", torch.bfloat16), ("16-true", torch.float16)):
+        m = get_precision(name).convert_module(Rotary())
+        assert m.lin.weight.dtype == dtype and m.running.dtype == dtype
+        assert m.inv_freq.dtype == torch.float32 and m.steps.dtype == torch.long

@@ -166,3 +166,134 @@ def test_resume_auto_sets_aside_a_run_that_never_saved(tmp_path):
     prepare_output_dir(out, overwrite=False, resume="auto")
     (aside,) = [p for p in out.iterdir()]
     assert aside.name.startswith("abandoned-") and sorted(p.name for p in aside.iterdir()) == ["checkpoint-2", "logs"]
+
+
+class KillOnSave(ll.Callback):
+    def __init__(self, step):
+        self.step = step
+
+    def on_save(self, fitter, state, control, path):
+        if state.global_step == self.step:
+            raise KeyboardInterrupt  # killed once the checkpoint is committed, before fit returns
+
+
+def test_a_run_stopped_by_early_stopping_stays_stopped_when_resumed(tmp_path, caplog):
+    """EarlyStopping stops at step 4 and saves; the process dies before fit returns (or a requeued
+    job runs the script again). The resumed run stops where the uninterrupted one did."""
+    def es_run(out, resume=None, kill=None):
+        torch.manual_seed(0)
+        model = Dropout()
+        callbacks = [ll.EarlyStopping("val/loss", patience=1, min_delta=10.0)] + ([KillOnSave(kill)] if kill else [])
+        fitter = ll.Fitter(max_steps=40, batch_size=4, eval_every=2, save_every=2, log_every=2, output_dir=str(out),
+                           loggers=["csv"], learning_rate=1e-2, callbacks=callbacks)
+        with contextlib.suppress(KeyboardInterrupt):
+            return model, fitter.fit(model, DictDataset(n=22), DictDataset(n=6, seed=9), resume=resume)
+        return model, None
+
+    ref_model, ref = es_run(tmp_path / "ref")
+    assert ref.global_step == 4
+    es_run(tmp_path / "cut", kill=4)
+    model, result = es_run(tmp_path / "cut", resume=True)
+    assert result.global_step == 4 and torch.equal(flat_params(model), flat_params(ref_model))
+    assert loss_history(result) == loss_history(ref)
+    assert "taken when EarlyStopping stopped the run at step 4: the run stays stopped" in caplog.text
+    # the same instance in a new (not resumed) fit counts afresh: it does not stop at once
+    es = ll.EarlyStopping("val/loss", patience=1, min_delta=10.0)
+    for _ in range(2):
+        result = ll.Fitter(max_steps=40, batch_size=4, eval_every=2, output_dir=str(tmp_path / "again"), loggers=[],
+                           overwrite_output_dir=True, callbacks=[es]).fit(Classifier(), DictDataset(n=22),
+                                                                          DictDataset(n=6, seed=9))
+        assert result.global_step == 4
+
+
+def test_resume_with_a_user_loader_without_generator_is_bit_identical(tmp_path):
+    """A DataLoader of the user's without generator= draws its base seed from the global RNG as an
+    epoch's iterator starts; that draw must not shift the dropout stream of a resumed run."""
+    from lightlike.data import LengthGroupedSampler
+
+    def loader():
+        data = DictDataset(n=32)
+        return torch.utils.data.DataLoader(data, batch_size=4, sampler=LengthGroupedSampler([1] * 32, 4, seed=0))
+
+    def go(out, stop=None, resume=None):
+        torch.manual_seed(0)
+        model = Dropout()
+        fitter = ll.Fitter(max_steps=12, batch_size=4, save_every=3, output_dir=str(out), loggers=[],
+                           callbacks=[StopAt(stop)] if stop else [])
+        with contextlib.suppress(KeyboardInterrupt):
+            fitter.fit(model, loader(), resume=resume)
+        return model
+
+    reference = go(tmp_path / "ref")
+    go(tmp_path / "cut", stop=5)  # checkpoint-3 is mid-epoch (8 batches per epoch)
+    assert torch.equal(flat_params(go(tmp_path / "cut", resume=True)), flat_params(reference))
+
+
+@pytest.mark.parametrize("changed, steps", [({"batch_size": 8}, 9), ({"grad_accum_steps": 1}, 16),
+                                            ({"grad_accum_steps": 3}, 10)])
+def test_max_epochs_with_a_changed_step_size_trains_the_epochs_left(tmp_path, changed, steps):
+    """max_epochs=3 over 26 items, batch 4, accumulation 2 (4 steps an epoch); resumed at step 6
+    (epoch 1, 16 samples in) with another batch size or accumulation: the run still covers the
+    three epochs, every sample once each, and its schedule ends at the new last step."""
+    lrs = {}
+
+    class Lr(ll.Callback):
+        def on_step_end(self, fitter, state, control):
+            lrs[state.global_step] = fitter.optimizer.param_groups[0]["lr"]
+
+    cfg = dict(max_epochs=3, batch_size=4, grad_accum_steps=2, save_every=6, output_dir=str(tmp_path), loggers=[])
+    ll.Fitter(**cfg).fit(Classifier(), DictDataset(n=26))
+    result = ll.Fitter(**{**cfg, **changed}, callbacks=[Lr()]).fit(
+        Classifier(), DictDataset(n=26), resume=str(tmp_path / "checkpoint-6"))
+    assert result.global_step == steps and result.state.max_steps == steps
+    assert result.state.samples_seen == 78 and result.state.epoch == 3.0
+    assert lrs[steps] == 0.0 and all(lr > 0 for s, lr in lrs.items() if s < steps)  # linear decay to the new end
+
+
+@pytest.mark.parametrize("changed, match", [
+    ({"optimizer": "sgd"}, "optimizer changed from 'adamw' to 'sgd' since checkpoint-4"),
+    ({"weight_decay": 0.1}, "weight_decay changed from 0.0 to 0.1 since checkpoint-4: switching decay on or off"),
+])
+def test_an_optimizer_change_the_state_cannot_follow_is_refused_by_name(tmp_path, changed, match):
+    """torch loads AdamW's state into SGD and fails at the first step (KeyError: 'momentum'), or
+    refuses one group for two without naming the setting: one clear error instead, before loading."""
+    cfg = dict(max_steps=4, batch_size=4, save_every=2, output_dir=str(tmp_path), loggers=[])
+    ll.Fitter(**cfg).fit(Classifier(), DictDataset(n=40))
+    with pytest.raises(ll.ConfigError, match=match):
+        ll.Fitter(**{**cfg, "max_steps": 6, **changed}).fit(Classifier(), DictDataset(n=40), resume=True)
+
+
+def test_length_grouped_resume_with_another_batch_size_keeps_the_order(tmp_path):
+    """LengthGroupedSampler sorts megabatches of mega x batch x world samples: resumed mid-epoch
+    with batch 8 instead of 4, its order changed and 5 of 60 items were served twice, 5 never.
+    Now the resume refuses another order by name, and with the first run's group_size every item
+    of the epoch is served once."""
+    from lightlike.data import LengthGroupedSampler
+
+    served = []
+
+    class Indexed(DictDataset):
+        def __getitem__(self, i):
+            return {**super().__getitem__(i), "i": torch.tensor(i)}
+
+    class Recording(Classifier):
+        def forward(self, batch):
+            served.extend(batch["i"].tolist())
+            return super().forward(batch)
+
+    lengths = [(7 * i) % 13 for i in range(60)]
+
+    def fit(batch_size, stop=None, resume=None, **sampler_kw):
+        loader = torch.utils.data.DataLoader(Indexed(n=60), batch_size=batch_size,
+                                             sampler=LengthGroupedSampler(lengths, batch_size, mega=2, **sampler_kw))
+        fitter = ll.Fitter(max_steps=20, batch_size=batch_size, save_every=2, output_dir=str(tmp_path), loggers=[],
+                           callbacks=[StopAt(stop)] if stop else [])
+        with contextlib.suppress(KeyboardInterrupt):
+            fitter.fit(Recording(), loader, resume=resume)
+
+    fit(4, stop=3)  # checkpoint-2: 8 samples into epoch 0
+    del served[8:]  # what step 3 served is redone by the resumed run
+    with pytest.raises(ll.CheckpointError, match=r"group_size': 8\}.*group_size': 16\}.*group_size=\.\.\."):
+        fit(8, resume=True)
+    fit(8, resume=True, group_size=8)
+    assert sorted(served[:60]) == list(range(60))

@@ -56,6 +56,9 @@ def test_polynomial():
     assert got == pytest.approx([LR, (LR - 1e-4) * 0.25 + 1e-4, 1e-4])
     with pytest.raises(ll.ConfigError, match=r"lr_end \(0.01\) < learning_rate \(0.001\)"):
         lrs("polynomial", lr_end=1e-2)
+    for power in (-1.0, 0.0):  # -1 climbed to 4x the peak rate, then divided by zero at the last step
+        with pytest.raises(ll.ConfigError, match=r"lr_scheduler='polynomial' needs power > 0"):
+            lrs("polynomial", lr_end=1e-4, power=power)
 
 
 def test_constant_and_warmup():

@@ -40,6 +40,49 @@ def test_auto_find_batch_size_halves_and_restarts_exactly(tmp_path):
     torch.testing.assert_close(flat_params(model), flat_params(ref), rtol=1e-6, atol=1e-7)
 
 
+def test_auto_find_batch_size_refuses_a_dataloader(tmp_path):
+    """A DataLoader's batch size is its own: halving batch_size and doubling the accumulation
+    would double the items per step without a word (16 -> 32)."""
+    loader = torch.utils.data.DataLoader(DictDataset(n=48), batch_size=16)
+    fitter = ll.Fitter(max_steps=3, batch_size=16, auto_find_batch_size=True, output_dir=str(tmp_path), loggers=[])
+    with pytest.raises(ll.ConfigError, match="auto_find_batch_size=True needs the training Dataset, not a DataLoader"):
+        fitter.fit(OOMAbove(limit=4), loader)
+
+
+def test_a_preemption_signal_before_an_out_of_memory_retry_is_kept(tmp_path):
+    """SIGTERM arrives during the step that then runs out of memory: the retry with a smaller
+    batch must still save and exit 75 at its first step boundary (the signal was dropped with
+    the failed try's handler, and the job trained on until SLURM killed it)."""
+    import os
+    import signal
+
+    from lightlike.preemption import Preempted
+
+    class SignalThenOOM(OOMAbove):
+        def forward(self, batch):
+            if len(batch["x"]) > self.limit:
+                os.kill(os.getpid(), signal.SIGTERM)
+            return super().forward(batch)
+
+    fitter = ll.Fitter(max_steps=6, batch_size=8, auto_find_batch_size=True, save_every=100, requeue_on_preemption=False,
+                       output_dir=str(tmp_path), loggers=[])
+    with pytest.raises(Preempted):
+        fitter.fit(SignalThenOOM(limit=4), DictDataset(n=48))
+    assert fitter.state.global_step == 1 and (tmp_path / "checkpoint-1").is_dir()
+
+
+def test_uncatchable_preemption_signals_are_refused_up_front():
+    """SIGKILL in preemption_signals raised a raw OSError inside fit and left SIGTERM's handler
+    installed (every later SIGTERM swallowed): a ConfigError when the Fitter is built."""
+    import signal
+
+    before = signal.getsignal(signal.SIGTERM)
+    for names in (["SIGTERM", "SIGKILL"], ["SIGSTOP"], ["SIGBOGUS"]):
+        with pytest.raises(ll.ConfigError, match="preemption_signals"):
+            ll.Fitter(max_steps=1, preemption_signals=names)
+    assert signal.getsignal(signal.SIGTERM) == before
+
+
 def test_without_auto_find_oom_propagates(tmp_path):
     with pytest.raises(torch.OutOfMemoryError):
         ll.Fitter(max_steps=1, batch_size=16, output_dir=str(tmp_path), loggers=[]).fit(OOMAbove(4), DictDataset(n=32))

@@ -24,7 +24,10 @@ class EarlyStopping(Callback):
 
     ``mode`` is ``'min'`` or ``'max'``. A NaN metric never counts as an improvement. A
     ``monitor`` key missing from the evaluation results is an error naming the keys there are.
-    The counters go into checkpoints, so a resumed run stops exactly where it would have.
+    The counters go into checkpoints, so a resumed run stops exactly where it would have, and
+    one resumed from the checkpoint of the step it stopped at stays stopped (a stop set by a
+    callback of your own does not carry over: a time-budget stop resumes and trains on; keep a
+    stop that should last in the callback's state and set the flag again in ``on_fit_start``).
     """
 
     def __init__(self, monitor: str = "val/loss", patience: int = 3, min_delta: float = 0.0, mode: str = "min"):
@@ -43,6 +46,15 @@ class EarlyStopping(Callback):
     @property
     def state_key(self) -> str:
         return f"EarlyStopping[{self.monitor}]"
+
+    def on_fit_start(self, fitter: Fitter, state: FitState, control: Control) -> None:
+        if fitter.resumed_from is None:  # a new run counts afresh, also with an instance used before
+            self.best, self.wait, self.stopped_step = None, 0, None
+        elif self.stopped_step is not None:  # resumed from the checkpoint of the step it stopped at
+            control.should_training_stop = True
+            log.warning("resumed from %s, taken when EarlyStopping stopped the run at step %d: the run stays "
+                        "stopped (resume without this EarlyStopping to train on)", fitter.resumed_from,
+                        self.stopped_step)
 
     def on_evaluate(self, fitter: Fitter, state: FitState, control: Control, metrics: dict[str, float]) -> None:
         if self.monitor not in metrics:

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import importlib
+import logging
 import os
 import shutil
 from pathlib import Path
 
 from lightlike.checkpoint.manifest import verify_checkpoint
 from lightlike.errors import CheckpointError
+
+log = logging.getLogger("lightlike")
 
 #: Consolidators for sharded layouts (manifest meta ``state_format``): "module:function", called as
 #: ``function(checkpoint_dir, out_file)`` to write one ``model.safetensors`` from the shards.
@@ -21,7 +24,9 @@ CONSOLIDATORS: dict[str, str] = {
 def export_weights(checkpoint_dir: str | Path, out_dir: str | Path, hashes: bool = True) -> Path:
     """Verify ``checkpoint_dir`` and write ``out_dir/model.safetensors`` (plus ``hparams.json``
     and ``config.json`` when the checkpoint has them). Each file lands atomically; existing files
-    in ``out_dir`` with those names are replaced. Returns the path of the weights.
+    in ``out_dir`` with those names are replaced (with a warning), and an earlier export's
+    ``hparams.json``/``config.json`` that this checkpoint lacks is removed, so the folder
+    describes one model. Returns the path of the weights.
 
     Sharded checkpoints (FSDP's DCP shards, DeepSpeed's ZeRO partitions) are consolidated into
     the same single file by the consolidator their ``state_format`` names."""
@@ -38,11 +43,16 @@ def export_weights(checkpoint_dir: str | Path, out_dir: str | Path, hashes: bool
         tmp = out / f".model.safetensors.tmp-{os.getpid()}"
         consolidate(src, tmp)
         fsync_replace(tmp, out / "model.safetensors")
+    replaced = [name for name in ("model.safetensors", "hparams.json", "config.json") if (out / name).is_file()]
     for name in ("model.safetensors", "hparams.json", "config.json"):
         if (src / name).is_file():
             tmp = out / f".{name}.tmp-{os.getpid()}"
             shutil.copyfile(src / name, tmp)
             fsync_replace(tmp, out / name)
+        elif name != "model.safetensors" and (out / name).is_file():
+            (out / name).unlink()  # an earlier export's: it would describe another model
+    if replaced:
+        log.warning("export into %s replaced %s of an earlier export", out, ", ".join(replaced))
     return out / "model.safetensors"
 
 

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from lightlike.checkpoint.atomic import _fsync_path, cleanup_stale_temps
 from lightlike.checkpoint.manifest import _NAME, MANIFEST, checkpoint_step, find_latest_valid
-from lightlike.errors import CheckpointError
+from lightlike.errors import CheckpointError, ConfigError
 
 if TYPE_CHECKING:
     from lightlike.config import FitConfig
@@ -68,6 +68,9 @@ def resolve_resume(config: FitConfig, resume: bool | str) -> Path | None:
     p = Path(str(resume))
     if not p.is_dir():
         raise CheckpointError(f"resume={str(resume)!r}: no such checkpoint directory")
+    if not (p / MANIFEST).exists() and any(_NAME.match(c.name) for c in p.iterdir() if c.is_dir()):
+        raise CheckpointError(f"resume={str(resume)!r} is a run's output_dir, not one checkpoint: pass resume=True "
+                              f"(its newest valid checkpoint; --resume on the command line) or '{p}/checkpoint-N'")
     return p
 
 
@@ -148,6 +151,31 @@ def resolve_best(output_dir: str | Path, stored: str | None, best_step: int | No
 
 
 # -- settings changed between runs ---------------------------------------------------------------
+def check_optimizer_fits(fitter: Fitter, path: Path) -> None:
+    """Before the optimizer state of ``path`` is loaded: a built-in optimizer of another kind, or
+    with weight decay switched on or off (one parameter group without it, two with), cannot take
+    it (torch would load it and fail at the first step, or refuse it without saying why)."""
+    from lightlike.module import TaskModule
+
+    if type(fitter.module).configure_optimizers is not TaskModule.configure_optimizers:
+        return  # the module's own optimizer: its shape is the module's business
+    try:
+        old = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return
+    now = fitter.config
+    fix = (f"resume with the checkpoint's setting, or start a new fit from its weights (module.load_weights('{path}') "
+           "before fit, without resume)")
+    if old.get("optimizer", now.optimizer) != now.optimizer:
+        raise ConfigError(f"optimizer changed from {old['optimizer']!r} to {now.optimizer!r} since {path.name}: "
+                              f"its optimizer state cannot drive the new optimizer; {fix}")
+    before = float(old.get("weight_decay", now.weight_decay))
+    if (before == 0.0) != (now.weight_decay == 0.0):
+        raise ConfigError(f"weight_decay changed from {before} to {now.weight_decay} since {path.name}: switching "
+                              "decay on or off changes the optimizer's parameter groups (one without decay, two "
+                              f"with), so its state cannot be restored; {fix}")
+
+
 def apply_changed_settings(fitter: Fitter, path: Path) -> None:
     """After the optimizer and scheduler state are loaded from ``path``: apply changed optimizer
     settings to them (built-in optimizers) and warn, listing every changed setting."""
@@ -172,8 +200,6 @@ def apply_changed_settings(fitter: Fitter, path: Path) -> None:
                     "and scheduler state wins (set the new values there, after loading, if you want them)",
                     ", ".join(applied), type(module).__name__)
         return
-    if old.get("optimizer") != now.get("optimizer"):
-        return  # another optimizer's state would not have loaded
     _apply(fitter, {k: old[k] for k in applied}, {k: now[k] for k in applied},
            schedule_changed=any(k in SCHEDULE_KEYS for k in applied))
     log.info("applied the new %s to the restored optimizer and schedule", ", ".join(applied))

@@ -8,7 +8,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from lightlike.checkpoint.manifest import _NAME, MANIFEST, list_checkpoints
+from lightlike.checkpoint.manifest import _NAME, MANIFEST, find_latest_valid, list_checkpoints
 from lightlike.errors import OutputDirError
 
 log = logging.getLogger("lightlike")
@@ -45,6 +45,8 @@ def prepare_output_dir(output_dir: str | Path, overwrite: bool, resume: bool | s
     out = Path(output_dir)
     if not out.exists():
         return
+    if not out.is_dir():
+        raise OutputDirError(f"output_dir {str(out)!r} is a file, not a directory: choose another output_dir")
     for p in cleanup_stale_temps(out):
         log.info("removed %s, left by an interrupted checkpoint save", p)
     old = list_checkpoints(out) + [p for p in (out / "logs",) if p.exists()]
@@ -61,9 +63,12 @@ def prepare_output_dir(output_dir: str | Path, overwrite: bool, resume: bool | s
         return
     if not overwrite:
         names = ", ".join(p.name for p in old[:5])
+        # resume=True is offered only where it would work (not for logs or weights-only checkpoints)
+        hint = ("pass resume=True to continue it" if find_latest_valid(out, hashes=False, resumable=True)
+                else "it holds no resumable checkpoint: pass resume='auto' to move it aside and start afresh")
         raise OutputDirError(
-            f"output_dir {str(out)!r} already holds a run ({names}); pass resume=True to continue "
-            "it, overwrite_output_dir=True to replace it, or choose another output_dir"
+            f"output_dir {str(out)!r} already holds a run ({names}); {hint}, "
+            "overwrite_output_dir=True to replace it, or choose another output_dir"
         )
     log.warning("overwrite_output_dir=True: removing %s", ", ".join(str(p) for p in old))
     for p in old:

@@ -32,6 +32,7 @@ from lightlike.checkpoint.resume import (
     CONTINUATION_KEYS,
     apply_changed_settings,
     best_checkpoint_name,
+    check_optimizer_fits,
     resolve_best,
     resolve_resume,
     tidy_output_dir,
@@ -86,7 +87,9 @@ def save_training_checkpoint(fitter: Fitter, wait: bool = True, full: bool | Non
     strategy.barrier("save")  # ... before any rank writes into it
     try:
         pending = strategy.save_checkpoint_state(writer, fitter.model, fitter.optimizer if full else None)
-        rng_all = strategy.all_gather_object(_portable_rng(rng_state())) if full else None
+        # every rank's RNG state and not-yet-logged losses (the next log sums all ranks' items)
+        per_rank = strategy.all_gather_object((_portable_rng(rng_state()), _pending_values(fitter))) if full else []
+        rng_all = [r for r, _ in per_rank]
         if main:
             if getattr(fitter.module, "hparams", None):
                 writer.write_json("hparams.json", _jsonable(fitter.module.hparams))  # type: ignore[union-attr]
@@ -102,8 +105,9 @@ def save_training_checkpoint(fitter: Fitter, wait: bool = True, full: bool | Non
                 writer.write_json("trainer_state.json", {
                     "state": saved_state,
                     "world_size": strategy.world_size,
-                    "pending": fitter.pending_loss_values(),
+                    "pending_per_rank": [p for _, p in per_rank],
                     "loss_total": [fitter._loss_total, fitter._items_total],
+                    "order_key": _order_key(fitter),
                 })
         if pending is not None and not wait:
             fitter._checkpoint_in_flight = (writer, pending, None)
@@ -130,7 +134,7 @@ def save_training_checkpoint(fitter: Fitter, wait: bool = True, full: bool | Non
 
 def commit_pending_checkpoint(fitter: Fitter) -> Path | None:
     """Wait for an asynchronous checkpoint write to finish on every rank, then commit it.
-    Collective; a no-op when nothing is in flight. Returns the committed path on the main rank."""
+    Collective; a no-op when nothing is in flight. Returns the committed path (every rank)."""
     in_flight = getattr(fitter, "_checkpoint_in_flight", None)
     if in_flight is None:
         return None
@@ -147,18 +151,18 @@ def commit_pending_checkpoint(fitter: Fitter) -> Path | None:
     return _commit(fitter, writer, committing)
 
 
-def _commit(fitter: Fitter, writer: CheckpointWriter, committing: Any = None) -> Path | None:
-    """Commit on the main rank (or wait for the background commit), then rotate."""
+def _commit(fitter: Fitter, writer: CheckpointWriter, committing: Any = None) -> Path:
+    """Commit on the main rank (or wait for the background commit), then rotate. Returns the
+    committed path on every rank (``on_save`` runs everywhere, as every callback event does)."""
     cfg, strategy, state = fitter.config, fitter.strategy, fitter.state
     assert strategy is not None
     out = Path(cfg.output_dir)
-    path: Path | None = None
+    path = writer.final_path
     if strategy.is_global_zero:
         if committing is not None:
             committing.result()  # raises what the commit raised
         else:
             writer.__exit__(None, None, None)  # fsync, hash, manifest, rename
-        path = writer.final_path
         protect = [p for p in (state.best_checkpoint, getattr(fitter, "resumed_from", None)) if p]
         for p in rotate_checkpoints(out, cfg.save_total_limit, protect=protect):
             log.info("deleted old checkpoint %s (save_total_limit=%s)", p, cfg.save_total_limit)
@@ -183,6 +187,7 @@ def load_training_checkpoint(fitter: Fitter, path: Path, verified: bool = False)
             f"{path} holds weights only (saved with save_only_model=True) and cannot be resumed; "
             "load its weights with module.load_weights(path) and start a new fit"
         )
+    check_optimizer_fits(fitter, path)
     strategy.load_checkpoint_state(path, fitter.model, fitter.optimizer)
     if fitter.scheduler is not None:
         if not (path / "scheduler.pt").exists():
@@ -193,7 +198,13 @@ def load_training_checkpoint(fitter: Fitter, path: Path, verified: bool = False)
     saved = json.loads((path / "trainer_state.json").read_text())
     fitter.state = state = FitState.from_dict(saved["state"])
     state.best_checkpoint = resolve_best(cfg.output_dir, state.best_checkpoint, state.best_step)
-    fitter.restore_pending_losses(saved.get("pending", []))
+    if state.samples_in_epoch and "order_key" in saved and saved["order_key"] != _order_key(fitter):  # mid-epoch
+        raise CheckpointError(
+            f"{path.name} was taken mid-epoch with a sampler order of {saved.get('order_key')} and this run's "
+            f"sampler gives {_order_key(fitter)}: the rest of the epoch would repeat and skip samples. Build the "
+            "sampler with the checkpoint's values (LengthGroupedSampler(..., group_size=...))")
+    fitter._pending = [(torch.tensor(loss, dtype=torch.float64, device=strategy.root_device), n, int(step), int(micro))
+                       for loss, n, step, micro in _pending_for_this_rank(saved, strategy.global_rank, strategy.world_size)]
     fitter._loss_total, fitter._items_total = saved.get("loss_total", [0.0, 0.0])
     rngs = _torch_load(path / "rng.pt")
     rank = strategy.global_rank
@@ -226,6 +237,30 @@ def load_weights_from(fitter: Fitter, path: Path) -> None:
     verify_checkpoint(path, hashes=fitter.config.verify_hashes)
     fitter.strategy.load_checkpoint_state(path, fitter.model, None)
     log.info("loaded the best checkpoint's weights from %s", path)
+
+
+def _pending_values(fitter: Fitter) -> list[list[float]]:
+    """This rank's not-yet-logged (loss, items, step, micro-batch) values, on the host: they go
+    into checkpoints so the first log after a resume averages what the uninterrupted run would."""
+    return [list(v) for v in fitter._read_pending()]
+
+
+def _pending_for_this_rank(saved: dict[str, Any], rank: int, world_size: int) -> list[list[float]]:
+    """This rank's share of the losses the checkpoint's ranks had not logged yet: its own on the
+    same world size (the next log sums them over ranks as the uninterrupted run did); on another,
+    all of them on rank 0 and none elsewhere (the same sums). A checkpoint of an older version
+    kept rank 0's only ("pending")."""
+    per_rank = saved.get("pending_per_rank")
+    if per_rank is None:
+        return saved.get("pending", []) if rank == 0 else []
+    if len(per_rank) == world_size:
+        return per_rank[rank]
+    return [v for values in per_rank for v in values] if rank == 0 else []
+
+
+def _order_key(fitter: Fitter) -> Any:
+    sampler = fitter.train_data.sampler if fitter.train_data is not None else None
+    return sampler.order_key() if sampler is not None else None
 
 
 def _torch_load(path: Path) -> Any:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -10,6 +11,7 @@ from torch import nn
 
 from lightlike.errors import CheckpointError
 
+log = logging.getLogger("lightlike")
 _SHOW = 10
 
 
@@ -36,9 +38,13 @@ def check_fits(module: nn.Module, state: Mapping[str, torch.Tensor], strict: boo
         problems.append(_listing("unexpected keys (in the checkpoint, not in the module)", unexpected))
     if mismatched:
         problems.append(_listing("shape mismatches", mismatched))
+    where = f" from {source}" if source else ""
     if problems:
-        where = f" from {source}" if source else ""
         raise CheckpointError(f"the weights{where} do not fit {type(module).__name__}:\n" + "\n".join(problems))
+    if missing or unexpected:  # strict=False: loaded what matches, and said what did not
+        log.warning("strict=False: loading the weights%s into %s left out\n%s", where, type(module).__name__, "\n".join(
+            [_listing("missing keys (kept as they were)", missing)] * bool(missing)
+            + [_listing("unexpected keys (ignored)", unexpected)] * bool(unexpected)))
     return own
 
 

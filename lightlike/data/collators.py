@@ -73,7 +73,7 @@ class PaddingCollator:
     * ``keys``: the fields to pad. ``None``: every field holding a list/tuple or a 1-D tensor.
       Other fields are stacked (numbers and equal-shape tensors) or passed on as lists (strings).
     * ``input_ids`` (and fields whose name contains it) pad with ``pad_token_id``; ``labels`` (and
-      fields whose name contains ``labels``) with ``label_pad_id`` (-100, which cross-entropy
+      fields whose name contains ``labels``, and ``label``, ``label_ids``) with ``label_pad_id`` (-100, which cross-entropy
       ignores); ``special_tokens_mask`` with 1; anything else with 0. ``pad_values`` overrides.
     * When items have ``input_ids`` but no ``attention_mask``, an ``attention_mask`` (1 on real
       tokens, 0 on padding) is added, right after ``input_ids``.
@@ -106,7 +106,7 @@ class PaddingCollator:
             return self.pad_values[field]
         if "input_ids" in field:
             return self.pad_token_id
-        if "labels" in field:
+        if "labels" in field or field in ("label", "label_ids"):  # as HF's token-classification collator
             return self.label_pad_id
         if field == "special_tokens_mask":
             return 1
@@ -298,6 +298,8 @@ class LanguageModelingCollator:
         prepared = []
         for i, item in enumerate(items):
             ids = _as_tensor(item["input_ids"], "input_ids", i)
+            if ids is not None and ids.numel() == 0 and ids.ndim == 1:
+                ids = ids.long()  # an empty sequence: torch.as_tensor([]) is float
             if ids is None or ids.ndim != 1 or ids.is_floating_point() or ids.is_complex():
                 raise DataError(f"field 'input_ids' of item {i} must be a 1-D sequence of integer token ids, got "
                                 f"{type(item['input_ids']).__name__}"

@@ -26,7 +26,10 @@ class LengthGroupedSampler(ResumableSampler):
     ``lengths[i]`` is the length of item i (e.g. ``len(dataset[i]["input_ids"])``).
     ``batch_size`` must be the DataLoader's (per-rank) batch size, so that its batches line up
     with the groups. ``mega`` global batches form a megabatch, the unit that is sorted: larger
-    means more homogeneous batches and less randomness. ``longest_first=True`` moves the longest
+    means more homogeneous batches and less randomness; ``group_size`` sets the megabatch in
+    samples instead (default ``mega * batch_size * world_size``). The order depends on it: a run
+    resumed mid-epoch with another batch size or world size must pass the first run's
+    ``group_size`` (the resume says so, naming it). ``longest_first=True`` moves the longest
     item to the front of the epoch (as the HF Trainer does), so an out-of-memory error shows on
     the first step rather than hours in.
 
@@ -45,6 +48,7 @@ class LengthGroupedSampler(ResumableSampler):
         batch_size: int,
         *,
         mega: int = 50,
+        group_size: int | None = None,
         shuffle: bool = True,
         seed: int = 0,
         rank: int | None = None,
@@ -76,15 +80,22 @@ class LengthGroupedSampler(ResumableSampler):
         self.lengths = lengths_t.long()
         self.batch_size = batch_size
         self.mega = mega
+        if group_size is not None and (not isinstance(group_size, int) or group_size < 1):
+            raise ValueError(f"group_size must be a positive int, got {group_size!r}")
+        #: indices sorted together; it shapes the epoch's order, so a run resumed mid-epoch must
+        #: use the same (pass the old group_size when batch_size or world_size change)
+        self.group_size = group_size or mega * batch_size * world_size
         self.longest_first = longest_first
+
+    def order_key(self) -> dict[str, int]:
+        return {"group_size": self.group_size}
 
     def global_order(self, epoch: int | None = None) -> torch.Tensor:
         """The order of all samples of ``epoch`` (all ranks together): a pure function."""
         epoch = self.epoch if epoch is None else epoch
         order = epoch_permutation(self.n, self.seed, epoch, self.shuffle)
-        size = self.mega * self.batch_size * self.world_size
         groups = []
-        for chunk in order.split(size):
+        for chunk in order.split(self.group_size):
             # stable: equal lengths keep their shuffled order
             keys = self.lengths[chunk]
             groups.append(chunk[torch.sort(keys, descending=True, stable=True).indices])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -20,7 +21,7 @@ from torch.utils.data import (
 
 from lightlike.data.iterable import ShardedIterable
 from lightlike.data.sampler import ResumableSampler
-from lightlike.errors import DataError
+from lightlike.errors import ConfigError, DataError
 
 log = logging.getLogger("lightlike")
 
@@ -41,6 +42,37 @@ class TrainData:
         except TypeError:
             return None
 
+    def step_budget(self, max_steps: int | None, max_epochs: int | None, accum: int,
+                    resumed: Any = None) -> tuple[int, float]:
+        """(optimizer steps to take, epochs to stop after): ``max_steps`` wins; epochs are counted
+        too when only ``max_epochs`` is set (``should_epoch_stop`` ends one early). ``resumed``:
+        the ``FitState`` of the checkpoint a run resumes from."""
+        batches = self.batches_per_epoch()
+        sampler = self.sampler
+        if batches == 0 and sampler is not None and sampler.world_size > 1 and sampler.n < sampler.world_size:
+            raise DataError(f"the training data has {sampler.n} item(s) for {sampler.world_size} processes: each "
+                            "epoch leaves out the tail that does not split evenly over the processes, here every "
+                            f"item; pass at least {sampler.world_size} items, or run on fewer processes")
+        if batches == 0:
+            raise DataError("the training data gives no batch per epoch (an empty DataLoader, or drop_last=True "
+                            "with fewer items than batch_size): pass more data or a smaller batch_size")
+        if max_steps is not None:
+            return max_steps, math.inf
+        if batches is None:
+            raise ConfigError("the training data has no length (IterableDataset): set max_steps")
+        per_epoch = -(-batches // accum)
+        total = max_epochs * per_epoch  # type: ignore[operator]
+        if resumed is None or resumed.max_steps == total:
+            return total, max_epochs  # type: ignore[return-value]
+        # the epochs' steps changed since the checkpoint (batch size, accumulation, world size,
+        # data): what is left of the epochs is counted from where the run stands
+        left = batches
+        if self.sampler is not None and resumed.samples_in_epoch:
+            self.sampler.set_epoch(resumed.epoch_index, resumed.samples_in_epoch)
+            left = len(self.loader)
+        rest = -(-left // accum) + (max_epochs - resumed.epoch_index - 1) * per_epoch  # type: ignore[operator]
+        return resumed.global_step + max(0, rest), max_epochs  # type: ignore[return-value]
+
     def position(self, start: int, batches_in_epoch: int, world_size: int) -> EpochPosition:
         """The loop's position in the epoch whose iterator ``epoch_iterator`` just began at
         global sample ``start``."""
@@ -59,7 +91,13 @@ class TrainData:
             self.loader.sampler.set_epoch(epoch)  # type: ignore[attr-defined]  # e.g. a DistributedSampler
         if self.generator is not None:
             self.generator.manual_seed(self.seed + epoch)  # DataLoader worker seeds
-        return iter(self.loader)
+            return iter(self.loader)
+        # a DataLoader of the user's without generator= draws its workers' base seed from the
+        # global generator as its iterator starts: at the epoch's start in one run, at the resume
+        # point in a resumed one. Drawn here from (seed, epoch), outside training's random streams
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(self.seed + epoch)
+            return iter(self.loader)
 
 
 class EpochPosition:
@@ -191,8 +229,9 @@ def build_eval_loader(
     the same dataset and settings with this split (``_split_eval_loader``), unless it already
     has one (an in-order ``ResumableSampler`` of this rank, or an IterableDataset with
     ``shards_itself = True``)."""
-    if isinstance(data, DataLoader):
-        if world_size > 1 and not _already_split(data, for_eval=True, rank=rank, world_size=world_size):
+    if isinstance(data, DataLoader):  # one process or many: the same items, in the same order
+        if world_size > 1 and not _already_split(data, for_eval=True, rank=rank, world_size=world_size) \
+                or world_size == 1 and _eval_changes(data):
             return _split_eval_loader(data, batch_size=batch_size, rank=rank, world_size=world_size, name=name)
         return data
     if not isinstance(data, Dataset) and not hasattr(data, "__getitem__"):
@@ -217,6 +256,9 @@ def normalise_eval_sets(data: Any, default_name: str = "val") -> dict[str, Any]:
         for k in data:
             if not isinstance(k, str) or not k or "/" in k:
                 raise DataError(f"evaluation set names must be non-empty strings without '/', got {k!r}")
+            if k == "train":  # its keys would mix with the training loss's (train/loss)
+                raise DataError("an evaluation set may not be named 'train' (its train/loss would mix with the "
+                                "training loss): name it e.g. 'train_eval'")
         return dict(data)
     return {default_name: data}
 
@@ -320,20 +362,31 @@ def _split_train_loader(loader: DataLoader, *, shuffle: bool, seed: int, rank: i
     return _loader_like(loader, loader.dataset, sampler, batch_size, drop_last, generator)
 
 
-def _split_eval_loader(loader: DataLoader, *, batch_size: int, rank: int, world_size: int, name: str) -> DataLoader:
+def _eval_changes(loader: DataLoader, batch_size: int | None = None) -> list[str]:
+    """What evaluation changes in a DataLoader of the user's: every item once, in dataset order."""
     own, drop_last, custom = _batching(loader)
-    size = own if own is not None or not custom else batch_size
-    iterable = isinstance(loader.dataset, IterableDataset)
     changes = []
     if custom:
+        size = own if own is not None else batch_size
         changes.append(f"its batch_sampler ({type(loader.batch_sampler).__name__}) is replaced by batches of {size}")
     if drop_last:
         changes.append("drop_last is ignored (evaluation counts every item once)")
-    if not iterable and type(loader.sampler) is not SequentialSampler:
-        changes.append(f"its sampler ({type(loader.sampler).__name__}) is replaced by an in-order split "
+    if isinstance(loader.dataset, IterableDataset) and loader.num_workers > 1 \
+            and not _already_split(loader):  # each worker would yield the whole stream
+        changes.append(f"its IterableDataset is split over its {loader.num_workers} workers (each item once, in order)")
+    if not isinstance(loader.dataset, IterableDataset) and type(loader.sampler) is not SequentialSampler:
+        changes.append(f"its sampler ({type(loader.sampler).__name__}) is replaced by an in-order one "
                        "(predictions come back in dataset order)")
-    if changes:
-        log.warning("the %s DataLoader is split over %d processes: %s", name, world_size, "; ".join(changes))
+    return changes
+
+
+def _split_eval_loader(loader: DataLoader, *, batch_size: int, rank: int, world_size: int, name: str) -> DataLoader:
+    own, _, custom = _batching(loader)
+    size = own if own is not None or not custom else batch_size
+    iterable = isinstance(loader.dataset, IterableDataset)
+    if changes := _eval_changes(loader, batch_size):
+        how = f"split over {world_size} processes" if world_size > 1 else "rebuilt for evaluation"
+        log.warning("the %s DataLoader is %s: %s", name, how, "; ".join(changes))
     if iterable:
         dataset: Any = ShardedIterable(loader.dataset, rank, world_size, block=size or 1)  # type: ignore[arg-type]
         sampler = None

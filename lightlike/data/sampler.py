@@ -55,6 +55,11 @@ class ResumableSampler(Sampler[int]):
         self.epoch = 0
         self.start = 0  # global samples already consumed in this epoch
 
+    def order_key(self) -> dict[str, int] | None:
+        """What, besides (seed, epoch), the epoch's order depends on; kept in checkpoints so that a
+        mid-epoch resume can refuse an order that would repeat and skip samples. None: nothing."""
+        return None
+
     def set_epoch(self, epoch: int, start: int = 0) -> None:
         """Select the epoch and the global sample position to continue from."""
         if not 0 <= start <= self.n:

@@ -50,6 +50,8 @@ class TorchMetric:
             raise ModuleContractError(
                 f"{type(metric).__name__}(sync_on_compute=False) would report each process's own share of "
                 "the evaluation set; leave sync_on_compute at its default (True)")
+        if getattr(metric, "dist_sync_fn", None) is None:
+            metric.dist_sync_fn = gather_states  # a rank without a share of the set joins with an empty state
         self.metric = metric
         self.inputs = inputs
         self.module = module
@@ -84,6 +86,26 @@ class TorchMetric:
                 "target/targets); override TaskModule.labels(batch) or wrap the metric as "
                 "TorchMetric(metric, inputs=lambda outputs, batch: (preds, target))")
         return preds, labels
+
+
+def gather_states(state: Any, group: Any = None) -> list[Any]:
+    """torchmetrics' ``dist_sync_fn``: every rank's copy of one state tensor. Unlike torchmetrics'
+    default it takes states of different shapes: a rank that saw no item of an evaluation set
+    smaller than the world holds a list state as an empty 1-D float tensor while the others hold
+    ``[N, C]`` ones, which made the default's shape exchange mismatch and abort every rank. Such
+    an empty state comes back shaped ``(0, C...)`` with the others' dtype, so it concatenates."""
+    import torch
+    import torch.distributed as dist
+
+    gathered: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, state.detach().cpu(), group=group)
+    like = next((t for t in gathered if t.numel()), gathered[0])
+    out = []
+    for t in gathered:
+        if t.numel() == 0 and (t.shape != like.shape or t.dtype != like.dtype):
+            t = torch.empty((0, *like.shape[1:]), dtype=like.dtype)
+        out.append(t.to(state.device))
+    return out
 
 
 def adapt_streaming_metrics(streams: Mapping[str, Any], module: Any) -> dict[str, Any]:

@@ -46,12 +46,17 @@ def _level(name: str, value: Any) -> int:
 
 def setup_logging(level: str, is_global_zero: bool, level_other_ranks: str = "warning") -> logging.Logger:
     """Configure the ``lightlike`` logger: one stderr handler (added once, however often this is
-    called), ``level`` on the main process and ``level_other_ranks`` on the others (the
+    called; none when the application has configured logging, whose handlers then print the
+    lines, as Lightning does), ``level`` on the main process and ``level_other_ranks`` on the others (the
     ``log_level`` and ``log_level_other_ranks`` settings)."""
     chosen = _level("log_level", level)
     other = _level("log_level_other_ranks", level_other_ranks)
     logger = logging.getLogger("lightlike")
-    if not any(getattr(h, "_lightlike", False) for h in logger.handlers):
+    ours = [h for h in logger.handlers if getattr(h, "_lightlike", False)]
+    if logging.getLogger().hasHandlers():  # the application configured logging: its handlers print
+        for h in ours:  # our lines (once: a handler of ours as well printed every line twice)
+            logger.removeHandler(h)
+    elif not ours:
         handler = _StderrHandler()
         handler.setFormatter(logging.Formatter(FORMAT))
         logger.addHandler(handler)

@@ -10,8 +10,9 @@ _OWN = "(own)"
 
 
 def _numel(p: nn.Parameter) -> int:
-    # a lazy module's parameters have no shape until the first forward
-    return 0 if isinstance(p, nn.parameter.UninitializedParameter) else p.numel()
+    # a lazy module's parameters have no shape until the first forward; a ZeRO-3 partitioned one
+    # is empty here and keeps its full size in ds_numel
+    return 0 if isinstance(p, nn.parameter.UninitializedParameter) else int(getattr(p, "ds_numel", p.numel()))
 
 
 def model_summary(module: nn.Module, max_depth: int = 1) -> str:

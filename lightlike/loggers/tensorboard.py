@@ -65,8 +65,11 @@ class TensorBoardLogger(Logger):
         event_pb2 = self._event_pb2
         if self._file is None:
             os.makedirs(self.log_dir, exist_ok=True)
-            while True:  # a fresh name: TensorBoard reads every events file in the directory, in name order
-                name = f"events.out.tfevents.{int(time.time()):010d}.{socket.gethostname()}.{os.getpid()}.{next(_file_ids)}"
+            while True:  # a fresh name: TensorBoard reads every events file in the directory, in name order,
+                # so names sort in the order they were opened (nanoseconds: a run resumed in the same second
+                # as the one it replaces, whose counter or PID has another number of digits, sorted first
+                # and its purge marker never hid the old run's later steps)
+                name = f"events.out.tfevents.{time.time_ns():020d}.{socket.gethostname()}.{os.getpid()}.{next(_file_ids)}"
                 try:
                     self._file = open(os.path.join(self.log_dir, name), "xb")  # noqa: SIM115  (closed in finalize)
                     break

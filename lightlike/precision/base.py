@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from lightlike.errors import ConfigError
+from lightlike.utils.batches import map_tensors
 
 
 class Precision:
@@ -33,8 +34,20 @@ class Precision:
         self.device = device
 
     def convert_module(self, module: nn.Module) -> nn.Module:
-        if self.param_dtype is not None:
-            module = module.to(dtype=self.param_dtype)
+        """Floating parameters and persistent buffers to ``param_dtype``. Non-persistent buffers
+        (derived constants such as a rotary embedding's ``inv_freq``) keep their dtype, as HF
+        keeps them when it loads a bf16 model: the model trained is the model exported."""
+        dtype = self.param_dtype
+        if dtype is None:
+            return module
+        saved = {id(t) for t in module.state_dict(keep_vars=True).values() if isinstance(t, torch.Tensor)}
+        for m in module.modules():
+            for p in m.parameters(recurse=False):
+                if p.is_floating_point() and p.dtype != dtype:
+                    p.data = p.data.to(dtype)
+            for name, b in m.named_buffers(recurse=False):
+                if b is not None and b.is_floating_point() and id(b) in saved and b.dtype != dtype:
+                    m._buffers[name] = b.to(dtype)
         return module
 
     def convert_input(self, batch: Any) -> Any:
@@ -67,15 +80,7 @@ class Precision:
 
 
 def _cast_floats(obj: Any, dtype: torch.dtype) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return obj.to(dtype) if obj.is_floating_point() else obj
-    if isinstance(obj, Mapping):
-        return type(obj)({k: _cast_floats(v, dtype) for k, v in obj.items()})  # type: ignore[call-arg]
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
-        return type(obj)(*(_cast_floats(v, dtype) for v in obj))
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_cast_floats(v, dtype) for v in obj)
-    return obj
+    return map_tensors(obj, lambda t: t.to(dtype) if t.is_floating_point() else t)
 
 
 def require_device_support(name: str, device: torch.device, dtype: torch.dtype) -> None:

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from lightlike.precision import Precision
+from lightlike.utils.batches import map_tensors
 
 
 class Strategy:
@@ -77,6 +78,11 @@ class Strategy:
         loop calls and the optimizer it steps: an engine that owns both (DeepSpeed) may replace
         the module here too."""
         return model, optimizer
+
+    def setup_module_for_evaluation(self, module: nn.Module) -> nn.Module:
+        """``setup_module`` for ``validate``/``test``/``predict`` without a ``fit`` before them
+        (no optimizer: a strategy that needs one to run the module says so here)."""
+        return self.setup_module(module)
 
     def unwrap(self, module: nn.Module) -> nn.Module:
         """The user's TaskModule inside whatever wrapper ``setup_module`` added, and inside
@@ -160,6 +166,13 @@ class Strategy:
         for c in counts[1:]:
             total = total + c
         return StepNormaliser(total, flag)
+
+    @property
+    def forward_is_collective(self) -> bool:
+        """Whether a forward pass takes part in collectives (sharded parameters gathered on the
+        fly: FSDP, ZeRO-3), so that every rank must run the same number of them: evaluation
+        then keeps the ranks in step when their shares hold different numbers of batches."""
+        return False
 
     def sum_floats(self, values: list[float]) -> list[float]:
         """Sum host-side numbers over ranks (identity on one process)."""
@@ -296,12 +309,4 @@ def _params(optimizer: torch.optim.Optimizer) -> Iterable[torch.Tensor]:
 
 def move_to_device(obj: Any, device: torch.device) -> Any:
     """Move every tensor in a (nested) batch to ``device``; non-blocking from pinned memory."""
-    if isinstance(obj, torch.Tensor):
-        return obj.to(device, non_blocking=True) if obj.device != device else obj
-    if isinstance(obj, Mapping):
-        return type(obj)({k: move_to_device(v, device) for k, v in obj.items()})  # type: ignore[call-arg]
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
-        return type(obj)(*(move_to_device(v, device) for v in obj))
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(move_to_device(v, device) for v in obj)
-    return obj
+    return map_tensors(obj, lambda t: t.to(device, non_blocking=True) if t.device != device else t)

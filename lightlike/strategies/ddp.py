@@ -14,6 +14,7 @@ import contextlib
 import datetime
 import gc
 import logging
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -97,6 +98,13 @@ class DDPStrategy(Strategy):
                 kwargs["device_id"] = self.root_device
             if env.kind == "single":  # one plain process (no launcher): an in-memory store, no port
                 kwargs["store"] = dist.HashStore()
+            elif os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+                # torchrun's agent keeps one store across --max-restarts: a restarted attempt read
+                # the dead attempt's keys (gloo dialled its peers' old addresses and failed or hung)
+                agent = dist.TCPStore(env.main_address, env.main_port, env.world_size, is_master=False,
+                                      timeout=datetime.timedelta(seconds=self.timeout_s))
+                attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+                kwargs["store"] = dist.PrefixStore(f"/lightlike/attempt_{attempt}", agent)
             dist.init_process_group(backend, rank=env.rank, world_size=env.world_size,
                                     timeout=datetime.timedelta(seconds=self.timeout_s), **kwargs)
             self._owns_group = True
@@ -240,6 +248,9 @@ def _interleave(parts: list[Any]) -> Any:
         return out
     if isinstance(first, dict):
         return {k: _interleave([p[k] for p in parts]) for k in first}
+    if isinstance(first, tuple):  # fields, each interleaved (a list holds one value per item)
+        fields = [_interleave([p[j] for p in parts]) for j in range(len(first))]
+        return type(first)(*fields) if hasattr(first, "_fields") else tuple(fields)
     total = sum(len(p) for p in parts)
     merged: list[Any] = [None] * total
     for r, p in enumerate(parts):

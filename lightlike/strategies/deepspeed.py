@@ -177,11 +177,23 @@ class DeepSpeedStrategy(DDPStrategy):
         return deepspeed.zero.Init(config_dict_or_path=self.ds_config, dtype=None,
                                    remote_device="cpu" if self.offload_params else None)
 
+    @property
+    def forward_is_collective(self) -> bool:
+        return self.stage == 3 and self.world_size > 1  # partitioned parameters gathered in forward
+
     def setup_module(self, module: nn.Module) -> nn.Module:
         # no wrapper yet: the engine wraps module and optimizer together in setup_optimizer
         if any(hasattr(p, "ds_id") for p in module.parameters()):
             return module  # built under zero.Init: partitioned already, in the right dtype
         return Strategy.setup_module(self, module)
+
+    def setup_module_for_evaluation(self, module: nn.Module) -> nn.Module:
+        if any(hasattr(p, "ds_id") for p in module.parameters()) and self.engine is None:
+            raise ConfigError(
+                "this module was built in fitter.init_module() under ZeRO-3, so each rank holds only its partitions, "
+                "and DeepSpeed gathers them in the engine that fit() builds: evaluate it after fit(), or build the "
+                "module outside init_module() (whole on each rank) to evaluate it on its own")
+        return self.setup_module(module)
 
     def setup_optimizer(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[nn.Module, torch.optim.Optimizer]:
         import copy
@@ -426,10 +438,23 @@ class DeepSpeedStrategy(DDPStrategy):
 
         from lightlike.checkpoint.zero import to_universal
 
+        engine = self._engine()
+        if saved_stage is not None and (saved_stage == 3) != (self.stage == 3):
+            raise CheckpointError(
+                f"{path.name} was saved with ZeRO-{saved_stage} and this run uses ZeRO-{self.stage}: DeepSpeed's "
+                "universal checkpoint does not move between ZeRO-3 and ZeRO-1/2 (their model-state files differ). "
+                f"Resume with a ZeRO-{'3' if saved_stage == 3 else '1 or 2'} strategy, or export the weights "
+                f"(`lightlike export {path} OUT`) and start a new fit from them")
+        basic = getattr(engine, "basic_optimizer", None)
+        if basic is not None and "betas" not in getattr(basic, "defaults", {}):
+            raise CheckpointError(
+                f"{path.name} was saved on {saved_world_size} process(es) with ZeRO-{saved_stage} and this run has "
+                f"{self.world_size} with ZeRO-{self.stage}: re-partitioning optimizer state goes through DeepSpeed's "
+                f"universal checkpoint, which carries Adam-family state only, not {type(basic).__name__}'s. Resume "
+                "with the saved world size and stage, or export the weights and start a new fit from them")
         log.warning("resuming a DeepSpeed checkpoint saved on %d process(es) with ZeRO-%s on %d with ZeRO-%d: "
                     "converting it to DeepSpeed's universal checkpoint format to re-partition weights and optimizer "
                     "state", saved_world_size, saved_stage, self.world_size, self.stage)
-        engine = self._engine()
         tmp: Any = None
         error: str | None = None
         if self.is_global_zero:

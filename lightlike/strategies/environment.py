@@ -53,8 +53,11 @@ class ClusterEnvironment:
         os.environ["LOCAL_RANK"] = str(self.local_rank)
 
 
-def _int(name: str) -> int:
-    value = os.environ[name]
+def _int(name: str, default: str | None = None) -> int:
+    value = os.environ.get(name, default)
+    if value is None:
+        raise ConfigError(f"environment variable {name} is not set, but the launcher's other variables are "
+                          "(torchrun sets RANK, WORLD_SIZE and LOCAL_RANK together): launch with torchrun, or set all three")
     try:
         return int(value)
     except ValueError as e:
@@ -71,8 +74,8 @@ def slurm_main_address(nodelist: str) -> str:
     except (FileNotFoundError, subprocess.CalledProcessError, subprocess.TimeoutExpired):
         pass
     first = re.split(r",(?![^\[]*\])", nodelist)[0]
-    m = re.match(r"^(.*?)\[(\d+)", first)
-    return m.group(1) + m.group(2) if m else first
+    # each bracket's first value: rack[1-2]-node[01-04] -> rack1-node01
+    return re.sub(r"\[([^\]]*)\]", lambda m: m.group(1).split(",")[0].split("-")[0], first)
 
 
 def slurm_port(job_id: str) -> int:
@@ -94,9 +97,12 @@ def detect_environment() -> ClusterEnvironment:
     """Rank, world size and rendezvous of this process; the rule is in the module docstring."""
     env = os.environ
     if "TORCHELASTIC_RUN_ID" in env or ("RANK" in env and "WORLD_SIZE" in env and "LOCAL_RANK" in env):
-        return ClusterEnvironment("torchrun", _int("RANK"), _int("WORLD_SIZE"), _int("LOCAL_RANK"),
-                                  int(env.get("GROUP_RANK", "0")), env.get("MASTER_ADDR", "127.0.0.1"),
-                                  int(env.get("MASTER_PORT", "29500")))
+        rank, world = _int("RANK"), _int("WORLD_SIZE")
+        if not 0 <= rank < world:  # a process group would wait for ranks that never come
+            raise ConfigError(f"RANK={rank} but WORLD_SIZE={world}: the launcher's variables disagree (RANK must "
+                              "be in 0..WORLD_SIZE-1)")
+        return ClusterEnvironment("torchrun", rank, world, _int("LOCAL_RANK"), _int("GROUP_RANK", "0"),
+                                  env.get("MASTER_ADDR", "127.0.0.1"), _int("MASTER_PORT", "29500"))
     if srun_step() is not None and "SLURM_PROCID" in env:
         tasks = next(n for n in ("SLURM_STEP_NUM_TASKS", "SLURM_NTASKS", "SLURM_NPROCS", "SLURM_PROCID") if n in env)
         world = _int(tasks) if tasks != "SLURM_PROCID" else 1
@@ -107,7 +113,7 @@ def detect_environment() -> ClusterEnvironment:
             nodelist = (env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
                         or "127.0.0.1")
             return ClusterEnvironment("slurm", rank, world, _int("SLURM_LOCALID") if "SLURM_LOCALID" in env else 0,
-                                      int(env.get("SLURM_NODEID", "0")),
+                                      _int("SLURM_NODEID", "0"),
                                       env.get("MASTER_ADDR") or slurm_main_address(nodelist),
                                       int(env.get("MASTER_PORT") or slurm_port(env.get("SLURM_JOB_ID", "0"))))
     elif "WORLD_SIZE" in env and _int("WORLD_SIZE") > 1:

@@ -150,6 +150,10 @@ class FSDPStrategy(DDPStrategy):
             self.precision.scaler = ShardedGradScaler(self.root_device.type)  # type: ignore[attr-defined]
 
     # -- module and optimizer ------------------------------------------------------------------
+    @property
+    def forward_is_collective(self) -> bool:
+        return self.world_size > 1  # every shard unit all-gathers its parameters in forward
+
     def setup_module(self, module: nn.Module) -> nn.Module:
         from torch.distributed.fsdp import (
             CPUOffloadPolicy,
@@ -171,8 +175,10 @@ class FSDPStrategy(DDPStrategy):
 
             for unit in units:
                 checkpoint(unit)  # hooks, no wrapper module: parameter names stay the same
-            if hasattr(module, "gradient_checkpointing"):
-                module.gradient_checkpointing = False  # type: ignore[assignment]  # checkpointed here; not twice
+            if units:  # checkpointed here, so not twice (without units the module's maybe_checkpoint does it)
+                if hasattr(module, "gradient_checkpointing"):
+                    module.gradient_checkpointing = False  # type: ignore[assignment]
+                module.__dict__["_checkpointed"] = True  # seen by the Fitter's check: something is
         compute = getattr(self.precision, "compute_dtype", None)
         mp = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32) if compute else MixedPrecisionPolicy()
         offload = CPUOffloadPolicy() if self.offload else OffloadPolicy()

@@ -22,6 +22,13 @@ def is_out_of_memory(error: BaseException) -> bool:
 def fit_finding_batch_size(fitter: Fitter, module: Any, train: Any, val: Any, resume: Any) -> FitResult:
     """On out-of-memory, halve the batch, double the accumulation (the same items per step) and
     start again from the module's initial weights, down to batch size 1."""
+    from torch.utils.data import DataLoader
+
+    if isinstance(train, DataLoader):  # its batch size is its own: halving batch_size would change nothing
+        from lightlike.errors import ConfigError
+
+        raise ConfigError("auto_find_batch_size=True needs the training Dataset, not a DataLoader (the Fitter "
+                          "cannot change a DataLoader's batch size): pass the Dataset, or drop auto_find_batch_size")
     snapshot = {k: v.detach().clone() for k, v in module.state_dict().items()}
     while True:
         try:
@@ -31,6 +38,7 @@ def fit_finding_batch_size(fitter: Fitter, module: Any, train: Any, val: Any, re
             if not is_out_of_memory(error) or cfg.batch_size == 1:
                 raise
             fitter._commit_checkpoint()  # an asynchronous save of the failed try lands before the retry clears it
+            fitter._signal_carried = getattr(getattr(fitter, "_preemption", None), "received", None)  # not lost
             new_bs, new_acc = cfg.batch_size // 2, cfg.grad_accum_steps * 2
             log.warning("out of memory at batch_size=%d: retrying from the start with batch_size=%d, "
                         "grad_accum_steps=%d", cfg.batch_size, new_bs, new_acc)

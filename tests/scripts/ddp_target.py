@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -13,6 +14,7 @@ import sys
 from pathlib import Path
 
 import torch
+from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from helpers import Classifier, DictDataset, TokenClassifier  # noqa: E402
@@ -36,9 +38,37 @@ class FailAt(ll.Callback):
     def on_step_end(self, fitter, state, control):
         if self.phase == "train" and fitter.strategy.global_rank == self.rank and state.global_step == self.step:
             raise RuntimeError(f"injected failure on rank {self.rank}")
+        if self.phase == "first-attempt" and fitter.strategy.global_rank == self.rank and state.global_step == self.step \
+                and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":  # torchrun restarts the job once
+            raise RuntimeError(f"injected failure on rank {self.rank}, first attempt only")
 
     def on_evaluate(self, fitter, state, control, metrics):
         pass
+
+
+class StopOnSave(ll.Callback):
+    """Stop at the first save, on every rank (on_save runs on every rank), and say so in a file."""
+
+    def __init__(self, out):
+        self.out = out
+
+    def on_save(self, fitter, state, control, path):
+        control.should_training_stop = True
+        (self.out / f"on_save-rank{fitter.strategy.global_rank}.txt").write_text(f"{state.global_step} {Path(path).name}")
+
+
+class BrokenData(DictDataset):
+    """Items fail to load on rank ``rank`` once ``after`` of them were served (a corrupt record)."""
+
+    def __init__(self, rank, after, **kw):
+        super().__init__(**kw)
+        self.rank, self.after, self.served = rank, after, 0
+
+    def __getitem__(self, i):
+        self.served += 1
+        if int(os.environ.get("RANK", "0")) == self.rank and self.served > self.after:
+            raise ValueError(f"corrupt record on rank {self.rank}")
+        return super().__getitem__(i)
 
 
 class SignalAt(ll.Callback):
@@ -114,6 +144,36 @@ class F1Module(Classifier):
         return {"n": float(len(predictions)), "first_label": float(labels[0])}
 
 
+class Block(nn.Module):  # a default FSDP shard unit (its class name ends in "Block")
+    calls = 0  # forwards in training mode (a checkpointed block runs twice per step)
+
+    def __init__(self, width):
+        super().__init__()
+        self.lin = nn.Linear(width, width)
+
+    def forward(self, x):
+        Block.calls += self.training
+        return torch.tanh(self.lin(x))
+
+
+class MaybeCheckpointed(Classifier):
+    """No shard unit: its own maybe_checkpoint is what checkpoints (calls counted as Block's)."""
+
+    def forward(self, batch):
+        def body(x):
+            Block.calls += 1
+            return self.net(x)
+        return self.maybe_checkpoint(body, batch["x"])
+
+
+class F1Blocks(F1Module):
+    """F1Module with two shard units: under FSDP each forward all-gathers their parameters."""
+
+    def __init__(self, width=16):
+        super().__init__(width=width)
+        self.net = nn.Sequential(nn.Linear(8, width), Block(width), Block(width), nn.Linear(width, 3))
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("out")
@@ -124,7 +184,7 @@ def main() -> None:
     p.add_argument("--stop", type=int, default=0)
     p.add_argument("--task", default="plain")
     p.add_argument("--items", type=int, default=48)
-    p.add_argument("--resume", action="store_true")
+    p.add_argument("--resume", nargs="?", const=True, default=None, help="resume=True, or --resume auto")
     p.add_argument("--save-every", type=int, default=0)
     p.add_argument("--fail-rank", type=int, default=1)
     p.add_argument("--fail-step", type=int, default=3)
@@ -141,6 +201,7 @@ def main() -> None:
     p.add_argument("--data", default="dict", choices=["dict", "recording", "uneven-stream"])
     p.add_argument("--no-overwrite", action="store_true", help="refuse an output_dir that holds a run")
     p.add_argument("--eval-on-epoch-end", action="store_true")
+    p.add_argument("--log-every", type=int, default=1)
     args = p.parse_args()
     rank = int(os.environ.get("RANK", "0"))
     out = Path(args.out)
@@ -150,15 +211,19 @@ def main() -> None:
         fitter.validate(FailingMetrics().double(), DictDataset(n=args.items, dtype=torch.float64))
         return
     if args.mode == "eval":
-        model = F1Module().double()
-        fitter = ll.Fitter(max_steps=1, eval_batch_size=args.batch, output_dir=str(out), loggers=[], log_level="warning")
-        metrics = fitter.validate(model, DictDataset(n=args.items, dtype=torch.float64))
-        pred = fitter.predict(model, DictDataset(n=args.items, dtype=torch.float64))
+        dtype = getattr(torch, args.dtype)
+        fitter = ll.Fitter(max_steps=1, eval_batch_size=args.batch, output_dir=str(out), loggers=[], log_level="warning",
+                           strategy=args.strategy)
+        with fitter.init_module() if args.init_module else contextlib.nullcontext():
+            model = (F1Blocks if args.task == "blocks" else F1Module)(width=args.width).to(dtype)
+        metrics = fitter.validate(model, DictDataset(n=args.items, dtype=dtype))
+        pred = fitter.predict(model, DictDataset(n=args.items, dtype=dtype))
         if rank == 0:
             (out / "eval.json").write_text(json.dumps({"metrics": metrics, "predictions": pred.predictions.tolist(),
                                                        "labels": pred.labels.tolist()}))
         return
-    module_cls = {"token": TokenClassifier, "inttoken": IntTokenClassifier}.get(args.task, Classifier)
+    module_cls = {"token": TokenClassifier, "inttoken": IntTokenClassifier, "blocks": F1Blocks,
+                  "maybe-checkpointed": MaybeCheckpointed}.get(args.task, Classifier)
     dtype = getattr(torch, args.dtype)
     if args.meta:
         with torch.device("meta"):
@@ -186,8 +251,12 @@ def main() -> None:
         callbacks.append(SignalAt(args.fail_rank, args.signal_step, signal.SIGTERM))
     if args.mode == "fail":
         callbacks.append(FailAt(args.fail_rank, args.fail_step, "train"))
+    if args.mode == "fail-once":
+        callbacks.append(FailAt(args.fail_rank, args.fail_step, "first-attempt"))
+    if args.mode == "stop-on-save":
+        callbacks.append(StopOnSave(out))
     fitter = ll.Fitter(max_steps=args.steps, batch_size=args.batch, grad_accum_steps=args.accum, learning_rate=1e-2,
-                       lr_scheduler="constant", output_dir=str(out), loggers=["jsonl"], log_every=1,
+                       lr_scheduler="constant", output_dir=str(out), loggers=["jsonl"], log_every=args.log_every,
                        save_every=args.save_every or None, max_grad_norm=args.max_grad_norm or None,
                        log_level="warning", callbacks=callbacks,
                        overwrite_output_dir=not (args.resume or args.no_overwrite),
@@ -205,6 +274,8 @@ def main() -> None:
         train: torch.utils.data.Dataset = UnevenStream(dtype)
     elif args.data == "recording":
         train = Recording(n=args.items, dtype=dtype)
+    elif args.mode == "fail-data":  # the batch of step fail_step + 1 fails to load on fail_rank
+        train = BrokenData(args.fail_rank, args.fail_step * args.batch * args.accum, n=args.items, dtype=dtype)
     else:
         train = DictDataset(n=args.items, dtype=dtype)
     val = DictDataset(n=5, dtype=dtype) if args.data == "uneven-stream" else None
@@ -212,6 +283,7 @@ def main() -> None:
     if args.data == "recording":
         (out / f"served-{'resumed' if args.resume else 'first'}-rank{fitter.strategy.global_rank}.json").write_text(
             json.dumps(Recording.served))
+    (out / f"block-calls-rank{fitter.strategy.global_rank}.txt").write_text(str(Block.calls))
     # the last preemption vote was waited for and dropped: no collective handle outlives the fit
     assert fitter._preemption.vote is None, "a preemption vote is still in flight after fit()"
     strategy = fitter.strategy

@@ -89,6 +89,22 @@ def main() -> None:
     # training on a plain DataLoader: each rank its own share
     fitter.fit(model, DataLoader(Indexed(n=8, dtype=torch.float64), batch_size=2))
     res["trained"] = Module.trained
+
+    class Pairs(Module):  # tuple predictions: fields, each joined in dataset order
+        def predictions(self, outputs, batch):
+            return outputs.argmax(-1), batch["i"] * 10
+
+    pairs = fitter.predict(Pairs().double(), Indexed(n=7, dtype=torch.float64))
+    res["pairs"] = [type(pairs.predictions).__name__, [t.tolist() for t in pairs.predictions]]
+
+    class RankKeys(Module):  # a metric only rank 0 reports: refused on every rank, none left waiting
+        def metrics(self, outputs, batch):
+            return {**super().metrics(outputs, batch), **({"extra": outputs.mean()} if rank == 0 else {})}
+
+    try:
+        fitter.validate(RankKeys().double(), Indexed(n=6, dtype=torch.float64))
+    except ll.ModuleContractError as e:
+        res["rank_keys"] = str(e)
     (out / f"rank{rank}.json").write_text(json.dumps(res))
 
 

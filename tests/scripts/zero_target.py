@@ -3,6 +3,7 @@
     torchrun --nproc_per_node 2 zero_target.py OUT [ddp_target options]
         [--ds-config FILE]      a DeepSpeed JSON merged into the named deepspeed_* preset
         [--schedule NAME] [--warmup N] [--weight-decay W]   Fitter settings ddp_target fixes
+        [--optimizer NAME]      the built-in optimizer (default adamw)
         [--roundtrip]           after fit: set other weights through load_module_state_dict, read
                                 them back and run a forward pass with them, then put the trained
                                 weights back (roundtrip-rank{r}.json)
@@ -33,6 +34,7 @@ extra.add_argument("--schedule")
 extra.add_argument("--warmup", type=int, default=0)
 extra.add_argument("--weight-decay", type=float, default=0.0)
 extra.add_argument("--roundtrip", action="store_true")
+extra.add_argument("--optimizer", default="adamw")
 EXTRA, REST = extra.parse_known_args(sys.argv[1:])
 
 
@@ -86,6 +88,7 @@ class Fitter(ll.Fitter):
             kwargs["lr_scheduler"] = EXTRA.schedule
         kwargs["warmup_steps"] = EXTRA.warmup
         kwargs["weight_decay"] = EXTRA.weight_decay
+        kwargs["optimizer"] = EXTRA.optimizer
         if EXTRA.ds_config:
             from lightlike.strategies.deepspeed import DeepSpeedStrategy
 
