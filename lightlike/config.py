@@ -132,7 +132,9 @@ class FitConfig:
     gradient_checkpointing: bool = _f(False, "Ask the module to checkpoint activations.")
     compile: bool = _f(False, "torch.compile the module.")
     auto_find_batch_size: bool = _f(
-        False, "Halve batch_size (doubling grad_accum_steps) on out-of-memory and retry."
+        False, "Halve batch_size (doubling grad_accum_steps) on out-of-memory and retry. One process only: "
+        "on several, an out-of-memory error fails fast like any other (the ranks that did not run out "
+        "cannot retry with it)."
     )
 
     # ------------------------------------------------------------------------------------------

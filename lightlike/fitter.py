@@ -187,7 +187,10 @@ class Fitter:
                         if state.batches_in_epoch == 0:
                             raise DataError(f"epoch {epoch} of the training data produced no batch")
                         epoch = self._end_epoch(epoch, eval_sets)
-                        if self._save_due(epoch_ended=True):
+                        last = control.should_training_stop or epoch >= epoch_limit
+                        if last:  # what is pending is logged and evaluated before the checkpoint
+                            self._finish_step(eval_sets)
+                        if self._save_due(epoch_ended=True, final=last):
                             self._save_checkpoint(wait=False)
                         break
                     callbacks.call("on_step_start", self, state, control)
@@ -196,6 +199,7 @@ class Fitter:
                     if stepped and scheduler is not None:
                         scheduler.step()
                     state.global_step += 1
+                    self._phase = "step end"
                     state.batches_in_epoch += len(window)
                     in_epoch, fraction, epoch_done = position.advance(len(window))
                     state.samples_seen += in_epoch - state.samples_in_epoch
@@ -221,10 +225,8 @@ class Fitter:
                     if epoch_ended:
                         epoch = self._end_epoch(epoch, eval_sets)
                     if not last and (control.should_training_stop or epoch >= epoch_limit):
-                        last = True  # stopped by an evaluation or an epoch end: what is pending is logged
-                        self._log_training(final=True)  # and evaluated before this step's checkpoint
-                        if eval_sets and state.last_eval_step != step:
-                            self._evaluate_all(eval_sets)
+                        last = True  # stopped by an evaluation or an epoch end: what is pending is
+                        self._finish_step(eval_sets)  # logged and evaluated before this step's checkpoint
                     if self._save_due(epoch_ended, final=last):
                         self._save_checkpoint(wait=False)
                     if preemption.stop_requested(strategy, step, self._stop_agreed, log_step):
@@ -233,12 +235,12 @@ class Fitter:
                         break
             # ---- end of training (stopped by a callback, or no step left to take) ----------------
             self._preemption.finish_vote()
-            self._log_training(final=True)
-            if eval_sets and state.last_eval_step != state.global_step:
-                self._evaluate_all(eval_sets)
-            if self._save_due(final=True):
-                self._save_checkpoint()
+            self._phase = "end of fit"
+            saved = state.last_save_step == state.global_step  # before a stop set in on_save
+            if (self._finish_step(eval_sets) and saved) or self._save_due(final=True):
+                self._save_checkpoint()  # (again, then: the step's checkpoint holds what came after it)
             self._commit_checkpoint()  # an asynchronous write still in flight
+            self._phase = "end of fit"
             if cfg.load_best_at_end and state.best_checkpoint:
                 from lightlike.checkpoint.training import load_weights_from
 
@@ -278,9 +280,14 @@ class Fitter:
             if strategy is not None and not isinstance(error, Preempted) and not getattr(error, "on_every_rank", False):
                 strategy.note_failure()  # a peer may sit in another collective: teardown waits for none
             rank, world = (strategy.global_rank, strategy.world_size) if strategy else (0, 1)
-            if world > 1 and not isinstance(error, (Preempted, KeyboardInterrupt)):  # one process: its traceback says it
+            if world > 1 and not isinstance(error, (Preempted, KeyboardInterrupt)) \
+                    and not getattr(error, "_lightlike_logged", False):  # one process: its traceback says it
+                # in a train step, the step being taken (as lightlike's own errors number it)
+                step = self.state.global_step + (self._phase == "train step")
                 log.error("rank %d of %d failed during %s at step %d: %s: %s", rank, world, self._phase,
-                          self.state.global_step, type(error).__name__, error)
+                          step, type(error).__name__, error)
+                with contextlib.suppress(AttributeError):  # once (a search trial's fit logged it already)
+                    error._lightlike_logged = True  # type: ignore[union-attr]
             self.callbacks.call("on_exception", self, self.state, self.control, error)
             raise
 
@@ -351,12 +358,23 @@ class Fitter:
                     raise NonFiniteLossError(step, micro, loss, items=n)
         return values
 
-    def _log_training(self, final: bool = False) -> None:
+    def _finish_step(self, eval_sets: dict[str, Any]) -> bool:
+        """Before this step's last checkpoint: log what is pending and evaluate the step, unless
+        done already. Returns whether anything was logged or evaluated."""
+        done = self._log_training(final=True)
+        if eval_sets and self.state.last_eval_step != self.state.global_step:
+            self._evaluate_all(eval_sets)
+            done = True
+        return done
+
+    def _log_training(self, final: bool = False) -> bool:
+        """Log the losses pending since the last row (with ``final``: only if there are any).
+        Returns whether a row was written."""
         self.control.should_log = False
         values = self._read_pending()
         self._pending = []
         if not values and final:
-            return
+            return False
         loss_sum = sum(loss * n for loss, n, _, _ in values)
         item_sum = sum(n for _, n, _, _ in values)
         loss_sum, item_sum = self.strategy.sum_floats([loss_sum, item_sum])  # type: ignore[union-attr]
@@ -378,6 +396,8 @@ class Fitter:
         if state.skipped_steps:
             metrics["train/skipped_steps"] = float(state.skipped_steps)
         self._emit("on_log", metrics)
+        self.control.should_log = False  # asked for again in on_log: this row is the one
+        return True
 
     def _emit(self, event: str, metrics: dict[str, float]) -> None:
         state = self.state
@@ -390,8 +410,12 @@ class Fitter:
         self.callbacks.call(event, self, state, self.control, metrics)
 
     def _evaluate_all(self, eval_sets: dict[str, Any]) -> dict[str, float]:
-        """Evaluate every set; update the best metric; tell loggers and callbacks."""
+        """Evaluate every set; update the best metric; tell loggers and callbacks. A training
+        row asked for in ``on_evaluate`` is written at this step too."""
         self.control.should_evaluate = False
+        if not eval_sets:
+            raise ConfigError("control.should_evaluate was set (by a callback) but fit() got no evaluation data: "
+                              "pass val= to fit(), or do not set the flag")
         self._phase = "evaluation"
         self._read_pending()  # raises now if a pending loss is non-finite
         metrics: dict[str, float] = {}
@@ -413,7 +437,10 @@ class Fitter:
             if is_improvement(metrics[key], state.best_metric, greater):
                 state.best_metric, state.best_step = metrics[key], state.global_step
         self._emit("on_evaluate", metrics)
+        self.control.should_evaluate = False  # asked for again in on_evaluate: once per step
         self._last_metrics = metrics
+        if self.control.should_log:
+            self._log_training(final=True)
         return metrics
 
     # ==========================================================================================
@@ -448,7 +475,9 @@ class Fitter:
         """Optuna search: a fresh fit per trial in ``output_dir/trial-<n>``; see ``lightlike.search``."""
         from lightlike.search import search
 
-        return search(self, module_factory, space, n_trials, **options)
+        self._phase = "search"
+        with self._failing_fast():  # a trial's failure on one rank ends every rank's search
+            return search(self, module_factory, space, n_trials, **options)
 
     def _evaluate_standalone(self, module: TaskModule, data: Any, default_name: str) -> dict[str, float]:
         self._phase = "evaluation"
@@ -544,10 +573,11 @@ class Fitter:
         end-of-epoch evaluation, and the data position moves to the start of the next epoch,
         before any checkpoint of this step is written. Returns the next epoch."""
         cfg, state, control = self.config, self.state, self.control
-        control.should_epoch_stop = False
+        self._phase = "epoch end"
         self.callbacks.call("on_epoch_end", self, state, control)
+        control.should_epoch_stop = False  # this epoch is ending (a flag set in on_epoch_end too)
         if control.should_log:
-            self._log_training(final=not self._pending)  # nothing new since this step's log: no row
+            self._log_training(final=True)  # nothing new since this step's log: no row
         if (control.should_evaluate or (cfg.eval_on_epoch_end and eval_sets)) and state.last_eval_step != state.global_step:
             self._evaluate_all(eval_sets)  # once per step, however many reasons there are
         control.should_evaluate = False
@@ -572,6 +602,7 @@ class Fitter:
         path = save_training_checkpoint(self, wait=wait, full=full)
         if path is not None:
             self.callbacks.call("on_save", self, self.state, self.control, str(path))
+            self.control.should_save = False  # asked for again in on_save: this is the step's checkpoint
         return path
 
     def _commit_checkpoint(self) -> None:

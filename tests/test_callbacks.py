@@ -168,3 +168,123 @@ def test_early_stopping_unknown_metric(tmp_path):
     es = ll.EarlyStopping(monitor="val/acc")
     with pytest.raises(ll.ConfigError, match="val/accuracy"):
         fit(tmp_path, [es], max_steps=2, eval_every=1).fit(Classifier(), DictDataset(n=8), DictDataset(n=4))
+
+
+def test_a_stop_set_in_on_save_writes_the_step_checkpoint_again_after_its_log_and_evaluation(tmp_path):
+    """on_save comes last at a step boundary. A stop set there ("stop once a checkpoint is on
+    disk") logged and evaluated the step after its checkpoint, which still held those losses as
+    pending: the resumed run logged steps 5-6 a second time in its step-8 row."""
+    import json
+
+    class StopOnSave(ll.Callback):
+        def on_save(self, fitter, state, control, path):
+            if state.global_step == 6:
+                control.should_training_stop = True
+
+    def run(out, callbacks, resume=None):
+        return ll.Fitter(output_dir=str(out), loggers=[], model_summary=False, log_level="error", max_steps=12,
+                         log_every=4, save_every=6, eval_every=4, batch_size=8, callbacks=callbacks).fit(
+            Classifier(), DictDataset(64), DictDataset(16, seed=1), resume=resume)
+
+    assert run(tmp_path / "a", [StopOnSave()]).global_step == 6
+    saved = json.loads((tmp_path / "a" / "checkpoint-6" / "trainer_state.json").read_text())
+    assert saved["pending_per_rank"] == [[]] and saved["state"]["last_eval_step"] == 6
+    resumed = run(tmp_path / "a", [], resume=True)
+    reference = run(tmp_path / "ref", [])
+    rows = {h["step"]: h["train/loss"] for h in resumed.state.log_history if "train/loss" in h}
+    ref = {h["step"]: h["train/loss"] for h in reference.state.log_history if "train/loss" in h}
+    assert sorted(rows) == [4, 6, 8, 12]
+    # every step holds 8 items: the rows at 6 (steps 5-6) and 8 (steps 7-8) make up the reference's row 8
+    assert (rows[6] + rows[8]) / 2 == pytest.approx(ref[8], rel=1e-6)
+    assert rows[12] == pytest.approx(ref[12], rel=1e-6) and resumed.training_loss == pytest.approx(reference.training_loss)
+
+
+def test_a_stop_at_the_end_of_an_iterable_epoch_logs_and_evaluates_before_its_checkpoint(tmp_path):
+    """An IterableDataset's epoch ends when a step finds no batch; that path saved straight after
+    on_epoch_end, before the pending losses were logged and the step evaluated."""
+    from torch.utils.data import IterableDataset
+
+    class Stream(IterableDataset):
+        def __init__(self):
+            self.data = DictDataset(20)
+
+        def __iter__(self):
+            return (self.data[i] for i in range(20))
+
+    class StopAtEpochEnd(ll.Callback):
+        def on_epoch_end(self, fitter, state, control):
+            control.should_training_stop = True
+
+    rec = Recorder()
+    fit(tmp_path, [StopAtEpochEnd(), rec], max_steps=10, batch_size=8, log_every=100, save_strategy="epoch").fit(
+        Classifier(), Stream(), DictDataset(8, seed=1))
+    tail = [e for e in rec.events if e[0] in ("on_log", "on_evaluate", "on_save", "on_epoch_end")]
+    assert tail == [("on_epoch_end", 3), ("on_log", 3), ("on_evaluate", 3), ("on_save", 3)]
+
+
+def test_flags_asked_for_again_in_their_own_event_do_not_carry_into_the_next_step(tmp_path):
+    """should_log set in on_evaluate is acted on at that step; a flag set again in the event of
+    its own action (should_log in on_log, should_evaluate in on_evaluate, should_save in on_save,
+    should_epoch_stop in on_epoch_end) is spent there, as in the HF Trainer, instead of acting a
+    step late (should_epoch_stop cut the next epoch to one step)."""
+
+    class Again(ll.Callback):
+        def on_log(self, fitter, state, control, metrics):
+            control.should_log = True
+
+        def on_evaluate(self, fitter, state, control, metrics):
+            control.should_evaluate = True
+            control.should_log = state.global_step == 3
+
+        def on_save(self, fitter, state, control, path):
+            control.should_save = True
+
+        def on_epoch_end(self, fitter, state, control):
+            control.should_epoch_stop = True
+
+    rec = Recorder()
+    # 32 items, batch 4: 8 steps per epoch, 2 epochs
+    result = fit(tmp_path, [Again(), rec], max_epochs=2, log_every=4, eval_every=3, save_every=5).fit(
+        Classifier(), DictDataset(n=32), DictDataset(n=8, seed=1))
+    assert result.global_step == 16
+    events = lambda name: [s for e, s in rec.events if e == name]  # noqa: E731
+    assert events("on_log") == [3, 4, 8, 12, 16]
+    assert events("on_evaluate") == [3, 6, 9, 12, 15, 16]
+    assert events("on_save") == [5, 10, 15, 16]
+    assert events("on_epoch_end") == [8, 16]
+
+
+def test_should_evaluate_without_evaluation_data_is_an_error(tmp_path):
+    class Evaluate(ll.Callback):
+        def on_step_end(self, fitter, state, control):
+            control.should_evaluate = state.global_step == 2
+
+    with pytest.raises(ll.ConfigError, match="should_evaluate was set .* no evaluation data"):
+        fit(tmp_path, [Evaluate()], max_steps=4).fit(Classifier(), DictDataset(n=32))
+
+
+def test_callbacks_sharing_a_state_key_are_refused_when_the_fit_starts(tmp_path):
+    """The clash was found at the first save, after training (and a preemption save was lost)."""
+
+    class Counter(ll.Callback):
+        def state_dict(self):
+            return {"n": 1}
+
+    with pytest.raises(ll.ConfigError, match="share state_key 'Counter'"):
+        fit(tmp_path, [Counter(), Counter()], max_steps=2).fit(Classifier(), DictDataset(n=16))
+    assert not (tmp_path / "run").exists() or not list((tmp_path / "run").glob("checkpoint-*"))
+
+
+def test_a_reused_early_stopping_counts_afresh_on_a_checkpoint_without_its_state(tmp_path):
+    """An instance that stopped one run, reused to resume another run saved without it, kept its
+    stopped_step and ended the resumed run at once."""
+    def run(out, callbacks, max_steps=12, resume=None):
+        return ll.Fitter(output_dir=str(out), loggers=[], log_level="error", model_summary=False, max_steps=max_steps,
+                         eval_every=2, save_every=2, batch_size=8, callbacks=callbacks).fit(
+            Classifier(), DictDataset(64), DictDataset(16, seed=1), resume=resume)
+
+    es = ll.EarlyStopping("val/loss", patience=1, min_delta=10.0)  # stops at the second evaluation
+    assert run(tmp_path / "a", [es]).global_step == 4 and es.stopped_step == 4
+    run(tmp_path / "b", [], max_steps=4)
+    assert run(tmp_path / "b", [es], resume=True).global_step == 8  # two more evaluations, not 0 steps
+    assert es.stopped_step == 8

@@ -154,7 +154,7 @@ def test_failure_on_one_rank_ends_all_quickly(tmp_path):
                timeout=120)
     elapsed = time.monotonic() - start
     assert p.returncode != 0
-    assert "rank 1 of 2 failed during train step at step 3: RuntimeError: injected failure on rank 1" in p.stderr
+    assert "rank 1 of 2 failed during step end at step 3: RuntimeError: injected failure on rank 1" in p.stderr
     assert elapsed < 60, f"took {elapsed:.0f}s"  # a generous bound on a hang, not a speed claim
 
 
@@ -170,8 +170,20 @@ def test_on_save_runs_on_every_rank_and_a_data_error_names_the_train_step(tmp_pa
     p = launch(2, tmp_path / "data", "--mode", "fail-data", "--fail-step", "3", "--save-every", "3", "--steps", "9",
                timeout=120)
     assert p.returncode != 0
-    assert "rank 1 of 2 failed during train step at step 3: ValueError: corrupt record on rank 1" in p.stderr, \
+    assert "rank 1 of 2 failed during train step at step 4: ValueError: corrupt record on rank 1" in p.stderr, \
         p.stderr[-3000:]
+    assert time.monotonic() - start < 60  # a generous bound on a hang, not a speed claim
+
+
+def test_out_of_memory_on_one_rank_fails_fast_under_auto_find_batch_size(tmp_path):
+    """auto_find_batch_size retried on the rank that ran out of memory alone, starting a new fit's
+    collectives against a peer still in the old step's all-reduce: every rank hung until the
+    process group's timeout (600 s)."""
+    start = time.monotonic()
+    p = launch(2, tmp_path / "oom", "--mode", "oom", "--steps", "20", timeout=120)
+    assert p.returncode != 0
+    assert "auto_find_batch_size retries on one process only" in p.stderr, p.stderr[-3000:]
+    assert "rank 1 of 2 failed during train step at step 3: RuntimeError: DefaultCPUAllocator" in p.stderr
     assert time.monotonic() - start < 60  # a generous bound on a hang, not a speed claim
 
 

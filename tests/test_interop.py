@@ -19,6 +19,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -389,5 +390,41 @@ def _two_process_target(out: Path) -> None:
             (out / "plain-stream-error.txt").write_text(str(e))
 
 
+def _failing_search_target(out: Path) -> None:
+    """Run by torchrun: rank 1's loss raises in the first trial's third step."""
+    from optuna.distributions import FloatDistribution
+
+    class FailsOnRank1(Classifier):
+        calls = 0
+
+        def loss(self, outputs, batch):
+            FailsOnRank1.calls += 1
+            if int(os.environ.get("RANK", "0")) == 1 and FailsOnRank1.calls == 3:
+                raise RuntimeError("injected failure in a trial on rank 1")
+            return super().loss(outputs, batch)
+
+    fitter = ll.Fitter(max_steps=6, eval_every=3, batch_size=4, output_dir=str(out), seed=0, **QUIET)
+    fitter.search(FailsOnRank1, {"learning_rate": FloatDistribution(1e-3, 1e-1, log=True)}, 2,
+                  train=DictDataset(32), val=DictDataset(15, seed=1))
+
+
+def test_a_trial_failing_on_one_rank_ends_every_rank(tmp_path):
+    """The searching Fitter owns the process group, each trial's Fitter does not: a trial failing
+    on one rank marked only the trial's strategy failed, so the owner's teardown waited in a
+    barrier for a peer that sat in the trial's collective: the job hung (600 s timeout)."""
+    pytest.importorskip("optuna")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+           "--master_port", str(_free_port()), str(Path(__file__).resolve()), str(tmp_path), "failing-search"]
+    start = time.monotonic()
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert p.returncode != 0
+    assert p.stderr.count("rank 1 of 2 failed during train step at step 3: RuntimeError: injected failure") == 1, \
+        p.stderr[-3000:]
+    assert time.monotonic() - start < 60  # a generous bound on a hang, not a speed claim
+
+
 if __name__ == "__main__":
-    _two_process_target(Path(sys.argv[1]))
+    if sys.argv[2:] == ["failing-search"]:
+        _failing_search_target(Path(sys.argv[1]))
+    else:
+        _two_process_target(Path(sys.argv[1]))

@@ -78,6 +78,14 @@ class CallbackList:
         self._handlers: dict[str, list[Any]] = {
             event: [getattr(cb, event) for cb in self.callbacks if _overrides(cb, event)] for event in EVENTS
         }
+        # checked when the fit starts, not at its first save (a preemption save would be lost)
+        keys = [cb.state_key for cb in self.callbacks if hasattr(cb, "state_dict") and _overrides(cb, "state_dict")]
+        shared = sorted({k for k in keys if keys.count(k) > 1})
+        if shared:
+            from lightlike.errors import ConfigError
+
+            raise ConfigError(f"two callbacks with state share state_key {shared[0]!r}: their checkpointed states "
+                              "would collide; give each a distinct state_key (a property of the callback)")
 
     def call(self, event: str, fitter: Fitter, state: FitState, control: Control, *args: Any) -> None:
         for handler in self._handlers[event]:

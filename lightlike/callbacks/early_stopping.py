@@ -48,8 +48,9 @@ class EarlyStopping(Callback):
         return f"EarlyStopping[{self.monitor}]"
 
     def on_fit_start(self, fitter: Fitter, state: FitState, control: Control) -> None:
-        if fitter.resumed_from is None:  # a new run counts afresh, also with an instance used before
-            self.best, self.wait, self.stopped_step = None, 0, None
+        loaded, self._loaded = getattr(self, "_loaded", False), False
+        if fitter.resumed_from is None or not loaded:  # a new run, or a checkpoint without this callback's
+            self.best, self.wait, self.stopped_step = None, 0, None  # state: count afresh (an instance used before too)
         elif self.stopped_step is not None:  # resumed from the checkpoint of the step it stopped at
             control.should_training_stop = True
             log.warning("resumed from %s, taken when EarlyStopping stopped the run at step %d: the run stays "
@@ -82,3 +83,4 @@ class EarlyStopping(Callback):
         self.best = state.get("best")
         self.wait = int(state.get("wait", 0))
         self.stopped_step = state.get("stopped_step")
+        self._loaded = True  # for this fit's on_fit_start

@@ -37,6 +37,12 @@ def fit_finding_batch_size(fitter: Fitter, module: Any, train: Any, val: Any, re
             cfg = fitter.config
             if not is_out_of_memory(error) or cfg.batch_size == 1:
                 raise
+            if fitter.strategy is not None and fitter.strategy.world_size > 1:
+                # the other ranks did not run out: they wait in this step's collectives, and a retry
+                # on this rank alone would start a new fit's collectives against them (a hang)
+                log.error("out of memory at batch_size=%d on rank %d: auto_find_batch_size retries on one "
+                          "process only; set a smaller batch_size", cfg.batch_size, fitter.strategy.global_rank)
+                raise
             fitter._commit_checkpoint()  # an asynchronous save of the failed try lands before the retry clears it
             fitter._signal_carried = getattr(getattr(fitter, "_preemption", None), "received", None)  # not lost
             new_bs, new_acc = cfg.batch_size // 2, cfg.grad_accum_steps * 2

@@ -46,6 +46,19 @@ class FailAt(ll.Callback):
         pass
 
 
+class OutOfMemoryOnRank1(Classifier):
+    """Rank 1 runs out of memory (the CPU allocator's error) in its third training forward."""
+
+    forwards = 0
+
+    def forward(self, batch):
+        if self.training and int(os.environ.get("RANK", "0")) == 1:
+            OutOfMemoryOnRank1.forwards += 1
+            if OutOfMemoryOnRank1.forwards == 3:
+                raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 1 bytes")
+        return super().forward(batch)
+
+
 class StopOnSave(ll.Callback):
     """Stop at the first save, on every rank (on_save runs on every rank), and say so in a file."""
 
@@ -224,6 +237,8 @@ def main() -> None:
         return
     module_cls = {"token": TokenClassifier, "inttoken": IntTokenClassifier, "blocks": F1Blocks,
                   "maybe-checkpointed": MaybeCheckpointed}.get(args.task, Classifier)
+    if args.mode == "oom":
+        module_cls = OutOfMemoryOnRank1
     dtype = getattr(torch, args.dtype)
     if args.meta:
         with torch.device("meta"):
@@ -262,7 +277,7 @@ def main() -> None:
                        overwrite_output_dir=not (args.resume or args.no_overwrite),
                        strategy=strategy, precision=args.precision,
                        gradient_checkpointing=args.gradient_checkpointing,
-                       eval_on_epoch_end=args.eval_on_epoch_end)
+                       eval_on_epoch_end=args.eval_on_epoch_end, auto_find_batch_size=args.mode == "oom")
     if model is None:
         context = fitter.init_module()  # sets up the process group (which may draw random numbers)
         torch.manual_seed(0)  # the same initial weights as the other runs
