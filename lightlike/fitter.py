@@ -284,8 +284,10 @@ class Fitter:
                     and not getattr(error, "_lightlike_logged", False):  # one process: its traceback says it
                 # in a train step, the step being taken (as lightlike's own errors number it)
                 step = self.state.global_step + (self._phase == "train step")
-                log.error("rank %d of %d failed during %s at step %d: %s: %s", rank, world, self._phase,
-                          step, type(error).__name__, error)
+                what = "stopped" if _peer_lost(error) else "failed"  # the first is not where the fault is
+                log.error("rank %d of %d %s during %s at step %d: %s%s: %s", rank, world, what, self._phase, step,
+                          "a peer process failed or exited (its own line says why): " if what == "stopped" else "",
+                          type(error).__name__, error)
                 with contextlib.suppress(AttributeError):  # once (a search trial's fit logged it already)
                     error._lightlike_logged = True  # type: ignore[union-attr]
             self.callbacks.call("on_exception", self, self.state, self.control, error)
@@ -622,6 +624,16 @@ class Fitter:
         from lightlike.checkpoint.training import resolve_resume
 
         return resolve_resume(self.config, resume)
+
+
+def _peer_lost(error: BaseException) -> bool:
+    """Whether a collective failed because a peer process went away (gloo's and the TCP store's
+    messages; NCCL's DistNetworkError), rather than this rank failing on its own."""
+    network_error = getattr(torch.distributed, "DistNetworkError", None)
+    if network_error is not None and isinstance(error, network_error):
+        return True
+    text = str(error)
+    return "Connection closed by peer" in text or "Connection reset by peer" in text
 
 
 def _weight(count: int | torch.Tensor, total: int | torch.Tensor, dtype: torch.dtype) -> float | torch.Tensor:
