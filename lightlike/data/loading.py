@@ -21,6 +21,7 @@ from torch.utils.data import (
 
 from lightlike.data.iterable import ShardedIterable
 from lightlike.data.sampler import ResumableSampler
+from lightlike.data.workers import end_with_parent
 from lightlike.errors import ConfigError, DataError
 
 log = logging.getLogger("lightlike")
@@ -190,7 +191,8 @@ def build_train_data(
         if (world_size > 1 or num_workers > 1) and not getattr(data, "shards_itself", False):
             data = ShardedIterable(data, rank, world_size)  # each item once over ranks and workers
         loader = DataLoader(data, batch_size=batch_size, num_workers=num_workers, drop_last=drop_last,
-                            pin_memory=pin_memory, collate_fn=collate_fn, generator=generator)
+                            pin_memory=pin_memory, collate_fn=collate_fn, generator=generator,
+                            worker_init_fn=end_with_parent(None, num_workers))
         return TrainData(loader, None, None, seed, generator)
     n = _check_nonempty(data, "training")
     assert n is not None
@@ -206,7 +208,7 @@ def build_train_data(
                     n, world_size, n % world_size)
     loader = DataLoader(data, batch_size=batch_size, sampler=sampler, num_workers=num_workers,
                         drop_last=drop_last, pin_memory=pin_memory, collate_fn=collate_fn,
-                        generator=generator)
+                        generator=generator, worker_init_fn=end_with_parent(None, num_workers))
     return TrainData(loader, sampler, n, seed, generator)
 
 
@@ -240,12 +242,14 @@ def build_eval_loader(
         if (world_size > 1 or num_workers > 1) and not getattr(data, "shards_itself", False):
             data = ShardedIterable(data, rank, world_size, block=batch_size)  # each item once, in order
         return DataLoader(data, batch_size=batch_size, num_workers=num_workers, collate_fn=collate_fn,
-                          pin_memory=pin_memory, generator=torch.Generator())
+                          pin_memory=pin_memory, generator=torch.Generator(),
+                          worker_init_fn=end_with_parent(None, num_workers))
     n = _check_nonempty(data, name)
     assert n is not None
     sampler = ResumableSampler(n, shuffle=False, rank=rank, world_size=world_size)
     return DataLoader(data, batch_size=batch_size, sampler=sampler, num_workers=num_workers,
-                      pin_memory=pin_memory, collate_fn=collate_fn, generator=torch.Generator())
+                      pin_memory=pin_memory, collate_fn=collate_fn, generator=torch.Generator(),
+                      worker_init_fn=end_with_parent(None, num_workers))
 
 
 def normalise_eval_sets(data: Any, default_name: str = "val") -> dict[str, Any]:
@@ -306,7 +310,8 @@ def _loader_like(loader: DataLoader, dataset: Any, sampler: Any, batch_size: int
     kwargs: dict[str, Any] = dict(
         batch_size=batch_size, sampler=sampler, num_workers=loader.num_workers, collate_fn=loader.collate_fn,
         pin_memory=loader.pin_memory, drop_last=drop_last, timeout=loader.timeout,
-        worker_init_fn=loader.worker_init_fn, multiprocessing_context=loader.multiprocessing_context,
+        worker_init_fn=end_with_parent(loader.worker_init_fn, loader.num_workers, loader.multiprocessing_context),
+        multiprocessing_context=loader.multiprocessing_context,
         generator=generator, persistent_workers=loader.persistent_workers,
         pin_memory_device=loader.pin_memory_device, in_order=loader.in_order if in_order is None else in_order)
     if loader.num_workers:

@@ -1,0 +1,61 @@
+"""DataLoader workers that end with the process that started them.
+
+torch's worker loop notices a dead parent by polling ``os.getppid()`` between items, against the
+value it read when the worker started. That misses two cases, both seen here when a training
+process was SIGKILLed (the OOM killer, a scheduler's ``kill -9``, the kill tests): a worker busy
+in a slow ``__getitem__`` or ``collate_fn`` runs on until that item is done, and a worker forked
+just before its parent died reads ``getppid() == 1`` at its start, so for it the parent never
+dies: it waits for work forever, holding its memory (and any pipe it inherited).
+
+The loaders lightlike builds (from Datasets, and the ones it rebuilds from the user's DataLoaders
+to split them) therefore start their workers through ``EndWithParent``: on Linux the kernel sends
+the worker SIGKILL when its parent dies (``PR_SET_PDEATHSIG``), and a worker whose parent is
+already gone when it starts exits at once. A DataLoader of the user's that is used as it is
+keeps its own ``worker_init_fn``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import sys
+from collections.abc import Callable
+from typing import Any
+
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+class EndWithParent:
+    """A ``worker_init_fn`` that ties the worker's life to its parent's, then calls ``init_fn``."""
+
+    def __init__(self, init_fn: Callable[[int], Any] | None, parent_pid: int | None):
+        self.init_fn = init_fn
+        self.parent_pid = parent_pid
+
+    def __call__(self, worker_id: int) -> None:
+        if sys.platform.startswith("linux"):
+            try:
+                ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+            except (OSError, AttributeError):  # no prctl here: torch's own polling remains
+                pass
+        if self.parent_pid is not None and os.getppid() != self.parent_pid:
+            os._exit(0)  # the parent died before this worker started: nobody will read its batches
+        if self.init_fn is not None:
+            self.init_fn(worker_id)
+
+
+def end_with_parent(init_fn: Callable[[int], Any] | None, num_workers: int,
+                    multiprocessing_context: Any = None) -> Callable[[int], Any] | None:
+    """``init_fn`` wrapped in ``EndWithParent`` when the loader has workers (else as it is). The
+    parent is this process, except under ``forkserver``, whose server starts the workers."""
+    if not num_workers or isinstance(init_fn, EndWithParent):
+        return init_fn
+    method = multiprocessing_context
+    if method is not None and not isinstance(method, str):
+        method = method.get_start_method()
+    if method is None:  # the start method in force, or the platform's default (the list's first)
+        import multiprocessing
+
+        method = multiprocessing.get_start_method(allow_none=True) or multiprocessing.get_all_start_methods()[0]
+    return EndWithParent(init_fn, None if method == "forkserver" else os.getpid())

@@ -1,0 +1,89 @@
+"""DataLoader workers of the loaders lightlike builds end with the process that started them."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from lightlike.data.workers import EndWithParent
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+
+SCRIPT = textwrap.dedent("""
+    import os, signal, sys, threading, time
+    sys.path.insert(0, {tests!r})
+    import lightlike as ll
+    from helpers import Classifier, DictDataset
+
+    out = sys.argv[1]
+    pid_file = os.path.join(out, "worker.pid")
+
+    class Slow(DictDataset):
+        def __getitem__(self, i):
+            if i == 8:  # the third batch: fetched ahead while the first steps train
+                with open(pid_file + ".tmp", "w") as f:
+                    f.write(str(os.getpid()))
+                os.rename(pid_file + ".tmp", pid_file)
+                time.sleep(300)  # a slow read (network storage, a big decode)
+            return super().__getitem__(i)
+
+    def kill_self_once_the_worker_is_busy():
+        while not os.path.exists(pid_file):
+            time.sleep(0.02)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=kill_self_once_the_worker_is_busy, daemon=True).start()
+    ll.Fitter(max_steps=10, batch_size=4, num_workers=1, shuffle=False, output_dir=os.path.join(out, "run"),
+              loggers=[], model_summary=False, log_level="error").fit(Classifier(), Slow(n=40))
+""")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return state not in ("Z", "X")  # a zombie has ended (its new parent has not reaped it yet)
+
+
+def test_a_busy_worker_dies_with_its_killed_parent(tmp_path):
+    """torch's worker polls for a dead parent between items only: a worker in a slow
+    ``__getitem__`` outlived its SIGKILLed training process by the rest of that item (300 s here)."""
+    script = tmp_path / "target.py"
+    script.write_text(SCRIPT.format(tests=str(Path(__file__).parent)))
+    with open(tmp_path / "stderr.txt", "w") as err:  # a file: an orphaned worker would hold a pipe open
+        proc = subprocess.Popen([sys.executable, str(script), str(tmp_path)], start_new_session=True,
+                                stdout=subprocess.DEVNULL, stderr=err)
+    try:
+        assert proc.wait(timeout=120) == -signal.SIGKILL, (tmp_path / "stderr.txt").read_text()
+        worker = int((tmp_path / "worker.pid").read_text())
+        deadline = time.monotonic() + 30  # a generous bound on a leak, not a speed claim
+        while _alive(worker) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _alive(worker), "the DataLoader worker outlived its killed parent"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+@pytest.mark.parametrize("parent_alive", [True, False])
+def test_a_worker_whose_parent_died_before_it_started_exits(parent_alive):
+    """Forked just before its parent died, a worker read getppid() == 1 as torch's watchdog
+    baseline and waited for work forever (it held a test's output pipe for 300 s in CI)."""
+    expected_parent = os.getpid() if parent_alive else os.getpid() + 4_000_000  # no such process
+    pid = os.fork()
+    if pid == 0:  # the worker
+        try:
+            EndWithParent(lambda worker_id: os._exit(7), expected_parent)(0)  # the user's init_fn exits 7
+        finally:
+            os._exit(9)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == (7 if parent_alive else 0)
