@@ -8,12 +8,10 @@ the ``Strategy``'s business and numerics the ``Precision`` plugin's; the loop on
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import logging
 import math
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +27,7 @@ from lightlike.precision import get_precision
 from lightlike.preemption import Preempted, PreemptionHandler, requeue_slurm_job
 from lightlike.state import Control, FitResult, FitState, PredictionResult
 from lightlike.strategies import Strategy, get_strategy
+from lightlike.utils.failfast import failing_fast
 from lightlike.utils.memory import peak_memory_bytes
 from lightlike.utils.seed import seed_everything
 
@@ -82,7 +81,7 @@ class Fitter:
         """Train ``module`` on ``train``; evaluate on ``val`` (a Dataset/DataLoader or a dict of
         them). ``resume=True`` continues from the newest valid checkpoint in ``output_dir``,
         ``resume="path"`` from that checkpoint."""
-        with self._failing_fast():
+        with failing_fast(self):
             if not self.config.auto_find_batch_size:
                 return self._fit(module, train, val, resume)
             from lightlike.utils.oom import fit_finding_batch_size
@@ -236,9 +235,10 @@ class Fitter:
             # ---- end of training (stopped by a callback, or no step left to take) ----------------
             self._preemption.finish_vote()
             self._phase = "end of fit"
-            saved = state.last_save_step == state.global_step  # before a stop set in on_save
-            if (self._finish_step(eval_sets) and saved) or self._save_due(final=True):
-                self._save_checkpoint()  # (again, then: the step's checkpoint holds what came after it)
+            if state.last_save_step != state.global_step:  # a stop set in on_save: the step's checkpoint
+                self._finish_step(eval_sets)  # is the run's last record, so nothing is logged after it
+            if self._save_due(final=True):
+                self._save_checkpoint()
             self._commit_checkpoint()  # an asynchronous write still in flight
             self._phase = "end of fit"
             if cfg.load_best_at_end and state.best_checkpoint:
@@ -253,7 +253,11 @@ class Fitter:
 
         runtime = time.perf_counter() - start_time
         steps = state.global_step - start_step
-        training_loss = self._loss_total / self._items_total if self._items_total else float("nan")
+        loss_total, items_total = self._loss_total, self._items_total
+        if self._pending:  # left pending in the last checkpoint by a stop set in on_save: counted, not logged
+            more = self._sum_pending(self._read_pending())
+            loss_total, items_total = loss_total + more[0], items_total + more[1]
+        training_loss = loss_total / items_total if items_total else float("nan")
         metrics = {**self._last_metrics, "train/loss": training_loss}
         return FitResult(
             global_step=state.global_step,
@@ -267,31 +271,6 @@ class Fitter:
             best_checkpoint=state.best_checkpoint,
             state=state,
         )
-
-    @contextlib.contextmanager
-    def _failing_fast(self) -> Iterator[None]:
-        """Around fit/validate/test/predict: on an error, every rank says who failed where, and
-        the strategy is told not to wait for its peers at teardown; the launcher (torchrun /
-        srun) then ends the others, whose pending collectives fail instead of waiting."""
-        try:
-            yield
-        except BaseException as error:
-            strategy = self.strategy
-            if strategy is not None and not isinstance(error, Preempted) and not getattr(error, "on_every_rank", False):
-                strategy.note_failure()  # a peer may sit in another collective: teardown waits for none
-            rank, world = (strategy.global_rank, strategy.world_size) if strategy else (0, 1)
-            if world > 1 and not isinstance(error, (Preempted, KeyboardInterrupt)) \
-                    and not getattr(error, "_lightlike_logged", False):  # one process: its traceback says it
-                # in a train step, the step being taken (as lightlike's own errors number it)
-                step = self.state.global_step + (self._phase == "train step")
-                what = "stopped" if _peer_lost(error) else "failed"  # the first is not where the fault is
-                log.error("rank %d of %d %s during %s at step %d: %s%s: %s", rank, world, what, self._phase, step,
-                          "a peer process failed or exited (its own line says why): " if what == "stopped" else "",
-                          type(error).__name__, error)
-                with contextlib.suppress(AttributeError):  # once (a search trial's fit logged it already)
-                    error._lightlike_logged = True  # type: ignore[union-attr]
-            self.callbacks.call("on_exception", self, self.state, self.control, error)
-            raise
 
     # ------------------------------------------------------------------------------------------
     def _training_step(self, window: list[Any], want_norm: bool) -> bool:
@@ -369,6 +348,11 @@ class Fitter:
             done = True
         return done
 
+    def _sum_pending(self, values: list[tuple[float, float, int, int]]) -> tuple[float, float]:
+        """Item-weighted loss sum and item count of pending losses, over every rank."""
+        loss_sum, item_sum = sum(loss * n for loss, n, _, _ in values), sum(n for _, n, _, _ in values)
+        return tuple(self.strategy.sum_floats([loss_sum, item_sum]))  # type: ignore[union-attr,return-value]
+
     def _log_training(self, final: bool = False) -> bool:
         """Log the losses pending since the last row (with ``final``: only if there are any).
         Returns whether a row was written."""
@@ -377,9 +361,7 @@ class Fitter:
         self._pending = []
         if not values and final:
             return False
-        loss_sum = sum(loss * n for loss, n, _, _ in values)
-        item_sum = sum(n for _, n, _, _ in values)
-        loss_sum, item_sum = self.strategy.sum_floats([loss_sum, item_sum])  # type: ignore[union-attr]
+        loss_sum, item_sum = self._sum_pending(values)
         self._loss_total += loss_sum
         self._items_total += item_sum
         state = self.state
@@ -450,18 +432,18 @@ class Fitter:
     # ==========================================================================================
     def validate(self, module: TaskModule, data: Any) -> dict[str, float]:
         """Evaluate on ``data`` (or a dict of sets); keys ``val/<name>`` (or ``<set>/<name>``)."""
-        with self._failing_fast():
+        with failing_fast(self):
             return self._evaluate_standalone(module, data, "val")
 
     def test(self, module: TaskModule, data: Any) -> dict[str, float]:
         """Like ``validate`` with keys ``test/<name>``."""
-        with self._failing_fast():
+        with failing_fast(self):
             return self._evaluate_standalone(module, data, "test")
 
     def predict(self, module: TaskModule, data: Any) -> PredictionResult:
         """Predictions (``TaskModule.predictions``) in dataset order, labels if the batches carry
         them, and the metrics over the whole set (keys ``predict/<name>``)."""
-        with self._failing_fast():
+        with failing_fast(self):
             return self._predict(module, data)
 
     def _predict(self, module: TaskModule, data: Any) -> PredictionResult:
@@ -478,7 +460,7 @@ class Fitter:
         from lightlike.search import search
 
         self._phase = "search"
-        with self._failing_fast():  # a trial's failure on one rank ends every rank's search
+        with failing_fast(self):  # a trial's failure on one rank ends every rank's search
             return search(self, module_factory, space, n_trials, **options)
 
     def _evaluate_standalone(self, module: TaskModule, data: Any, default_name: str) -> dict[str, float]:
@@ -603,8 +585,7 @@ class Fitter:
             lg.flush()
         path = save_training_checkpoint(self, wait=wait, full=full)
         if path is not None:
-            self.callbacks.call("on_save", self, self.state, self.control, str(path))
-            self.control.should_save = False  # asked for again in on_save: this is the step's checkpoint
+            self.callbacks.call_on_save(self, self.state, self.control, str(path))
         return path
 
     def _commit_checkpoint(self) -> None:
@@ -616,7 +597,7 @@ class Fitter:
         self._phase = "checkpoint save"
         path = commit_pending_checkpoint(self)
         if path is not None:
-            self.callbacks.call("on_save", self, self.state, self.control, str(path))
+            self.callbacks.call_on_save(self, self.state, self.control, str(path))
 
     def _resume_source(self, resume: bool | str | None) -> Path | None:
         if not resume:
@@ -624,16 +605,6 @@ class Fitter:
         from lightlike.checkpoint.training import resolve_resume
 
         return resolve_resume(self.config, resume)
-
-
-def _peer_lost(error: BaseException) -> bool:
-    """Whether a collective failed because a peer process went away (gloo's and the TCP store's
-    messages; NCCL's DistNetworkError), rather than this rank failing on its own."""
-    network_error = getattr(torch.distributed, "DistNetworkError", None)
-    if network_error is not None and isinstance(error, network_error):
-        return True
-    text = str(error)
-    return "Connection closed by peer" in text or "Connection reset by peer" in text
 
 
 def _weight(count: int | torch.Tensor, total: int | torch.Tensor, dtype: torch.dtype) -> float | torch.Tensor:

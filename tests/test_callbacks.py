@@ -170,10 +170,12 @@ def test_early_stopping_unknown_metric(tmp_path):
         fit(tmp_path, [es], max_steps=2, eval_every=1).fit(Classifier(), DictDataset(n=8), DictDataset(n=4))
 
 
-def test_a_stop_set_in_on_save_writes_the_step_checkpoint_again_after_its_log_and_evaluation(tmp_path):
-    """on_save comes last at a step boundary. A stop set there ("stop once a checkpoint is on
-    disk") logged and evaluated the step after its checkpoint, which still held those losses as
-    pending: the resumed run logged steps 5-6 a second time in its step-8 row."""
+def test_a_stop_set_in_on_save_ends_the_run_at_that_checkpoint(tmp_path):
+    """on_save comes after the step's checkpoint. A stop set there ("stop once a checkpoint is on
+    disk") used to log and evaluate the step after its checkpoint, which still held those losses
+    as pending: the resumed run logged steps 5-6 a second time. The checkpoint is now the run's
+    last record: the losses stay pending in it (the result counts them), and a resumed run
+    logs exactly what the uninterrupted one does."""
     import json
 
     class StopOnSave(ll.Callback):
@@ -181,22 +183,24 @@ def test_a_stop_set_in_on_save_writes_the_step_checkpoint_again_after_its_log_an
             if state.global_step == 6:
                 control.should_training_stop = True
 
-    def run(out, callbacks, resume=None):
-        return ll.Fitter(output_dir=str(out), loggers=[], model_summary=False, log_level="error", max_steps=12,
-                         log_every=4, save_every=6, eval_every=4, batch_size=8, callbacks=callbacks).fit(
+    def run(out, callbacks, max_steps=12, resume=None):
+        return ll.Fitter(output_dir=str(out), loggers=["jsonl"], model_summary=False, log_level="error",
+                         max_steps=max_steps, lr_scheduler="constant", log_every=4, save_every=6, eval_every=4,
+                         batch_size=8, callbacks=callbacks).fit(
             Classifier(), DictDataset(64), DictDataset(16, seed=1), resume=resume)
 
-    assert run(tmp_path / "a", [StopOnSave()]).global_step == 6
+    stopped = run(tmp_path / "a", [StopOnSave()])
+    assert stopped.global_step == 6
+    assert [h["step"] for h in stopped.state.log_history] == [4, 4]  # nothing after the checkpoint
     saved = json.loads((tmp_path / "a" / "checkpoint-6" / "trainer_state.json").read_text())
-    assert saved["pending_per_rank"] == [[]] and saved["state"]["last_eval_step"] == 6
+    assert len(saved["pending_per_rank"][0]) == 2 and saved["state"]["last_eval_step"] == 4
+    # the result's loss counts steps 5-6: the same as a run of 6 steps (constant lr: the same steps)
+    assert stopped.training_loss == pytest.approx(run(tmp_path / "six", [], max_steps=6).training_loss, rel=1e-12)
     resumed = run(tmp_path / "a", [], resume=True)
     reference = run(tmp_path / "ref", [])
-    rows = {h["step"]: h["train/loss"] for h in resumed.state.log_history if "train/loss" in h}
-    ref = {h["step"]: h["train/loss"] for h in reference.state.log_history if "train/loss" in h}
-    assert sorted(rows) == [4, 6, 8, 12]
-    # every step holds 8 items: the rows at 6 (steps 5-6) and 8 (steps 7-8) make up the reference's row 8
-    assert (rows[6] + rows[8]) / 2 == pytest.approx(ref[8], rel=1e-6)
-    assert rows[12] == pytest.approx(ref[12], rel=1e-6) and resumed.training_loss == pytest.approx(reference.training_loss)
+    rows = lambda out: (out / "logs" / "metrics.jsonl").read_text()  # noqa: E731
+    assert rows(tmp_path / "a") == rows(tmp_path / "ref")  # every step once, the same values
+    assert resumed.training_loss == pytest.approx(reference.training_loss, rel=1e-12)
 
 
 def test_a_stop_at_the_end_of_an_iterable_epoch_logs_and_evaluates_before_its_checkpoint(tmp_path):
@@ -226,7 +230,9 @@ def test_flags_asked_for_again_in_their_own_event_do_not_carry_into_the_next_ste
     """should_log set in on_evaluate is acted on at that step; a flag set again in the event of
     its own action (should_log in on_log, should_evaluate in on_evaluate, should_save in on_save,
     should_epoch_stop in on_epoch_end) is spent there, as in the HF Trainer, instead of acting a
-    step late (should_epoch_stop cut the next epoch to one step)."""
+    step late (should_epoch_stop cut the next epoch to one step). Flags set in on_save, after the
+    checkpoint, are dropped with a warning: acting on them later would make a killed and resumed
+    run differ (the checkpoint cannot hold them)."""
 
     class Again(ll.Callback):
         def on_log(self, fitter, state, control, metrics):
@@ -237,15 +243,17 @@ def test_flags_asked_for_again_in_their_own_event_do_not_carry_into_the_next_ste
             control.should_log = state.global_step == 3
 
         def on_save(self, fitter, state, control, path):
-            control.should_save = True
+            control.should_save = True  # spent: this is the step's checkpoint
+            control.should_epoch_stop = True  # the checkpoint cannot hold it: dropped (and said)
 
         def on_epoch_end(self, fitter, state, control):
             control.should_epoch_stop = True
 
     rec = Recorder()
     # 32 items, batch 4: 8 steps per epoch, 2 epochs
-    result = fit(tmp_path, [Again(), rec], max_epochs=2, log_every=4, eval_every=3, save_every=5).fit(
-        Classifier(), DictDataset(n=32), DictDataset(n=8, seed=1))
+    with pytest.warns(UserWarning, match="should_save, control.should_epoch_stop set in on_save is ignored"):
+        result = fit(tmp_path, [Again(), rec], max_epochs=2, log_every=4, eval_every=3, save_every=5).fit(
+            Classifier(), DictDataset(n=32), DictDataset(n=8, seed=1))
     assert result.global_step == 16
     events = lambda name: [s for e, s in rec.events if e == name]  # noqa: E731
     assert events("on_log") == [3, 4, 8, 12, 16]

@@ -607,3 +607,24 @@ def test_load_weights_not_strict_says_what_it_left_out(tmp_path, caplog):
     assert torch.equal(module.state_dict()["net.2.weight"], before)
     assert "3 missing keys (kept as they were): net.0.weight, net.2.weight, net.2.bias" in caplog.text
     assert "4 unexpected keys (ignored): model.0.bias, model.0.weight, model.2.bias, model.2.weight" in caplog.text
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="renameat2 is Linux's")
+def test_rewriting_a_checkpoint_swaps_it_in_one_step(tmp_path, monkeypatch):
+    """Writing over checkpoint-N moved the old one aside and then renamed the new one in: a kill
+    between the two left no checkpoint-N (with save_total_limit=1, none at all, and resume='auto'
+    started the run again). Now the two directories are exchanged atomically; a kill at any
+    instant leaves the old or the new checkpoint-N."""
+    from lightlike.checkpoint import atomic
+
+    for value in (1.0, 2.0):
+        with CheckpointWriter(tmp_path, 5, overwrite=True) as w:
+            w.save_safetensors("model.safetensors", {"w": torch.full((4,), value)})
+            if value == 2.0:  # the second write: no plain rename may run while checkpoint-5 exists
+                def no_rename(src, dst):
+                    raise AssertionError(f"rename {src} -> {dst} while checkpoint-5 exists")
+                monkeypatch.setattr(atomic.os, "rename", no_rename)
+    monkeypatch.undo()
+    verify_checkpoint(tmp_path / "checkpoint-5")
+    assert load_file(str(tmp_path / "checkpoint-5" / "model.safetensors"))["w"].tolist() == [2.0] * 4
+    assert [p.name for p in tmp_path.iterdir()] == ["checkpoint-5"]  # the old one removed, nothing left over

@@ -8,6 +8,7 @@ that state is saved in checkpoints under ``state_key``.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -90,6 +91,21 @@ class CallbackList:
     def call(self, event: str, fitter: Fitter, state: FitState, control: Control, *args: Any) -> None:
         for handler in self._handlers[event]:
             handler(fitter, state, control, *args)
+
+    def call_on_save(self, fitter: Fitter, state: FitState, control: Control, path: str) -> None:
+        """``on_save`` comes after the step's checkpoint. A stop set there ends the run at it; a
+        flag that would change what the step did is dropped, with a warning: the checkpoint
+        cannot hold it, so a run killed before the next step would resume without it and differ."""
+        names = ("should_log", "should_evaluate", "should_save", "should_epoch_stop")
+        before = [getattr(control, n) for n in names]
+        self.call("on_save", fitter, state, control, path)
+        late = [n for n, was in zip(names, before, strict=True) if getattr(control, n) and not was]
+        if late:
+            for n in late:
+                setattr(control, n, False)
+            warnings.warn(f"control.{', control.'.join(late)} set in on_save is ignored: on_save comes after the "
+                          "step's checkpoint, which cannot hold it; set it in on_step_end, on_log or on_evaluate "
+                          "(should_training_stop set in on_save does end the run)", stacklevel=3)
 
     def state_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {}

@@ -19,6 +19,7 @@ import logging
 import os
 import secrets
 import shutil
+import sys
 import zlib
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -183,13 +184,35 @@ class CheckpointWriter:
                 raise CheckpointError(f"{self.final_path} already exists; refusing to overwrite it")
             if not valid:
                 log.warning("replacing %s, which is not a complete checkpoint", self.final_path)
-            trash = self.output_dir / f".trash-{self.final_path.name}-{secrets.token_hex(4)}"
-            (self.final_path / MANIFEST).unlink(missing_ok=True)  # never a half-deleted valid checkpoint
-            os.rename(self.final_path, trash)
-        os.rename(self.tmp, self.final_path)
+            if _exchange(self.tmp, self.final_path):  # one atomic swap: checkpoint-N exists throughout
+                trash = self.tmp
+            else:  # no renameat2 here: a window of two renames without checkpoint-N
+                trash = self.output_dir / f".trash-{self.final_path.name}-{secrets.token_hex(4)}"
+                os.rename(self.final_path, trash)
+            (trash / MANIFEST).unlink(missing_ok=True)  # never a half-deleted valid checkpoint
+        if trash is None or trash != self.tmp:
+            os.rename(self.tmp, self.final_path)
         _fsync_path(self.output_dir)
         if trash is not None:
             shutil.rmtree(trash, ignore_errors=True)
+
+
+_RENAME_EXCHANGE = 2  # <linux/fs.h>
+_AT_FDCWD = -100
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two directories atomically (Linux ``renameat2(RENAME_EXCHANGE)``); False where the
+    call or the file system does not support it."""
+    if not sys.platform.startswith("linux"):
+        return False
+    import ctypes
+
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return False
+    return renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0
 
 
 class _zip_crc_off:

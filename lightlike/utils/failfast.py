@@ -1,0 +1,54 @@
+"""Failing fast on several processes: every rank says who failed where, and teardown waits for
+no peer after a failure (the launcher ends the others, whose collectives then fail at once)."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+import torch
+
+from lightlike.preemption import Preempted
+
+if TYPE_CHECKING:
+    from lightlike.fitter import Fitter
+
+log = logging.getLogger("lightlike")
+
+
+@contextlib.contextmanager
+def failing_fast(fitter: Fitter) -> Iterator[None]:
+    """Around fit/validate/test/predict: on an error, every rank says who failed where, and
+    the strategy is told not to wait for its peers at teardown; the launcher (torchrun /
+    srun) then ends the others, whose pending collectives fail instead of waiting."""
+    try:
+        yield
+    except BaseException as error:
+        strategy = fitter.strategy
+        if strategy is not None and not isinstance(error, Preempted) and not getattr(error, "on_every_rank", False):
+            strategy.note_failure()  # a peer may sit in another collective: teardown waits for none
+        rank, world = (strategy.global_rank, strategy.world_size) if strategy else (0, 1)
+        if world > 1 and not isinstance(error, (Preempted, KeyboardInterrupt)) \
+                and not getattr(error, "_lightlike_logged", False):  # one process: its traceback says it
+            # in a train step, the step being taken (as lightlike's own errors number it)
+            step = fitter.state.global_step + (fitter._phase == "train step")
+            what = "stopped" if _peer_lost(error) else "failed"  # the first is not where the fault is
+            log.error("rank %d of %d %s during %s at step %d: %s%s: %s", rank, world, what, fitter._phase, step,
+                      "a peer process failed or exited (its own line says why): " if what == "stopped" else "",
+                      type(error).__name__, error)
+            with contextlib.suppress(AttributeError):  # once (a search trial's fit logged it already)
+                error._lightlike_logged = True  # type: ignore[union-attr]
+        fitter.callbacks.call("on_exception", fitter, fitter.state, fitter.control, error)
+        raise
+
+
+def _peer_lost(error: BaseException) -> bool:
+    """Whether a collective failed because a peer process went away (gloo's and the TCP store's
+    messages; NCCL's DistNetworkError), rather than this rank failing on its own."""
+    network_error = getattr(torch.distributed, "DistNetworkError", None)
+    if network_error is not None and isinstance(error, network_error):
+        return True
+    text = str(error)
+    return "Connection closed by peer" in text or "Connection reset by peer" in text
