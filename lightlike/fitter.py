@@ -229,7 +229,11 @@ class Fitter:
                     if self._save_due(epoch_ended, final=last):
                         self._save_checkpoint(wait=False)
                     if preemption.stop_requested(strategy, step, self._stop_agreed, log_step):
-                        self._preempted(preemption.signal_name or "a signal on another rank")
+                        if last or control.should_training_stop:  # the run ends here anyway: a normal
+                            log.warning("%s received at the run's last step %d: it ends normally (no "  # end,
+                                        "requeue)", preemption.signal_name or "a signal", step)  # no requeue
+                        else:
+                            self._preempted(preemption.signal_name or "a signal on another rank")
                     if control.should_training_stop or epoch_ended:
                         break
             # ---- end of training (stopped by a callback, or no step left to take) ----------------

@@ -183,3 +183,22 @@ def test_preemption_requeues_under_slurm(tmp_path):
     proc = subprocess.run([sys.executable, str(SCRIPT), str(tmp_path / "run2"), "--kill", "term:3"],
                           capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == EXIT_PREEMPTED and "scontrol is not on PATH" in proc.stderr
+
+
+def test_a_signal_at_the_last_step_ends_the_run_normally(tmp_path, tmp_path_factory):
+    """A run that ends at this step anyway (max_steps) is not preempted by a signal received
+    there: it exited 75 and requeued on one process (while several processes ended normally),
+    and with a stop set by a callback the requeued job trained on past it."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    record = tmp_path / "scontrol.log"
+    stub = bin_dir / "scontrol"
+    stub.write_text(f"#!/bin/sh\necho \"$@\" >> {record}\n")
+    stub.chmod(0o755)
+    env = {**os.environ, "SLURM_JOB_ID": "4242", "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+    proc = subprocess.run([sys.executable, str(SCRIPT), str(tmp_path / "run"), "--kill", "term:12"],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "SIGTERM received at the run's last step 12: it ends normally" in proc.stderr
+    assert not record.exists()  # no requeue
+    assert outcome(tmp_path / "run") == reference(tmp_path_factory, "32-true", 0)
