@@ -229,9 +229,9 @@ class Fitter:
                     if self._save_due(epoch_ended, final=last):
                         self._save_checkpoint(wait=False)
                     if preemption.stop_requested(strategy, step, self._stop_agreed, log_step):
-                        if last or control.should_training_stop:  # the run ends here anyway: a normal
-                            log.warning("%s received at the run's last step %d: it ends normally (no "  # end,
-                                        "requeue)", preemption.signal_name or "a signal", step)  # no requeue
+                        if last or control.should_training_stop:  # it ends here anyway: no preemption
+                            log.warning("%s received at the run's last step %d: it ends normally (no requeue)",
+                                        preemption.signal_name or "a signal", step)
                         else:
                             self._preempted(preemption.signal_name or "a signal on another rank")
                     if control.should_training_stop or epoch_ended:
@@ -343,28 +343,25 @@ class Fitter:
                     raise NonFiniteLossError(step, micro, loss, items=n)
         return values
 
-    def _finish_step(self, eval_sets: dict[str, Any]) -> bool:
+    def _finish_step(self, eval_sets: dict[str, Any]) -> None:
         """Before this step's last checkpoint: log what is pending and evaluate the step, unless
-        done already. Returns whether anything was logged or evaluated."""
-        done = self._log_training(final=True)
+        done already."""
+        self._log_training(final=True)
         if eval_sets and self.state.last_eval_step != self.state.global_step:
             self._evaluate_all(eval_sets)
-            done = True
-        return done
 
     def _sum_pending(self, values: list[tuple[float, float, int, int]]) -> tuple[float, float]:
         """Item-weighted loss sum and item count of pending losses, over every rank."""
         loss_sum, item_sum = sum(loss * n for loss, n, _, _ in values), sum(n for _, n, _, _ in values)
         return tuple(self.strategy.sum_floats([loss_sum, item_sum]))  # type: ignore[union-attr,return-value]
 
-    def _log_training(self, final: bool = False) -> bool:
-        """Log the losses pending since the last row (with ``final``: only if there are any).
-        Returns whether a row was written."""
+    def _log_training(self, final: bool = False) -> None:
+        """Log the losses pending since the last row (with ``final``: only if there are any)."""
         self.control.should_log = False
         values = self._read_pending()
         self._pending = []
         if not values and final:
-            return False
+            return
         loss_sum, item_sum = self._sum_pending(values)
         self._loss_total += loss_sum
         self._items_total += item_sum
@@ -385,7 +382,6 @@ class Fitter:
             metrics["train/skipped_steps"] = float(state.skipped_steps)
         self._emit("on_log", metrics)
         self.control.should_log = False  # asked for again in on_log: this row is the one
-        return True
 
     def _emit(self, event: str, metrics: dict[str, float]) -> None:
         state = self.state

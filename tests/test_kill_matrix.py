@@ -165,15 +165,20 @@ def test_preemption_mid_window_saves_at_the_step_boundary(tmp_path, tmp_path_fac
     assert outcome(out) == reference(tmp_path_factory, "32-true", 0)
 
 
-def test_preemption_requeues_under_slurm(tmp_path):
-    """With SLURM_JOB_ID set, the Fitter calls `scontrol requeue <id>` (a stub on PATH here)."""
+def slurm_with_scontrol_stub(tmp_path):
+    """An environment under SLURM whose `scontrol` (on PATH) records its arguments in a file."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     record = tmp_path / "scontrol.log"
     stub = bin_dir / "scontrol"
     stub.write_text(f"#!/bin/sh\necho \"$@\" >> {record}\n")
     stub.chmod(0o755)
-    env = {**os.environ, "SLURM_JOB_ID": "4242", "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+    return {**os.environ, "SLURM_JOB_ID": "4242", "PATH": f"{bin_dir}:{os.environ['PATH']}"}, record
+
+
+def test_preemption_requeues_under_slurm(tmp_path):
+    """With SLURM_JOB_ID set, the Fitter calls `scontrol requeue <id>` (a stub on PATH here)."""
+    env, record = slurm_with_scontrol_stub(tmp_path)
     cmd = [sys.executable, str(SCRIPT), str(tmp_path / "run"), "--kill", "term:3"]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == EXIT_PREEMPTED, proc.stderr
@@ -189,13 +194,7 @@ def test_a_signal_at_the_last_step_ends_the_run_normally(tmp_path, tmp_path_fact
     """A run that ends at this step anyway (max_steps) is not preempted by a signal received
     there: it exited 75 and requeued on one process (while several processes ended normally),
     and with a stop set by a callback the requeued job trained on past it."""
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    record = tmp_path / "scontrol.log"
-    stub = bin_dir / "scontrol"
-    stub.write_text(f"#!/bin/sh\necho \"$@\" >> {record}\n")
-    stub.chmod(0o755)
-    env = {**os.environ, "SLURM_JOB_ID": "4242", "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+    env, record = slurm_with_scontrol_stub(tmp_path)
     proc = subprocess.run([sys.executable, str(SCRIPT), str(tmp_path / "run"), "--kill", "term:12"],
                           capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr

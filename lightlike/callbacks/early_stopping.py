@@ -42,13 +42,14 @@ class EarlyStopping(Callback):
         self.best: float | None = None
         self.wait = 0
         self.stopped_step: int | None = None
+        self._loaded = False  # load_state_dict ran for the coming fit
 
     @property
     def state_key(self) -> str:
         return f"EarlyStopping[{self.monitor}]"
 
     def on_fit_start(self, fitter: Fitter, state: FitState, control: Control) -> None:
-        loaded, self._loaded = getattr(self, "_loaded", False), False
+        loaded, self._loaded = self._loaded, False
         if fitter.resumed_from is None or not loaded:  # a new run, or a checkpoint without this callback's
             self.best, self.wait, self.stopped_step = None, 0, None  # state: count afresh (an instance used before too)
         elif self.stopped_step is not None:  # resumed from the checkpoint of the step it stopped at

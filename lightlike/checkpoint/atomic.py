@@ -173,7 +173,7 @@ class CheckpointWriter:
             fh.flush()
             os.fsync(fh.fileno())
         _fsync_path(self.tmp)
-        trash = None
+        trash, swapped = None, False
         if self.final_path.exists():
             try:
                 verify_checkpoint(self.final_path, hashes=False)
@@ -184,13 +184,13 @@ class CheckpointWriter:
                 raise CheckpointError(f"{self.final_path} already exists; refusing to overwrite it")
             if not valid:
                 log.warning("replacing %s, which is not a complete checkpoint", self.final_path)
-            if _exchange(self.tmp, self.final_path):  # one atomic swap: checkpoint-N exists throughout
-                trash = self.tmp
-            else:  # no renameat2 here: a window of two renames without checkpoint-N
-                trash = self.output_dir / f".trash-{self.final_path.name}-{secrets.token_hex(4)}"
+            swapped = _exchange(self.tmp, self.final_path)  # one atomic swap: checkpoint-N exists throughout
+            trash = self.tmp if swapped else self.output_dir / f".trash-{self.final_path.name}-{secrets.token_hex(4)}"
+            old = trash if swapped else self.final_path
+            (old / MANIFEST).unlink(missing_ok=True)  # never a half-deleted valid checkpoint
+            if not swapped:  # no renameat2 here: a window of two renames without checkpoint-N
                 os.rename(self.final_path, trash)
-            (trash / MANIFEST).unlink(missing_ok=True)  # never a half-deleted valid checkpoint
-        if trash is None or trash != self.tmp:
+        if not swapped:
             os.rename(self.tmp, self.final_path)
         _fsync_path(self.output_dir)
         if trash is not None:
