@@ -418,7 +418,8 @@ def test_rollback_moves_newer_checkpoints_aside(tmp_path):
                   output_dir=str(out), loggers=["csv"], callbacks=[spy]).fit(
             Classifier(), DictDataset(n=40), resume=str(out / "checkpoint-4"))
     assert spy.saved == [("checkpoint-6", True), ("checkpoint-8", True), ("checkpoint-10", True)]
-    assert [p.name for p in list_checkpoints(out)] == ["checkpoint-4", "checkpoint-10"]
+    # save_total_limit=2 holds after a resume: checkpoint-4, the resume source, goes once newer ones exist
+    assert [p.name for p in list_checkpoints(out)] == ["checkpoint-8", "checkpoint-10"]
     (aside,) = [p for p in out.iterdir() if p.name.startswith("abandoned-")]
     assert sorted(p.name for p in aside.iterdir()) == ["checkpoint-10", "checkpoint-6", "checkpoint-8", "logs"]
     for p in aside.glob("checkpoint-*"):
@@ -556,8 +557,8 @@ def test_best_checkpoint_survives_a_resume_from_another_working_directory(tmp_pa
     assert state["best_checkpoint"] == "checkpoint-2"
     monkeypatch.chdir(tmp_path / "b")
     result = go(str(tmp_path / "a" / "run"), 12, resume=True)
-    # kept: the best, the resume source, the newest
-    assert [p.name for p in list_checkpoints(tmp_path / "a" / "run")] == ["checkpoint-2", "checkpoint-6", "checkpoint-12"]
+    # kept: the best and the newest (save_total_limit=2); the resume source went once newer ones existed
+    assert [p.name for p in list_checkpoints(tmp_path / "a" / "run")] == ["checkpoint-2", "checkpoint-12"]
     assert result.best_checkpoint == str(tmp_path / "a" / "run" / "checkpoint-2")
 
 

@@ -1,4 +1,4 @@
-"""Deleting old checkpoints: only after the new one is committed; never best, newest or resume source."""
+"""Deleting old checkpoints: only after the new one is committed; never the best or the newest."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ log = logging.getLogger("lightlike")
 
 
 def rotate_checkpoints(output_dir: str | Path, limit: int | None, protect: Iterable[str | Path] = ()) -> list[Path]:
-    """Delete the oldest committed checkpoints beyond ``limit``. Protected ones (the best, the
-    resume source) and the newest are kept even if that leaves more than ``limit``. The manifest
+    """Delete the oldest committed checkpoints beyond ``limit``. Protected ones (the best) and the
+    newest are kept even if that leaves more than ``limit``. The manifest
     goes first, so a kill mid-delete leaves a directory that is not a checkpoint."""
     if limit is None:
         return []

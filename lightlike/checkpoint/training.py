@@ -163,7 +163,9 @@ def _commit(fitter: Fitter, writer: CheckpointWriter, committing: Any = None) ->
             committing.result()  # raises what the commit raised
         else:
             writer.__exit__(None, None, None)  # fsync, hash, manifest, rename
-        protect = [p for p in (state.best_checkpoint, getattr(fitter, "resumed_from", None)) if p]
+        # The checkpoint this run resumed from needs no protection here: rotation runs only after
+        # this run has committed a newer one, so a later resume has that (the newest is kept).
+        protect = [state.best_checkpoint] if state.best_checkpoint else []
         for p in rotate_checkpoints(out, cfg.save_total_limit, protect=protect):
             log.info("deleted old checkpoint %s (save_total_limit=%s)", p, cfg.save_total_limit)
         log.info("saved checkpoint %s", path)
