@@ -171,7 +171,7 @@ class Fitter:
             epoch = state.epoch_index
             # ---- the loop ----------------------------------------------------------------------
             while state.global_step < max_steps and not control.should_training_stop and epoch < epoch_limit:
-                batches = train_data.epoch_iterator(epoch, state.samples_in_epoch)
+                batches = train_data.epoch_iterator(epoch, state.samples_in_epoch, state.batches_in_epoch)
                 position = train_data.position(state.samples_in_epoch, state.batches_in_epoch, strategy.world_size)
                 if state.batches_in_epoch == 0:
                     callbacks.call("on_epoch_start", self, state, control)

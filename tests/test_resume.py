@@ -297,3 +297,37 @@ def test_length_grouped_resume_with_another_batch_size_keeps_the_order(tmp_path)
         fit(8, resume=True)
     fit(8, resume=True, group_size=8)
     assert sorted(served[:60]) == list(range(60))
+
+
+class Stream(torch.utils.data.IterableDataset):
+    """The items of DictDataset(n) as a stream: no length, no seeking."""
+
+    def __init__(self, n):
+        self.items = DictDataset(n=n)
+
+    def __iter__(self):
+        return (self.items[i] for i in range(len(self.items)))
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_an_iterable_dataset_resumes_mid_epoch_bit_identical(tmp_path, caplog, workers):
+    """An IterableDataset cannot seek: a mid-epoch checkpoint is resumed by reading the epoch's
+    batches up to it again (with a warning), and the run ends with the uninterrupted run's weights
+    (dropout's stream included), across an epoch boundary. Another num_workers is refused by name."""
+    def go(out, stop=None, resume=None, num_workers=workers):
+        torch.manual_seed(0)
+        model = Dropout()
+        fitter = ll.Fitter(max_steps=14, batch_size=4, save_every=3, output_dir=str(out), loggers=[],
+                           num_workers=num_workers, callbacks=[StopAt(stop)] if stop else [])
+        with contextlib.suppress(KeyboardInterrupt):
+            fitter.fit(model, Stream(38), resume=resume)  # 10 batches an epoch, the last one short
+        return model
+
+    reference = go(tmp_path / "ref")
+    go(tmp_path / "cut", stop=8)  # checkpoint-6: 6 batches into epoch 0
+    resumed = go(tmp_path / "cut", resume=True)
+    assert "reading the 6 batch(es) this process had taken of epoch 0 again" in caplog.text
+    assert torch.equal(flat_params(resumed), flat_params(reference))
+    go(tmp_path / "other", stop=8)
+    with pytest.raises(ll.CheckpointError, match="'num_workers': 1"):
+        go(tmp_path / "other", resume=True, num_workers=1)

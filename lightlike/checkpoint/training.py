@@ -202,9 +202,10 @@ def load_training_checkpoint(fitter: Fitter, path: Path, verified: bool = False)
     state.best_checkpoint = resolve_best(cfg.output_dir, state.best_checkpoint, state.best_step)
     if state.samples_in_epoch and "order_key" in saved and saved["order_key"] != _order_key(fitter):  # mid-epoch
         raise CheckpointError(
-            f"{path.name} was taken mid-epoch with a sampler order of {saved.get('order_key')} and this run's "
-            f"sampler gives {_order_key(fitter)}: the rest of the epoch would repeat and skip samples. Build the "
-            "sampler with the checkpoint's values (LengthGroupedSampler(..., group_size=...))")
+            f"{path.name} was taken mid-epoch with a data order of {saved.get('order_key')} and this run's "
+            f"gives {_order_key(fitter)}: the rest of the epoch would repeat and skip samples. Resume with the "
+            "checkpoint's values (the same batch_size, num_workers and processes for an IterableDataset; "
+            "LengthGroupedSampler(..., group_size=...) for that sampler)")
     fitter._pending = [(torch.tensor(loss, dtype=torch.float64, device=strategy.root_device), n, int(step), int(micro))
                        for loss, n, step, micro in _pending_for_this_rank(saved, strategy.global_rank, strategy.world_size)]
     fitter._loss_total, fitter._items_total = saved.get("loss_total", [0.0, 0.0])
@@ -261,8 +262,7 @@ def _pending_for_this_rank(saved: dict[str, Any], rank: int, world_size: int) ->
 
 
 def _order_key(fitter: Fitter) -> Any:
-    sampler = fitter.train_data.sampler if fitter.train_data is not None else None
-    return sampler.order_key() if sampler is not None else None
+    return fitter.train_data.order_key() if fitter.train_data is not None else None
 
 
 def _torch_load(path: Path) -> Any:

@@ -36,6 +36,23 @@ class TrainData:
     num_samples: int | None  # samples per epoch (global), when known
     seed: int
     generator: torch.Generator | None
+    world_size: int = 1
+
+    def replays(self) -> bool:
+        """Whether a mid-epoch resume reaches its position by reading the epoch's first batches
+        again (an IterableDataset cannot seek); map-style data seeks through its sampler."""
+        return self.sampler is None and isinstance(self.loader.dataset, IterableDataset)
+
+    def order_key(self) -> dict[str, Any] | None:
+        """What, besides (seed, epoch), the epoch's batches depend on; saved with a checkpoint so
+        that a mid-epoch resume refuses an order that would repeat and skip samples."""
+        if self.sampler is not None:
+            return self.sampler.order_key()
+        if self.replays():  # each rank's batches depend on how the items are dealt
+            loader = self.loader
+            return {"batch_size": loader.batch_size or 1, "num_workers": loader.num_workers,
+                    "world_size": self.world_size, "drop_last": loader.drop_last}
+        return None
 
     def batches_per_epoch(self) -> int | None:
         try:
@@ -79,17 +96,33 @@ class TrainData:
         global sample ``start``."""
         return EpochPosition(self, start, batches_in_epoch, world_size)
 
-    def epoch_iterator(self, epoch: int, start_sample: int = 0) -> Any:
-        """An iterator over the batches of ``epoch`` beginning ``start_sample`` samples in."""
+    def epoch_iterator(self, epoch: int, start_sample: int = 0, start_batch: int = 0) -> Any:
+        """An iterator over the batches of ``epoch`` beginning ``start_sample`` samples in (this
+        rank's batch ``start_batch``, where an IterableDataset is read up to it)."""
         if self.sampler is not None:
             self.sampler.set_epoch(epoch, start_sample)
+        elif start_sample and self.replays():
+            batches = self._fresh_iterator(epoch)
+            log.warning("resuming mid-epoch in an IterableDataset, which cannot seek: reading the %d batch(es) "
+                        "this process had taken of epoch %d again (not trained on). The continuation is exact "
+                        "when the dataset yields the same items in the same order each time it is read",
+                        start_batch, epoch)
+            for taken in range(start_batch):
+                if next(batches, None) is None:
+                    raise DataError(f"resuming mid-epoch: epoch {epoch} of the IterableDataset ended after {taken} "
+                                    f"batch(es), but the checkpoint was taken after {start_batch}: the dataset "
+                                    "does not yield the same items when read again")
+            return batches
         elif start_sample:
             raise DataError(
                 "cannot resume mid-epoch: the training data is a DataLoader without lightlike's "
-                "ResumableSampler or an IterableDataset; pass a map-style Dataset instead"
+                "ResumableSampler; pass a map-style Dataset, or build the DataLoader with a ResumableSampler"
             )
         elif hasattr(getattr(self.loader, "sampler", None), "set_epoch"):
             self.loader.sampler.set_epoch(epoch)  # type: ignore[attr-defined]  # e.g. a DistributedSampler
+        return self._fresh_iterator(epoch)
+
+    def _fresh_iterator(self, epoch: int) -> Any:
         if self.generator is not None:
             self.generator.manual_seed(self.seed + epoch)  # DataLoader worker seeds
             return iter(self.loader)
@@ -180,7 +213,7 @@ def build_train_data(
             data = _split_train_loader(data, shuffle=shuffle, seed=seed, rank=rank, world_size=world_size)
         sampler = data.sampler if isinstance(data.sampler, ResumableSampler) else None
         n = sampler.n if sampler is not None else None
-        return TrainData(data, sampler, n, seed, data.generator)
+        return TrainData(data, sampler, n, seed, data.generator, world_size)
     if not isinstance(data, Dataset) and not hasattr(data, "__getitem__"):
         raise DataError(
             f"training data of type {type(data).__name__} is neither a torch Dataset nor a DataLoader"
@@ -193,7 +226,7 @@ def build_train_data(
         loader = DataLoader(data, batch_size=batch_size, num_workers=num_workers, drop_last=drop_last,
                             pin_memory=pin_memory, collate_fn=collate_fn, generator=generator,
                             worker_init_fn=end_with_parent(None, num_workers))
-        return TrainData(loader, None, None, seed, generator)
+        return TrainData(loader, None, None, seed, generator, world_size)
     n = _check_nonempty(data, "training")
     assert n is not None
     if drop_last and n // world_size < batch_size:
@@ -209,7 +242,7 @@ def build_train_data(
     loader = DataLoader(data, batch_size=batch_size, sampler=sampler, num_workers=num_workers,
                         drop_last=drop_last, pin_memory=pin_memory, collate_fn=collate_fn,
                         generator=generator, worker_init_fn=end_with_parent(None, num_workers))
-    return TrainData(loader, sampler, n, seed, generator)
+    return TrainData(loader, sampler, n, seed, generator, world_size)
 
 
 def build_eval_loader(
