@@ -157,7 +157,7 @@ def check_optimizer_fits(fitter: Fitter, path: Path) -> None:
     it (torch would load it and fail at the first step, or refuse it without saying why)."""
     from lightlike.module import TaskModule
 
-    if type(fitter.module).configure_optimizers is not TaskModule.configure_optimizers:
+    if getattr(type(fitter.module), "configure_optimizers", None) is not TaskModule.configure_optimizers:
         return  # the module's own optimizer: its shape is the module's business
     try:
         old = json.loads((path / "config.json").read_text())

@@ -206,7 +206,7 @@ def load_training_checkpoint(fitter: Fitter, path: Path, verified: bool = False)
             f"gives {_order_key(fitter)}: the rest of the epoch would repeat and skip samples. Resume with the "
             "checkpoint's values (the same batch_size, num_workers and processes for an IterableDataset; "
             "LengthGroupedSampler(..., group_size=...) for that sampler)")
-    fitter._pending = [(torch.tensor(loss, dtype=torch.float64, device=strategy.root_device), n, int(step), int(micro))
+    fitter._pending = [(torch.tensor(loss, dtype=torch.float64, device=strategy.root_device), n, int(step), int(micro))  # type: ignore[misc]
                        for loss, n, step, micro in _pending_for_this_rank(saved, strategy.global_rank, strategy.world_size)]
     fitter._loss_total, fitter._items_total = saved.get("loss_total", [0.0, 0.0])
     rngs = _torch_load(path / "rng.pt")

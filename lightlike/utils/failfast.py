@@ -39,7 +39,7 @@ def failing_fast(fitter: Fitter) -> Iterator[None]:
                       "a peer process failed or exited (its own line says why): " if what == "stopped" else "",
                       type(error).__name__, error)
             with contextlib.suppress(AttributeError):  # once (a search trial's fit logged it already)
-                error._lightlike_logged = True  # type: ignore[union-attr]
+                error._lightlike_logged = True  # type: ignore[attr-defined]
         fitter.callbacks.call("on_exception", fitter, fitter.state, fitter.control, error)
         raise
 
