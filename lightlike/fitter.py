@@ -24,7 +24,7 @@ from lightlike.errors import ConfigError, DataError, NonFiniteLossError
 from lightlike.evaluation import call_loss, call_module, is_improvement, run_evaluation
 from lightlike.module import TaskModule, check_task_module
 from lightlike.precision import get_precision
-from lightlike.preemption import Preempted, PreemptionHandler, requeue_slurm_job
+from lightlike.preemption import PreemptionHandler, save_and_exit
 from lightlike.state import Control, FitResult, FitState, PredictionResult
 from lightlike.strategies import Strategy, get_strategy
 from lightlike.utils.failfast import failing_fast
@@ -94,7 +94,11 @@ class Fitter:
         # ---- set up: processes and devices, output dir, data, module, optimizer ----------------
         strategy = self._setup_strategy()
         check_task_module(module)
-        resume_from = self._resume_source(resume)
+        resume_from = None
+        if resume:
+            from lightlike.checkpoint.training import resolve_resume
+
+            resume_from = resolve_resume(cfg, resume)
         if resume_from is None:  # a fresh fit must not mix with an old run
             from lightlike.checkpoint.rotation import prepare_output_dir_on_all_ranks
 
@@ -233,7 +237,7 @@ class Fitter:
                             log.warning("%s received at the run's last step %d: it ends normally (no requeue)",
                                         preemption.signal_name or "a signal", step)
                         else:
-                            self._preempted(preemption.signal_name or "a signal on another rank")
+                            save_and_exit(self, preemption.signal_name or "a signal on another rank")
                     if control.should_training_stop or epoch_ended:
                         break
             # ---- end of training (stopped by a callback, or no step left to take) ----------------
@@ -516,20 +520,6 @@ class Fitter:
         optimizer = optim.build_optimizer(module, self.config, self.strategy.precision)  # type: ignore[union-attr]
         return optimizer, optim.build_scheduler(optimizer, self.config, max_steps)
 
-    def _preempted(self, signal_name: str) -> None:
-        """Save (once) at this step boundary, ask SLURM to requeue, exit with code 75."""
-        state = self.state
-        log.warning("%s received: saving a checkpoint at step %d and exiting", signal_name, state.global_step)
-        self._preemption.finish_vote()
-        # always a full, resumable checkpoint (also over this step's weights-only one)
-        resave = state.last_save_step != state.global_step or self.config.save_only_model
-        path = self._save_checkpoint(full=True) if resave else None
-        self._commit_checkpoint()  # this step's save may still be in flight
-        checkpoint = str(path) if path else f"{self.config.output_dir}/checkpoint-{state.global_step}"
-        if self.config.requeue_on_preemption and self.strategy.is_global_zero:  # type: ignore[union-attr]
-            requeue_slurm_job()
-        raise Preempted(signal_name, checkpoint)
-
     # -- when to log and save -------------------------------------------------------------------
     def _is_log_step(self, step: int) -> bool:
         return step % self.config.log_every == 0
@@ -598,13 +588,6 @@ class Fitter:
         path = commit_pending_checkpoint(self)
         if path is not None:
             self.callbacks.call_on_save(self, self.state, self.control, str(path))
-
-    def _resume_source(self, resume: bool | str | None) -> Path | None:
-        if not resume:
-            return None
-        from lightlike.checkpoint.training import resolve_resume
-
-        return resolve_resume(self.config, resume)
 
 
 def _weight(count: int | torch.Tensor, total: int | torch.Tensor, dtype: torch.dtype) -> float | torch.Tensor:

@@ -107,6 +107,22 @@ def _signal(name: str) -> int:
     return sig
 
 
+def save_and_exit(fitter: Any, signal_name: str) -> None:
+    """At the step boundary after a preemption signal: save (once), ask SLURM to requeue, and
+    exit with code 75 (raises ``Preempted``)."""
+    state, cfg = fitter.state, fitter.config
+    log.warning("%s received: saving a checkpoint at step %d and exiting", signal_name, state.global_step)
+    fitter._preemption.finish_vote()
+    # always a full, resumable checkpoint (also over this step's weights-only one)
+    resave = state.last_save_step != state.global_step or cfg.save_only_model
+    path = fitter._save_checkpoint(full=True) if resave else None
+    fitter._commit_checkpoint()  # this step's save may still be in flight
+    checkpoint = str(path) if path else f"{cfg.output_dir}/checkpoint-{state.global_step}"
+    if cfg.requeue_on_preemption and fitter.strategy.is_global_zero:
+        requeue_slurm_job()
+    raise Preempted(signal_name, checkpoint)
+
+
 def requeue_slurm_job() -> bool:
     """``scontrol requeue $SLURM_JOB_ID`` when under SLURM; tolerate its absence."""
     job = os.environ.get("SLURM_JOB_ID")
