@@ -27,6 +27,7 @@ from lightlike.precision import get_precision
 from lightlike.preemption import PreemptionHandler, save_and_exit
 from lightlike.state import Control, FitResult, FitState, PredictionResult
 from lightlike.strategies import Strategy, get_strategy
+from lightlike.utils.buffers import restore_buffers, snapshot_buffers
 from lightlike.utils.failfast import failing_fast
 from lightlike.utils.memory import peak_memory_bytes
 from lightlike.utils.seed import seed_everything
@@ -74,9 +75,7 @@ class Fitter:
         others: as usual). Sets up the process group first."""
         return self._setup_strategy().module_init_context()
 
-    # ==========================================================================================
-    # fit
-    # ==========================================================================================
+    # ==== fit =====================================================================================
     def fit(self, module: TaskModule, train: Any, val: Any = None, *, resume: bool | str | None = None) -> FitResult:
         """Train ``module`` on ``train``; evaluate on ``val`` (a Dataset/DataLoader or a dict of
         them). ``resume=True`` continues from the newest valid checkpoint in ``output_dir``,
@@ -295,6 +294,7 @@ class Fitter:
                                               uniform=self._uniform_counts)
         last = len(batches) - 1
         step = self.state.global_step + 1
+        buffers = snapshot_buffers(module) if cfg.nonfinite_loss == "skip" else None  # BatchNorm statistics
         for i, batch in enumerate(batches):
             with strategy.no_sync(model, enabled=i < last):
                 with strategy.autocast():
@@ -310,6 +310,7 @@ class Fitter:
             # one host read per step, by choice; every rank skips if any rank saw a non-finite loss
             if strategy.reduce_flag(not bool(torch.isfinite(window_losses).all())):
                 strategy.zero_grad(optimizer)
+                restore_buffers(buffers)  # type: ignore[arg-type]
                 del self._pending[-len(batches):]
                 self.state.skipped_steps += 1
                 log.warning("non-finite loss at step %d: step skipped (%d skipped so far)", step,
@@ -431,9 +432,7 @@ class Fitter:
             self._log_training(final=True)
         return metrics
 
-    # ==========================================================================================
-    # evaluation and prediction outside fit
-    # ==========================================================================================
+    # ==== evaluation and prediction outside fit ===================================================
     def validate(self, module: TaskModule, data: Any) -> dict[str, float]:
         """Evaluate on ``data`` (or a dict of sets); keys ``val/<name>`` (or ``<set>/<name>``)."""
         with failing_fast(self):
@@ -485,9 +484,7 @@ class Fitter:
         self.model = self.strategy.setup_module_for_evaluation(module)  # type: ignore[union-attr]
         return self.model
 
-    # ==========================================================================================
-    # set-up helpers
-    # ==========================================================================================
+    # ==== set-up helpers ==========================================================================
     def _setup_strategy(self) -> Strategy:
         if self.strategy is None:
             cfg = self.config

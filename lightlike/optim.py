@@ -129,8 +129,9 @@ def build_optimizer(module: nn.Module, config: Any, precision: Any = None) -> to
 
             # FSDP's ShardedGradScaler hands the fused kernel a found-inf flag of the wrong shape
             # for DTensor parameters (torch 2.13: "output with shape [] doesn't match the
-            # broadcast shape [1]"): unfused under a precision with a grad scaler
-            fused = not get_precision(config.precision).uses_scaler
+            # broadcast shape [1]"): unfused under a precision with a grad scaler (the
+            # strategy's: a strategy instance may bring its own while config.precision is "auto")
+            fused = not (precision if precision is not None else get_precision(config.precision)).uses_scaler
     kwargs: dict[str, Any] = {"fused": True} if fused else {}
     return torch.optim.AdamW(groups, lr=config.learning_rate, betas=(config.adam_beta1, config.adam_beta2),
                              eps=config.adam_epsilon, **kwargs)
@@ -271,7 +272,26 @@ def call_configure_optimizers(module: Any, config: Any) -> Any:
         takes_config = bool(inspect.signature(module.configure_optimizers).parameters)
     except (TypeError, ValueError):  # no signature to read: call it the documented way
         takes_config = True
-    return module.configure_optimizers(config) if takes_config else module.configure_optimizers()
+    if takes_config:
+        return module.configure_optimizers(config)
+    result = module.configure_optimizers()
+    if result is not None:  # None: the built-in ones, which read them
+        import dataclasses
+
+        defaults = {f.name: f.default for f in dataclasses.fields(config)}
+        unread = [f"{name}={getattr(config, name)!r}" for name in _OPTIMIZER_FIELDS
+                  if getattr(config, name) != defaults[name]]
+        if unread:
+            log.warning("%s.configure_optimizers() takes no config, so %s set for this fit %s not used: its "
+                        "optimizer and scheduler are. Give it a config parameter to read them, or drop them",
+                        type(module).__name__, ", ".join(unread), "is" if len(unread) == 1 else "are")
+    return result
+
+
+#: the fields only the built-in optimizer and scheduler read
+_OPTIMIZER_FIELDS = ("optimizer", "learning_rate", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon",
+                     "momentum", "fused", "lr_scheduler", "warmup_steps", "warmup_ratio", "num_cycles", "lr_end",
+                     "power")
 
 
 def unwrap_configure_optimizers(result: Any) -> tuple[torch.optim.Optimizer, Any]:

@@ -288,6 +288,50 @@ def test_nonfinite_skip_policy_counts(tmp_path):
     assert logged and logged[-1]["train/skipped_steps"] == 1.0
 
 
+def test_a_skipped_step_leaves_the_buffers_as_they_were(tmp_path):
+    """A NaN item at step 2 reaches BatchNorm's running statistics in the forward pass, before the
+    loss is seen; the skipped step puts them back (they were NaN for good, and every evaluation
+    after it with them). Reference: the same run with step 2's batch left out entirely."""
+
+    class Normed(Classifier):
+        def __init__(self):
+            super().__init__()
+            self.norm = nn.BatchNorm1d(8)
+
+        def forward(self, batch):
+            return self.net(self.norm(batch["x"]))
+
+    class Without(torch.utils.data.Dataset):  # in order, so step 2 is items 4..7
+        def __init__(self, drop):
+            self.data, self.keep = DictDataset(n=20), [i for i in range(20) if not (drop and 4 <= i < 8)]
+
+        def __len__(self):
+            return len(self.keep)
+
+        def __getitem__(self, i):
+            item = dict(self.data[self.keep[i]])
+            if self.keep[i] == 5 and not drop_nan[0]:
+                item["x"] = torch.full_like(item["x"], float("nan"))
+            return item
+
+    def go(drop, steps):
+        drop_nan[0] = drop
+        torch.manual_seed(0)
+        model = Normed()
+        result = fitter(tmp_path / str(drop), max_steps=steps, nonfinite_loss="skip", shuffle=False,
+                                lr_scheduler="constant").fit(
+            model, Without(drop))
+        return model, result
+
+    drop_nan = [False]
+    skipped, result = go(False, 4)
+    reference, _ = go(True, 3)
+    assert result.skipped_steps == 1
+    assert torch.isfinite(skipped.norm.running_mean).all() and torch.isfinite(skipped.norm.running_var).all()
+    for name, value in reference.state_dict().items():
+        assert torch.equal(skipped.state_dict()[name], value), name
+
+
 def test_config_round_trip(tmp_path):
     cfg = ll.FitConfig(max_steps=7, learning_rate=0.5, loggers=["csv"], max_grad_norm=1.0)
     assert ll.FitConfig.from_json(cfg.to_json()) == cfg

@@ -148,6 +148,18 @@ def test_precisions(tmp_path, precision):
     assert len(losses) == 6 and all(map(lambda v: v == v, losses))
 
 
+def test_a_strategy_instance_with_its_own_16_mixed(tmp_path):
+    """FSDPStrategy(precision=MixedPrecision("16", init_scale=2**10, growth_interval=1)) with the
+    Fitter's precision left 'auto': it trains (the optimizer is unfused for the ShardedGradScaler,
+    as under precision='16-mixed'), and the ShardedGradScaler keeps the plugin's settings. Before,
+    the fused kernel failed at step 1 and the scaler fell back to torch's defaults (2**16, 2000)."""
+    run_ok(2, tmp_path, "--strategy", "fsdp:own-16-mixed", "--dtype", "float32", "--steps", "4")
+    scaler = json.loads((tmp_path / "scaler-rank0.json").read_text())
+    assert scaler["class"] == "ShardedGradScaler" and scaler["growth_interval"] == 1
+    assert scaler["scale"] == 2.0**14  # four finite steps, doubled after each
+    assert torch.isfinite(weights(tmp_path)["net.0.weight"]).all()
+
+
 def test_offload_on_cpu_is_a_clear_error(tmp_path):
     p = launch(2, tmp_path / "off", "--strategy", "fsdp_offload", "--steps", "1")
     assert p.returncode != 0

@@ -328,8 +328,9 @@ def test_configure_optimizers_accepted_forms():
     assert unwrap_configure_optimizers({"optimizer": opt, "lr_scheduler": step}) == (opt, sched)
 
 
-def test_lightning_style_configure_optimizers_without_config(tmp_path):
-    """``def configure_optimizers(self)`` (Lightning's signature) is called without the config."""
+def test_lightning_style_configure_optimizers_without_config(tmp_path, caplog):
+    """``def configure_optimizers(self)`` (Lightning's signature) is called without the config;
+    optimizer settings given to the Fitter then go unused, and a warning names them."""
     from helpers import Classifier, DictDataset
 
     class Lightningish(Classifier):
@@ -341,6 +342,11 @@ def test_lightning_style_configure_optimizers_without_config(tmp_path):
     fitter = ll.Fitter(max_steps=3, batch_size=4, output_dir=str(tmp_path), loggers=[])
     fitter.fit(Lightningish(), DictDataset(n=16))
     assert isinstance(fitter.optimizer, torch.optim.SGD) and fitter.scheduler.get_last_lr() == [0.05]
+    assert "configure_optimizers() takes no config" not in caplog.text  # nothing set: nothing to say
+    ll.Fitter(max_steps=1, batch_size=4, output_dir=str(tmp_path / "b"), loggers=[], learning_rate=1e-5,
+              warmup_steps=2).fit(Lightningish(), DictDataset(n=16))
+    assert ("Lightningish.configure_optimizers() takes no config, so learning_rate=1e-05, warmup_steps=2 set "
+            "for this fit are not used") in caplog.text
 
 
 def test_configure_optimizers_rejected_forms():

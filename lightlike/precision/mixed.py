@@ -35,9 +35,12 @@ class MixedPrecision(Precision):
         assert self.compute_dtype is not None
         require_device_support(self.name, device, self.compute_dtype)
         if self.uses_scaler:
-            self.scaler = torch.amp.GradScaler(
-                device.type, init_scale=self._init_scale, growth_interval=self._growth_interval
-            )
+            self.use_scaler(torch.amp.GradScaler)
+
+    def use_scaler(self, scaler_class: type) -> None:
+        """Scale with ``scaler_class`` (a strategy that shards gradients passes torch's
+        ``ShardedGradScaler``), built with this plugin's ``init_scale`` and ``growth_interval``."""
+        self.scaler = scaler_class(self.device.type, init_scale=self._init_scale, growth_interval=self._growth_interval)
 
     def autocast(self) -> contextlib.AbstractContextManager:
         return torch.autocast(self.device.type, dtype=self.compute_dtype)

@@ -147,7 +147,7 @@ class FSDPStrategy(DDPStrategy):
             from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
             # the inf check must be agreed over ranks, or ranks would skip different steps
-            self.precision.scaler = ShardedGradScaler(self.root_device.type)  # type: ignore[attr-defined]
+            self.precision.use_scaler(ShardedGradScaler)  # type: ignore[attr-defined]
 
     # -- module and optimizer ------------------------------------------------------------------
     @property

@@ -256,6 +256,11 @@ def main() -> None:
         from lightlike.strategies.fsdp import FSDPStrategy
 
         strategy = FSDPStrategy(async_save=True)
+    elif strategy == "fsdp:own-16-mixed":  # an instance bringing its own precision (the Fitter's 'auto')
+        from lightlike.precision import MixedPrecision
+        from lightlike.strategies.fsdp import FSDPStrategy
+
+        strategy = FSDPStrategy(precision=MixedPrecision("16", init_scale=2.0**10, growth_interval=1))
     callbacks: list = []
     callbacks.append(Footprint(out))
     if args.stop:
@@ -306,6 +311,10 @@ def main() -> None:
     # full weights (gathered from the shards under FSDP/ZeRO: collective, so every rank asks)
     full = {k: v.detach().clone().cpu() for k, v in strategy.module_state_dict(fitter.model).items()}
     torch.save(full, out / f"final-rank{rank}.pt")
+    scaler = getattr(strategy.precision, "scaler", None)
+    if scaler is not None:
+        (out / f"scaler-rank{rank}.json").write_text(json.dumps(
+            {"class": type(scaler).__name__, "scale": scaler.get_scale(), "growth_interval": scaler._growth_interval}))
 
 
 if __name__ == "__main__":
