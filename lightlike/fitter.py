@@ -28,7 +28,7 @@ from lightlike.preemption import PreemptionHandler, save_and_exit
 from lightlike.state import Control, FitResult, FitState, PredictionResult
 from lightlike.strategies import Strategy, get_strategy
 from lightlike.utils.buffers import restore_buffers, snapshot_buffers
-from lightlike.utils.failfast import failing_fast
+from lightlike.utils.failfast import decided_on_main, failing_fast
 from lightlike.utils.memory import peak_memory_bytes
 from lightlike.utils.seed import seed_everything
 
@@ -93,15 +93,13 @@ class Fitter:
         # ---- set up: processes and devices, output dir, data, module, optimizer ----------------
         strategy = self._setup_strategy()
         check_task_module(module)
-        resume_from = None
-        if resume:
-            from lightlike.checkpoint.training import resolve_resume
+        from lightlike.checkpoint.resume import resolve_resume  # chosen once, on the main rank, for all
 
-            resume_from = resolve_resume(cfg, resume)
+        resume_from = decided_on_main(strategy, resolve_resume, cfg, resume) if resume else None
         if resume_from is None:  # a fresh fit must not mix with an old run
-            from lightlike.checkpoint.rotation import prepare_output_dir_on_all_ranks
+            from lightlike.checkpoint.rotation import prepare_output_dir
 
-            prepare_output_dir_on_all_ranks(strategy, cfg.output_dir, cfg.overwrite_output_dir, resume)
+            decided_on_main(strategy, prepare_output_dir, cfg.output_dir, cfg.overwrite_output_dir, resume)
         seed_everything(cfg.seed, cfg.deterministic)
         self.train_data = train_data = build_train_data(
             train, batch_size=cfg.batch_size, shuffle=cfg.shuffle, drop_last=cfg.drop_last,

@@ -228,6 +228,23 @@ def test_kill_one_rank_and_resume_is_bit_identical(tmp_path, kill_step):
     assert logs[0] == logs[1]
 
 
+def test_every_rank_resumes_from_the_checkpoint_the_main_rank_chose(tmp_path):
+    """resume=True: rank 1's checksum pass over checkpoint-6 fails (an I/O error). The choice
+    is made once, on rank 0, for every rank: both resume from checkpoint-6 and end with the
+    uninterrupted run's weights. Each rank chose for itself before: rank 1 fell back to
+    checkpoint-4, the ranks trained two steps apart in the same all-reduces, and rank 1 hung."""
+    common = ["--steps", "8", "--items", "40", "--batch", "4", "--save-every", "2"]
+    ref = launch(2, tmp_path / "ref", *common)
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    out = tmp_path / "run"
+    assert launch(2, out, *common, "--stop", "6").returncode == 0
+    resumed = launch(2, out, *common, "--resume", "--unreadable-on-rank1", "checkpoint-6", timeout=90)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    for rank in (0, 1):
+        a, b = weights(out, rank), weights(tmp_path / "ref", rank)
+        assert all(torch.equal(a[k], b[k]) for k in a), f"rank {rank} differs"
+
+
 def test_preemption_signal_on_one_rank_stops_every_rank_at_the_same_step(tmp_path):
     """SIGTERM reaches rank 1 only, after step 3. The ranks vote every 10 steps without waiting
     for the vote (started at step 10, read at step 20): both save checkpoint-20 and exit 75, and

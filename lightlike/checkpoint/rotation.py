@@ -6,7 +6,6 @@ import logging
 import shutil
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
 
 from lightlike.checkpoint.manifest import _NAME, MANIFEST, find_latest_valid, list_checkpoints
 from lightlike.errors import OutputDirError
@@ -73,19 +72,3 @@ def prepare_output_dir(output_dir: str | Path, overwrite: bool, resume: bool | s
     log.warning("overwrite_output_dir=True: removing %s", ", ".join(str(p) for p in old))
     for p in old:
         shutil.rmtree(p)
-
-
-def prepare_output_dir_on_all_ranks(strategy: Any, output_dir: str | Path, overwrite: bool,
-                                    resume: bool | str | None = None) -> None:
-    """``prepare_output_dir`` on the main rank; its error, if any, is raised on every rank, so
-    none goes on into a collective that the failing rank will never join."""
-    problem = None
-    if strategy.is_global_zero:
-        try:
-            prepare_output_dir(output_dir, overwrite, resume=resume)
-        except OutputDirError as error:
-            problem = error
-    if strategy.world_size > 1:
-        problem = strategy.broadcast_object(problem)
-    if problem is not None:
-        raise problem

@@ -5,17 +5,19 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
+from lightlike.errors import LightlikeError, on_every_rank
 from lightlike.preemption import Preempted
 
 if TYPE_CHECKING:
     from lightlike.fitter import Fitter
 
 log = logging.getLogger("lightlike")
+T = TypeVar("T")
 
 
 @contextlib.contextmanager
@@ -42,6 +44,24 @@ def failing_fast(fitter: Fitter) -> Iterator[None]:
                 error._lightlike_logged = True  # type: ignore[attr-defined]
         fitter.callbacks.call("on_exception", fitter, fitter.state, fitter.control, error)
         raise
+
+
+def decided_on_main(strategy: Any, fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)`` on the main rank, its result (or its lightlike error) sent to every rank: one
+    decision for all of them (which checkpoint to resume, whether ``output_dir`` may be used), so
+    that no rank goes its own way into collectives the others never join. The error is raised
+    on every rank at the same point."""
+    result, problem = None, None
+    if strategy.is_global_zero:
+        try:
+            result = fn(*args)
+        except LightlikeError as error:
+            problem = error
+    if strategy.world_size > 1:
+        result, problem = strategy.broadcast_object((result, problem))
+    if problem is not None:
+        raise on_every_rank(problem)
+    return result  # type: ignore[return-value]
 
 
 def _peer_lost(error: BaseException) -> bool:

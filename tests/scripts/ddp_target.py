@@ -215,8 +215,20 @@ def main() -> None:
     p.add_argument("--no-overwrite", action="store_true", help="refuse an output_dir that holds a run")
     p.add_argument("--eval-on-epoch-end", action="store_true")
     p.add_argument("--log-every", type=int, default=1)
+    p.add_argument("--unreadable-on-rank1", default="", help="rank 1's checksum pass of this checkpoint fails (EIO)")
     args = p.parse_args()
     rank = int(os.environ.get("RANK", "0"))
+    if args.unreadable_on_rank1 and rank == 1:  # a transient read error, or a node's stale view of the files
+        from lightlike.checkpoint import manifest
+
+        verify = manifest.verify_checkpoint
+
+        def flaky(path, hashes=True, **kw):
+            if Path(path).name == args.unreadable_on_rank1 and hashes:
+                raise OSError(5, "Input/output error", str(path))
+            return verify(path, hashes=hashes, **kw)
+
+        manifest.verify_checkpoint = flaky
     out = Path(args.out)
     torch.manual_seed(0)
     if args.mode == "fail-eval":  # a failure on rank 1 inside validate(), outside any fit()
