@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightlike.checkpoint.weights import check_shapes
 from lightlike.errors import CheckpointError
 
 DCP_DIR = "dcp"
@@ -51,8 +52,10 @@ def save_dcp_state(directory: Path, module: nn.Module, optimizer: torch.optim.Op
 def load_dcp_state(directory: Path, module: nn.Module, optimizer: torch.optim.Optimizer | None,
                    strict: bool = True) -> None:
     """Load a DCP checkpoint into the current (possibly differently sharded) module and
-    optimizer. Missing or unexpected keys are listed in one error."""
+    optimizer. Missing, unexpected and mis-shaped keys (from DCP's metadata, before anything is
+    read) are listed in one ``CheckpointError``, as ``check_fits`` lists them for full weights."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import (
         get_model_state_dict,
         get_state_dict,
@@ -62,7 +65,7 @@ def load_dcp_state(directory: Path, module: nn.Module, optimizer: torch.optim.Op
 
     if not directory.is_dir():
         raise CheckpointError(f"{directory.parent} has no sharded state ({DCP_DIR}/)")
-    stored = {k for k in _metadata(directory).state_dict_metadata}
+    stored = _metadata(directory).state_dict_metadata
     if optimizer is None:
         state: dict[str, Any] = {"model": get_model_state_dict(module)}
     else:
@@ -70,23 +73,59 @@ def load_dcp_state(directory: Path, module: nn.Module, optimizer: torch.optim.Op
         state = {"model": model_sd, "optim": optim_sd}
         if not any(k.startswith("optim.") for k in stored):
             raise CheckpointError(f"{directory.parent} holds weights only and cannot be resumed")
-    wanted = {f"model.{k}" for k in state["model"]}
-    have = {k for k in stored if k.startswith("model.")}
-    if strict and wanted != have:
-        missing, unexpected = sorted(wanted - have), sorted(have - wanted)
-        raise CheckpointError(
-            f"{directory.parent} does not fit this module: missing keys {[m[6:] for m in missing][:20]}, "
-            f"unexpected keys {[u[6:] for u in unexpected][:20]}")
+    # names and global shapes, from DCP's metadata, before any rank reads: one error listing every
+    # misfit, the same on every rank (DCP's own names one shape mismatch per rank)
+    check_shapes(_class_name(module), _own_shapes(state["model"]), _stored_shapes(stored, state["model"]),
+                 strict=strict, source=str(directory.parent))
     planner = dcp.DefaultLoadPlanner(allow_partial_load=not strict)
     try:
         dcp.load(state, storage_reader=dcp.FileSystemReader(directory), planner=planner)
-    except Exception as error:  # shape mismatches surface here, per rank
-        raise CheckpointError(f"{directory.parent} does not fit this module: {error}") from error
+    except (Exception, CheckpointException) as error:  # CheckpointException is a BaseException
+        raise CheckpointError(f"{directory.parent} could not be loaded into {_class_name(module)}: "
+                              f"{_failures(error)}") from error
     if optimizer is None:
         set_model_state_dict(module, state["model"], options=_options(strict=strict))
     else:
         set_state_dict(module, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
                        options=_options(strict=strict))
+
+
+def _class_name(module: nn.Module) -> str:
+    """The user's class, not the one ``fully_shard`` derives from it (``FSDP<name>``)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return next(c.__name__ for c in type(module).__mro__ if not issubclass(c, FSDPModule))
+
+
+def _own_shapes(model_sd: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    """Global shapes (a DTensor's ``shape`` is its global one); () for what is not a tensor."""
+    return {k: tuple(v.shape) if isinstance(v, torch.Tensor) else () for k, v in model_sd.items()}
+
+
+def _stored_shapes(stored: dict[str, Any], model_sd: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    """The checkpoint's ``model.`` keys (without the prefix) and their global shapes; entries
+    that are not tensors are taken to fit."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    shapes = {}
+    for key, item in stored.items():
+        if key.startswith("model."):
+            name = key[len("model."):]
+            if isinstance(item, TensorStorageMetadata):
+                shapes[name] = tuple(item.size)
+            else:
+                value = model_sd.get(name)
+                shapes[name] = tuple(value.shape) if isinstance(value, torch.Tensor) else ()
+    return shapes
+
+
+def _failures(error: BaseException) -> str:
+    """DCP's per-rank failures, one line each, without its tracebacks."""
+    failures = getattr(error, "failures", None)
+    if not isinstance(failures, dict):
+        return f"{type(error).__name__}: {error}"
+    excs = {rank: f[0] if isinstance(f, tuple) else f for rank, f in sorted(failures.items())}
+    return "; ".join(f"rank {rank}: {type(exc).__name__}: {exc}" for rank, exc in excs.items())
 
 
 def _metadata(directory: Path) -> Any:

@@ -5,10 +5,11 @@ from __future__ import annotations
 import importlib
 import logging
 import os
+import re
 import shutil
 from pathlib import Path
 
-from lightlike.checkpoint.manifest import verify_checkpoint
+from lightlike.checkpoint.manifest import MANIFEST, verify_checkpoint
 from lightlike.errors import CheckpointError
 
 log = logging.getLogger("lightlike")
@@ -20,13 +21,21 @@ CONSOLIDATORS: dict[str, str] = {
     "deepspeed": "lightlike.checkpoint.zero:consolidate_to_safetensors",
 }
 
+#: What an export writes; a folder holding nothing else is taken for an earlier export.
+EXPORTED = ("model.safetensors", "hparams.json", "config.json")
+_TEMP = re.compile(r"^\.(?:model\.safetensors|hparams\.json|config\.json)\.tmp-\d+$")  # an interrupted export's
+
 
 def export_weights(checkpoint_dir: str | Path, out_dir: str | Path, hashes: bool = True) -> Path:
     """Verify ``checkpoint_dir`` and write ``out_dir/model.safetensors`` (plus ``hparams.json``
-    and ``config.json`` when the checkpoint has them). Each file lands atomically; existing files
-    in ``out_dir`` with those names are replaced (with a warning), and an earlier export's
-    ``hparams.json``/``config.json`` that this checkpoint lacks is removed, so the folder
-    describes one model. Returns the path of the weights.
+    and ``config.json`` when the checkpoint has them). Returns the path of the weights.
+
+    ``out_dir`` is new, empty, an earlier export (it holds nothing but those three files: they
+    are replaced, with a warning, and an earlier ``hparams.json``/``config.json`` that this
+    checkpoint lacks is removed, so the folder describes one model), or ``checkpoint_dir``
+    itself (its files are left as they are). Any other folder, a checkpoint above all, is
+    refused with a ``CheckpointError`` before anything is written: nothing that an export did not
+    write is overwritten. Each file lands atomically.
 
     Sharded checkpoints (FSDP's DCP shards, DeepSpeed's ZeRO partitions) are consolidated into
     the same single file by the consolidator their ``state_format`` names."""
@@ -34,26 +43,58 @@ def export_weights(checkpoint_dir: str | Path, out_dir: str | Path, hashes: bool
     manifest = verify_checkpoint(src, hashes=hashes)
     fmt = manifest.get("meta", {}).get("state_format", "full")
     out = Path(out_dir)
+    in_place = out.is_dir() and out.samefile(src)
+    if not in_place:
+        _check_out_dir(out)
+    consolidated = not (src / "model.safetensors").is_file()
+    if consolidated and fmt not in CONSOLIDATORS:
+        raise CheckpointError(f"{src} has no model.safetensors to export (state_format={fmt!r})")
+    if consolidated and in_place:  # a file its manifest does not list: loading the checkpoint would refuse it
+        raise CheckpointError(f"export: {str(src)!r} is sharded ({fmt}); export it into another folder, not into "
+                              "the checkpoint itself")
+    # decided before anything is written: what of an earlier export this one replaces or removes
+    replaced = [] if in_place else [name for name in EXPORTED if (out / name).is_file()]
     out.mkdir(parents=True, exist_ok=True)
-    if not (src / "model.safetensors").is_file():
-        if fmt not in CONSOLIDATORS:
-            raise CheckpointError(f"{src} has no model.safetensors to export (state_format={fmt!r})")
+    if consolidated:
         module_name, fn_name = CONSOLIDATORS[fmt].split(":")
         consolidate = getattr(importlib.import_module(module_name), fn_name)
         tmp = out / f".model.safetensors.tmp-{os.getpid()}"
-        consolidate(src, tmp)
-        fsync_replace(tmp, out / "model.safetensors")
-    replaced = [name for name in ("model.safetensors", "hparams.json", "config.json") if (out / name).is_file()]
-    for name in ("model.safetensors", "hparams.json", "config.json"):
-        if (src / name).is_file():
-            tmp = out / f".{name}.tmp-{os.getpid()}"
-            shutil.copyfile(src / name, tmp)
-            fsync_replace(tmp, out / name)
-        elif name != "model.safetensors" and (out / name).is_file():
-            (out / name).unlink()  # an earlier export's: it would describe another model
+        try:
+            consolidate(src, tmp)
+            fsync_replace(tmp, out / "model.safetensors")
+        finally:
+            tmp.unlink(missing_ok=True)
+    if not in_place:  # in place, the checkpoint's own files are already there
+        for name in EXPORTED:
+            if (src / name).is_file():
+                tmp = out / f".{name}.tmp-{os.getpid()}"
+                shutil.copyfile(src / name, tmp)
+                fsync_replace(tmp, out / name)
+            elif name != "model.safetensors" and (out / name).is_file():
+                (out / name).unlink()  # an earlier export's: it would describe another model
     if replaced:
         log.warning("export into %s replaced %s of an earlier export", out, ", ".join(replaced))
     return out / "model.safetensors"
+
+
+def _check_out_dir(out: Path) -> None:
+    """Refuse an ``out_dir`` that is a file, a checkpoint, or a folder holding more than an
+    earlier export: its files were not written by an export and must not be overwritten."""
+    if not out.exists():
+        return
+    if not out.is_dir():
+        raise CheckpointError(f"export: OUT_DIR {str(out)!r} is a file, not a directory: choose another OUT_DIR")
+    if (out / MANIFEST).is_file():
+        raise CheckpointError(
+            f"export: OUT_DIR {str(out)!r} is a checkpoint (it holds {MANIFEST}); exporting into it would overwrite "
+            "its files and leave it damaged: choose a new or empty OUT_DIR")
+    foreign = sorted(p.name for p in out.iterdir() if p.name not in EXPORTED and not _TEMP.match(p.name))
+    if foreign:
+        shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+        raise CheckpointError(
+            f"export: OUT_DIR {str(out)!r} holds files that no export wrote ({shown}); an export goes into a new "
+            f"or empty folder, or replaces an earlier export (a folder holding only {', '.join(EXPORTED)}): "
+            "choose another OUT_DIR, or move those files away")
 
 
 def fsync_replace(tmp: Path, dest: Path) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -27,10 +28,20 @@ def check_fits(module: nn.Module, state: Mapping[str, torch.Tensor], strict: boo
     """Raise one error listing missing, unexpected and mis-shaped keys; returns the module's
     state dict (shapes are global ones, also for sharded parameters)."""
     own = module.state_dict()
-    missing = [k for k in own if k not in state]
-    unexpected = [k for k in state if k not in own]
-    mismatched = [f"{k}: checkpoint {tuple(state[k].shape)} vs module {tuple(v.shape)}"
-                  for k, v in own.items() if k in state and tuple(state[k].shape) != tuple(v.shape)]
+    check_shapes(type(module).__name__, own, state, strict, source)
+    return own
+
+
+def check_shapes(module_name: str, own: Mapping[str, Any], stored: Mapping[str, Any], strict: bool = True,
+                 source: str | None = None) -> None:
+    """The check behind ``check_fits``, on names and shapes alone: ``own`` (the module's) and
+    ``stored`` (the checkpoint's) map each key to a tensor (or anything with a ``shape``) or to a
+    shape. Raise one ``CheckpointError`` listing every missing, unexpected and mis-shaped key;
+    with ``strict=False`` missing and unexpected keys are only warned about."""
+    missing = [k for k in own if k not in stored]
+    unexpected = [k for k in stored if k not in own]
+    mismatched = [f"{k}: checkpoint {_shape(stored[k])} vs module {_shape(v)}"
+                  for k, v in own.items() if k in stored and _shape(stored[k]) != _shape(v)]
     problems = []
     if strict and missing:
         problems.append(_listing("missing keys (in the module, not in the checkpoint)", missing))
@@ -40,12 +51,15 @@ def check_fits(module: nn.Module, state: Mapping[str, torch.Tensor], strict: boo
         problems.append(_listing("shape mismatches", mismatched))
     where = f" from {source}" if source else ""
     if problems:
-        raise CheckpointError(f"the weights{where} do not fit {type(module).__name__}:\n" + "\n".join(problems))
+        raise CheckpointError(f"the weights{where} do not fit {module_name}:\n" + "\n".join(problems))
     if missing or unexpected:  # strict=False: loaded what matches, and said what did not
-        log.warning("strict=False: loading the weights%s into %s left out\n%s", where, type(module).__name__, "\n".join(
+        log.warning("strict=False: loading the weights%s into %s left out\n%s", where, module_name, "\n".join(
             [_listing("missing keys (kept as they were)", missing)] * bool(missing)
             + [_listing("unexpected keys (ignored)", unexpected)] * bool(unexpected)))
-    return own
+
+
+def _shape(value: Any) -> tuple[int, ...]:
+    return tuple(value) if isinstance(value, tuple) else tuple(value.shape)
 
 
 def _listing(title: str, items: list[str]) -> str:
