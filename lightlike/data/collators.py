@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import numbers
 import struct
 from collections.abc import Collection, Mapping, Sequence
 from typing import Any
@@ -147,7 +148,7 @@ class PaddingCollator:
         if isinstance(first, torch.Tensor):
             return first.ndim == 1
         if isinstance(first, (list, tuple)):  # of numbers (a list of words is passed on as it is)
-            return all(isinstance(v, (int, float, bool)) for v in first)
+            return all(_is_scalar(v) for v in first)
         return getattr(first, "ndim", None) == 1  # e.g. a numpy array
 
     def _pad(self, tensors: list[torch.Tensor], value: int | float) -> torch.Tensor:
@@ -164,6 +165,14 @@ class PaddingCollator:
                 else:
                     out[i, longest - n:] = t
         return out
+
+
+def _is_scalar(value: Any) -> bool:
+    """A single number: a Python one, a numpy scalar (``list(np.array([1, 2]))`` holds
+    ``np.int64`` values, which are no ``int``) or a 0-d array or tensor."""
+    if isinstance(value, (str, bytes)):
+        return False
+    return isinstance(value, numbers.Number) or getattr(value, "ndim", None) == 0
 
 
 def _common_dtype(tensors: list[torch.Tensor]) -> torch.dtype:

@@ -1,13 +1,17 @@
 """``LengthGroupedSampler``: batches of similar length (less padding), resumable like
 ``ResumableSampler``.
 
-The epoch's global order is a pure function of (lengths, seed, epoch): shuffle all indices
-(``epoch_permutation``, the default sampler's convention), cut the shuffled order into
-megabatches of ``mega * batch_size * world_size`` indices, and sort each megabatch by length,
-longest first. Consecutive runs of ``batch_size * world_size`` indices (one global batch) then
-hold similar lengths, and since ranks are dealt positions round-robin from the global order,
-each rank's batch of ``batch_size`` is length-homogeneous too. Seeking to a sample position is
-slicing that order: O(1) in consumed batches, nothing is replayed.
+The epoch's global order is a pure function of (lengths, seed, epoch, group size): shuffle all
+indices (``epoch_permutation``, the default sampler's convention), cut the shuffled order into
+megabatches of ``group_size`` indices (by default ``mega * batch_size * world_size``, with
+``mega`` at most 50 and at most a quarter of the data, as HF's sampler does), and sort each
+megabatch by length, longest first. Consecutive runs of ``batch_size * world_size`` indices (one
+global batch) then hold similar lengths, and since ranks are dealt positions round-robin from the
+global order, each rank's batch of ``batch_size`` is length-homogeneous too. The last megabatch
+is sorted longest first down to a random rank and then shortest first up to it, so that the end of
+the order (the tail that ``even=True`` leaves out) is of a random length rather than the same
+shortest items every epoch. Seeking to a sample position is slicing that order: O(1) in consumed
+batches, nothing is replayed.
 """
 
 from __future__ import annotations
@@ -26,20 +30,27 @@ class LengthGroupedSampler(ResumableSampler):
     ``lengths[i]`` is the length of item i (e.g. ``len(dataset[i]["input_ids"])``).
     ``batch_size`` must be the DataLoader's (per-rank) batch size, so that its batches line up
     with the groups. ``mega`` global batches form a megabatch, the unit that is sorted: larger
-    means more homogeneous batches and less randomness; ``group_size`` sets the megabatch in
-    samples instead (default ``mega * batch_size * world_size``). The order depends on it: a run
-    resumed mid-epoch with another batch size or world size must pass the first run's
-    ``group_size`` (the resume says so, naming it). ``longest_first=True`` moves the longest
-    item to the front of the epoch (as the HF Trainer does), so an out-of-memory error shows on
-    the first step rather than hours in.
+    means more homogeneous batches and less randomness. By default (``mega=None``) it is
+    ``min(50, len(lengths) // (4 * batch_size * world_size))``, at least 1, as in HF's
+    ``LengthGroupedSampler``: a small dataset is cut into at least 4 megabatches, so that the
+    epochs differ by more than the order of equal lengths. ``group_size`` sets the megabatch in
+    samples instead (default ``mega * batch_size * world_size``); a ``mega`` or ``group_size``
+    you pass is kept as it is. The order depends on it: a run resumed mid-epoch with another batch
+    size or world size must pass the first run's ``group_size`` (the resume says so, naming it).
+    ``longest_first=True`` moves the longest item to the front of the epoch (as the HF Trainer
+    does), so an out-of-memory error shows on the first step rather than hours in.
 
     The interface is ``ResumableSampler``'s (it is one): ``set_epoch(epoch, start)`` with
     ``start`` in global samples; ``rank``/``world_size`` sharding, by default this process's
     place in the job as torchrun or srun set it (iterating refuses to start when
     torch.distributed runs another number of processes); and ``even=True`` (default: this is a
     training sampler), dropping the global tail of fewer than ``world_size`` samples so every
-    rank takes the same number of steps. A DataLoader built on it and passed to ``Fitter.fit``
-    resumes mid-epoch on the right sample.
+    rank takes the same number of steps. With ``shuffle=True`` the last megabatch runs longest
+    first down to a random rank r, then shortest first up to r (r drawn from seed and epoch), so
+    that tail is of random length, not that megabatch's shortest items every epoch (with one
+    sample left out, every item is as likely as any other to be the one); one batch spans the
+    turn. A DataLoader built on it and passed to ``Fitter.fit`` resumes mid-epoch on the right
+    sample.
     """
 
     def __init__(
@@ -47,7 +58,7 @@ class LengthGroupedSampler(ResumableSampler):
         lengths: Sequence[int] | torch.Tensor,
         batch_size: int,
         *,
-        mega: int = 50,
+        mega: int | None = None,
         group_size: int | None = None,
         shuffle: bool = True,
         seed: int = 0,
@@ -65,8 +76,8 @@ class LengthGroupedSampler(ResumableSampler):
             raise ValueError("lengths is empty: LengthGroupedSampler needs at least one item")
         if not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
-        if not isinstance(mega, int) or mega < 1:
-            raise ValueError(f"mega must be a positive int, got {mega!r}")
+        if mega is not None and (not isinstance(mega, int) or mega < 1):
+            raise ValueError(f"mega must be a positive int or None, got {mega!r}")
         if rank is None or world_size is None:
             from lightlike.strategies.environment import detect_environment
 
@@ -79,6 +90,9 @@ class LengthGroupedSampler(ResumableSampler):
                          drop_last=drop_last, even=even)
         self.lengths = lengths_t.long()
         self.batch_size = batch_size
+        if mega is None:  # HF's cap: at least 4 megabatches when the data allows, at most 50 batches each
+            mega = max(1, min(50, len(lengths_t) // (4 * batch_size * world_size)))
+        #: global batches per megabatch (the default is capped by the dataset size)
         self.mega = mega
         if group_size is not None and (not isinstance(group_size, int) or group_size < 1):
             raise ValueError(f"group_size must be a positive int, got {group_size!r}")
@@ -93,12 +107,28 @@ class LengthGroupedSampler(ResumableSampler):
     def global_order(self, epoch: int | None = None) -> torch.Tensor:
         """The order of all samples of ``epoch`` (all ranks together): a pure function."""
         epoch = self.epoch if epoch is None else epoch
-        order = epoch_permutation(self.n, self.seed, epoch, self.shuffle)
+        g = None
+        if self.shuffle:  # epoch_permutation's draw; the same generator then draws the turn below
+            g = torch.Generator()
+            g.manual_seed(self.seed + epoch)
+            order = torch.randperm(self.n, generator=g)
+        else:
+            order = epoch_permutation(self.n, self.seed, epoch, self.shuffle)
         groups = []
         for chunk in order.split(self.group_size):
             # stable: equal lengths keep their shuffled order
             keys = self.lengths[chunk]
             groups.append(chunk[torch.sort(keys, descending=True, stable=True).indices])
+        if g is not None and len(groups[-1]) > 1:
+            # even=True leaves out the end of the order (fewer than world_size samples), which a
+            # sorted megabatch fills with its shortest items: the same ones every epoch when one
+            # megabatch holds most of the data. Reversing the last megabatch from a random rank
+            # on (longest ... rank r-1, then shortest ... rank r) ends the order on an item of
+            # random rank instead, and keeps it two sorted runs (one batch spans the turn). It
+            # stays a pure function of (seed, epoch, n, group_size), whatever the world size.
+            last = groups[-1]
+            turn = int(torch.randint(len(last), (1,), generator=g))
+            groups[-1] = torch.cat([last[:turn], last[turn:].flip(0)])
         out = torch.cat(groups)
         if self.longest_first:
             # swap the longest item with the first one (each heads a sorted megabatch, so both
