@@ -408,58 +408,62 @@ def run_evaluation(
     n_batches = 0
     labelled: bool | None = None  # whether this rank's batches carry labels (all or none)
     default_labels = type(module).labels is _base_module().labels
-    was_training = model.training
-    model.eval()
+    # each submodule's own mode comes back as it was (a frozen BatchNorm in a training module, a
+    # wrapper's flag that is not the module's): model.train(flag) would set them all alike
+    modes = [(m, m.training) for m in {*model.modules(), *module.modules()}]
     lockstep = strategy.forward_is_collective
-    try:
-        for i, (batch, real) in enumerate(_in_lockstep(loader, strategy) if lockstep else ((b, True) for b in loader)):
-            where = f"in {prefix} batch {i}"
-            batch = strategy.batch_to_device(batch)
-            if not real:  # this rank's share is done: a forward whose output is dropped keeps the
-                with strategy.autocast():  # others' parameter gathers company
-                    call_module(model, batch, where)
-                continue
-            label = call_hook(module.labels, "labels", batch, where, batch) if collect else None
-            # the default labels() reads mappings only: a tuple batch counts as labelled unless the
-            # module's own labels() says otherwise
-            has_label = label is not None or not keep_outputs or (default_labels and not isinstance(batch, Mapping))
-            if labelled is None:
-                labelled = has_label
-            elif labelled != has_label:
-                raise DataError(f"{prefix} batch {i} {'has' if has_label else 'has no'} labels but the batches "
-                                f"before it {'do not' if has_label else 'do'} (TaskModule.labels(batch)); "
-                                "predict on a set that is labelled throughout or not at all")
-            with strategy.autocast():
-                outputs = call_module(model, batch, where)
+    with strategy.evaluating(model) as model:
+        model.eval()
+        try:
+            for i, (batch, real) in enumerate(_in_lockstep(loader, strategy) if lockstep else ((b, True) for b in loader)):
+                where = f"in {prefix} batch {i}"
+                batch = strategy.batch_to_device(batch)
+                if not real:  # this rank's share is done: a forward whose output is dropped keeps the
+                    with strategy.autocast():  # others' parameter gathers company
+                        call_module(model, batch, where)
+                    continue
+                label = call_hook(module.labels, "labels", batch, where, batch) if collect else None
+                # the default labels() reads mappings only: a tuple batch counts as labelled unless the
+                # module's own labels() says otherwise
+                has_label = label is not None or not keep_outputs or (default_labels and not isinstance(batch, Mapping))
+                if labelled is None:
+                    labelled = has_label
+                elif labelled != has_label:
+                    raise DataError(f"{prefix} batch {i} {'has' if has_label else 'has no'} labels but the batches "
+                                    f"before it {'do not' if has_label else 'do'} (TaskModule.labels(batch)); "
+                                    "predict on a set that is labelled throughout or not at all")
+                with strategy.autocast():
+                    outputs = call_module(model, batch, where)
+                    if has_label:
+                        loss = call_loss(module, outputs, batch, where)
+                        values = _metric_tensors(call_hook(module.metrics, "metrics", batch, where, outputs, batch),
+                                                 device, where)
                 if has_label:
-                    loss = call_loss(module, outputs, batch, where)
-                    values = _metric_tensors(call_hook(module.metrics, "metrics", batch, where, outputs, batch),
-                                             device, where)
-            if has_label:
-                if keys is None:
-                    keys = set(values)
-                elif set(values) != keys:
-                    raise ModuleContractError(
-                        f"metrics() returned keys {sorted(values)} {where} but {sorted(keys)} before; "
-                        "return the same keys for every batch"
-                    )
-                n = call_hook(module.num_items, "num_items", batch, where, batch)
-                n_t = n.to(torch.float64) if isinstance(n, torch.Tensor) else torch.tensor(float(n), dtype=torch.float64, device=device)
-                items += n_t
-                values = {"loss": loss.detach(), **values}
-                for k, v in values.items():
-                    contrib = v.to(torch.float64) * n_t
-                    sums[k] = sums[k] + contrib if k in sums else contrib
-                if streams:
-                    for s in streams.values():
-                        s.update(outputs, batch)
-            if collect:
-                preds.append(_detach_cpu(call_hook(module.predictions, "predictions", batch, where, outputs, batch)))
-                if label is not None:
-                    labels.append(_detach_cpu(label))
-            n_batches += 1
-    finally:
-        model.train(was_training)
+                    if keys is None:
+                        keys = set(values)
+                    elif set(values) != keys:
+                        raise ModuleContractError(
+                            f"metrics() returned keys {sorted(values)} {where} but {sorted(keys)} before; "
+                            "return the same keys for every batch"
+                        )
+                    n = call_hook(module.num_items, "num_items", batch, where, batch)
+                    n_t = n.to(torch.float64) if isinstance(n, torch.Tensor) else torch.tensor(float(n), dtype=torch.float64, device=device)
+                    items += n_t
+                    values = {"loss": loss.detach(), **values}
+                    for k, v in values.items():
+                        contrib = v.to(torch.float64) * n_t
+                        sums[k] = sums[k] + contrib if k in sums else contrib
+                    if streams:
+                        for s in streams.values():
+                            s.update(outputs, batch)
+                if collect:
+                    preds.append(_detach_cpu(call_hook(module.predictions, "predictions", batch, where, outputs, batch)))
+                    if label is not None:
+                        labels.append(_detach_cpu(label))
+                n_batches += 1
+        finally:
+            for m, mode in modes:
+                m.training = mode
     names = sorted(sums)
     pred_local = _concat(preds, "predictions") if collect else None
     label_local = _concat(labels, "labels")
@@ -481,8 +485,10 @@ def run_evaluation(
         zero = torch.zeros((), dtype=torch.float64, device=device)
         stacked = strategy.all_reduce(torch.stack([sums.get(k, zero) for k in names])) / total
         metrics = {f"{prefix}/{k}": float(v) for k, v in zip(names, stacked.tolist(), strict=True)}
-    predictions = strategy.gather_in_order(pred_local) if collect else None
-    label_set = strategy.gather_in_order(label_local) if label_local is not None else None
+    # a dataset that shards itself deals its own way: its ranks' outputs are joined rank by rank
+    dealt = not getattr(getattr(loader, "dataset", None), "shards_itself", False)
+    predictions = strategy.gather_in_order(pred_local, dealt) if collect else None
+    label_set = strategy.gather_in_order(label_local, dealt) if label_local is not None else None
     if labelled and wants_whole_set and not streaming:
         extra = module.compute_metrics(predictions, label_set) or {}
         metrics.update({f"{prefix}/{k}": _as_float(v, k) for k, v in extra.items()})

@@ -192,3 +192,35 @@ def test_user_train_loader_that_cannot_be_kept(caplog):
     batches = DataLoader(Items(8), batch_sampler=[[0, 1], [2, 3]])
     with pytest.raises(ll.DataError, match=r"batch_sampler \(list\) has no batch_size"):
         build_train_data(batches, rank=0, world_size=2, **common)
+
+
+def test_a_custom_batch_sampler_replaced_on_several_ranks_shuffles_as_the_fitter_says(caplog):
+    """batch_sampler=MyBatches(): torch fills loader.sampler with a SequentialSampler placeholder,
+    which was read as the user's choice (shuffle=False, the same batches every epoch)."""
+    from lightlike.data.loading import build_train_data
+
+    class MyBatches:
+        batch_size = 3
+
+        def __iter__(self):
+            return iter([[0, 1, 2], [3, 4, 5], [6, 7, 8], [9, 10, 11]])
+
+        def __len__(self):
+            return 4
+
+    loader = DataLoader(Items(12), batch_sampler=MyBatches())
+    common = dict(batch_size=99, drop_last=False, num_workers=0, pin_memory=False, seed=3)
+    train = build_train_data(loader, rank=0, world_size=2, shuffle=True, **common)
+    assert "shuffle=True" in caplog.text and train.sampler.shuffle
+    assert ids(train.epoch_iterator(0)) != ids(train.epoch_iterator(1))
+    assert not build_train_data(loader, rank=0, world_size=2, shuffle=False, **common).sampler.shuffle
+
+
+def test_a_sampler_deals_evenly_only_when_every_rank_gets_as_many_samples():
+    """A ResumableSampler without even/drop_last on several processes gives the first n % W ranks
+    one sample more: the loop then agrees on data and item counts every step (it assumed equal
+    shares, and rank 0 waited for rank 1 at a step it never took)."""
+    assert ResumableSampler(9, world_size=1).deals_evenly
+    assert ResumableSampler(9, world_size=2, even=True).deals_evenly
+    assert not ResumableSampler(9, world_size=2).deals_evenly
+    assert [len(ResumableSampler(9, rank=r, world_size=2)) for r in range(2)] == [5, 4]

@@ -130,6 +130,46 @@ def test_uneven_iterable_shards_end_the_epoch_on_every_rank(tmp_path):
     assert evals == [3, 6, 7]  # two epoch ends, then the final evaluation
 
 
+def test_uneven_iterable_shards_resume_mid_epoch_bit_identical(tmp_path):
+    """Accumulating 2: at step 2 rank 0 has taken 4 batches of its stream and rank 1 its 3 (its
+    last window held one). The resume reads each rank's own count again: rank 0's count on
+    every rank ran past the end of rank 1's stream ("does not yield the same items")."""
+    common = ["--data", "uneven-stream", "--batch", "1", "--accum", "2", "--steps", "5", "--save-every", "2"]
+    assert launch(2, tmp_path / "ref", *common).returncode == 0
+    out = tmp_path / "run"
+    assert launch(2, out, *common, "--stop", "2").returncode == 0
+    resumed = launch(2, out, *common, "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "reading the 4 batch(es)" in resumed.stderr and "reading the 3 batch(es)" in resumed.stderr
+    for rank in (0, 1):
+        a, b = weights(out, rank), weights(tmp_path / "ref", rank)
+        assert all(torch.equal(a[k], b[k]) for k in a), f"rank {rank} differs"
+
+
+def test_a_user_sampler_with_uneven_shares_does_not_hang(tmp_path):
+    """A DataLoader with ResumableSampler(9, rank, world_size=2) (not even): rank 0 holds 5 items
+    (batches of 4 and 1), rank 1 holds 4 (one batch). Each epoch ends on both ranks when rank 1 runs
+    out (rank 0 skips its short batch, with a warning); rank 0 waited at step 2 for ever before."""
+    p = launch(2, tmp_path, "--data", "user-uneven-sampler", "--items", "9", "--batch", "4", "--steps", "3",
+               timeout=90)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "another rank ran out of training data" in p.stderr
+    w0, w1 = weights(tmp_path, 0), weights(tmp_path, 1)
+    assert all(torch.equal(w0[k], w1[k]) for k in w0), "ranks disagree"
+
+
+def test_a_mid_epoch_position_in_another_order_is_refused(tmp_path):
+    """One process with a DataLoader of the user's (torch's RandomSampler), resumed mid-epoch on
+    two, where lightlike's sampler replaces it: the saved position counts samples of the other
+    order, so the rest of the epoch would repeat some and skip others. Refused by name (it went
+    on silently)."""
+    common = ["--data", "user-shuffled", "--batch", "4", "--steps", "6", "--save-every", "2", "--items", "40"]
+    assert launch(1, tmp_path, *common, "--stop", "2").returncode == 0
+    resumed = launch(2, tmp_path, *common, "--resume")
+    assert resumed.returncode != 0
+    assert "was taken mid-epoch with a data order of {'sampler': 'RandomSampler'}" in resumed.stderr
+
+
 def test_failures_outside_the_training_loop_end_every_rank(tmp_path):
     """An output_dir that holds a run (checked on rank 0 only) and an error in validate() on
     rank 1: every rank exits quickly, and the message says what to change / who failed."""

@@ -293,10 +293,26 @@ def test_length_grouped_resume_with_another_batch_size_keeps_the_order(tmp_path)
 
     fit(4, stop=3)  # checkpoint-2: 8 samples into epoch 0
     del served[8:]  # what step 3 served is redone by the resumed run
-    with pytest.raises(ll.CheckpointError, match=r"group_size': 8\}.*group_size': 16\}.*group_size=\.\.\."):
+    with pytest.raises(ll.CheckpointError, match=r"group_size': 8\b.*group_size': 16\b.*group_size=\.\.\."):
         fit(8, resume=True)
     fit(8, resume=True, group_size=8)
     assert sorted(served[:60]) == list(range(60))
+
+
+@pytest.mark.parametrize("changed", [{"seed": 1}, {"shuffle": False}])
+def test_a_changed_order_is_refused_mid_epoch_and_allowed_at_an_epoch_end(tmp_path, changed):
+    """seed and shuffle decide the epoch's order: resumed mid-epoch with another, the rest of the
+    epoch repeated 14 of 64 samples and skipped 14 others, with only the changed-settings warning.
+    Refused by name mid-epoch; at an epoch's end the next epoch just takes the new order."""
+    cfg = dict(max_steps=20, batch_size=4, save_every=3, output_dir=str(tmp_path), loggers=[])
+    with contextlib.suppress(KeyboardInterrupt):
+        ll.Fitter(**cfg, callbacks=[StopAt(5)]).fit(Classifier(), DictDataset(n=40))  # checkpoint-3: 12 of 40
+    name = next(iter(changed))
+    with pytest.raises(ll.CheckpointError, match=f"checkpoint-3 was taken mid-epoch .*'{name}'"):
+        ll.Fitter(**cfg, **changed).fit(Classifier(), DictDataset(n=40), resume=True)
+    ll.Fitter(**{**cfg, "max_steps": 10, "save_every": 10}, overwrite_output_dir=True).fit(Classifier(), DictDataset(n=40))
+    result = ll.Fitter(**{**cfg, **changed}).fit(Classifier(), DictDataset(n=40), resume=True)  # from the end of epoch 0
+    assert result.global_step == 20
 
 
 class Stream(torch.utils.data.IterableDataset):

@@ -87,9 +87,11 @@ def save_training_checkpoint(fitter: Fitter, wait: bool = True, full: bool | Non
     strategy.barrier("save")  # ... before any rank writes into it
     try:
         pending = strategy.save_checkpoint_state(writer, fitter.model, fitter.optimizer if full else None)
-        # every rank's RNG state and not-yet-logged losses (the next log sums all ranks' items)
-        per_rank = strategy.all_gather_object((_portable_rng(rng_state()), _pending_values(fitter))) if full else []
-        rng_all = [r for r, _ in per_rank]
+        # every rank's RNG state, not-yet-logged losses (the next log sums all ranks' items) and
+        # batches taken in the epoch (the ranks' shares of an IterableDataset may differ by one)
+        per_rank = strategy.all_gather_object((_portable_rng(rng_state()), _pending_values(fitter),
+                                               state.batches_in_epoch)) if full else []
+        rng_all = [r for r, _, _ in per_rank]
         if main:
             if getattr(fitter.module, "hparams", None):
                 writer.write_json("hparams.json", _jsonable(fitter.module.hparams))  # type: ignore[union-attr]
@@ -105,7 +107,8 @@ def save_training_checkpoint(fitter: Fitter, wait: bool = True, full: bool | Non
                 writer.write_json("trainer_state.json", {
                     "state": saved_state,
                     "world_size": strategy.world_size,
-                    "pending_per_rank": [p for _, p in per_rank],
+                    "pending_per_rank": [p for _, p, _ in per_rank],
+                    "batches_in_epoch_per_rank": [b for _, _, b in per_rank],
                     "loss_total": [fitter._loss_total, fitter._items_total],
                     "order_key": _order_key(fitter),
                 })
@@ -199,13 +202,16 @@ def load_training_checkpoint(fitter: Fitter, path: Path, verified: bool = False)
     fitter.callbacks.load_state_dict(_torch_load(path / "callbacks.pt"))
     saved = json.loads((path / "trainer_state.json").read_text())
     fitter.state = state = FitState.from_dict(saved["state"])
+    if len(saved.get("batches_in_epoch_per_rank", [])) == strategy.world_size:  # this rank's own count
+        state.batches_in_epoch = saved["batches_in_epoch_per_rank"][strategy.global_rank]
     state.best_checkpoint = resolve_best(cfg.output_dir, state.best_checkpoint, state.best_step)
     if state.samples_in_epoch and "order_key" in saved and saved["order_key"] != _order_key(fitter):  # mid-epoch
         raise CheckpointError(
             f"{path.name} was taken mid-epoch with a data order of {saved.get('order_key')} and this run's "
             f"gives {_order_key(fitter)}: the rest of the epoch would repeat and skip samples. Resume with the "
-            "checkpoint's values (the same batch_size, num_workers and processes for an IterableDataset; "
-            "LengthGroupedSampler(..., group_size=...) for that sampler)")
+            "checkpoint's values (seed and shuffle; for an IterableDataset the same batch_size, num_workers and "
+            "number of processes; LengthGroupedSampler(..., group_size=...)), or from a checkpoint taken at "
+            "an epoch's end")
     fitter._pending = [(torch.tensor(loss, dtype=torch.float64, device=strategy.root_device), n, int(step), int(micro))  # type: ignore[misc]
                        for loss, n, step, micro in _pending_for_this_rank(saved, strategy.global_rank, strategy.world_size)]
     fitter._loss_total, fitter._items_total = saved.get("loss_total", [0.0, 0.0])

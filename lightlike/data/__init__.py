@@ -1,13 +1,15 @@
-"""Data utilities: collators, the length-grouped sampler, and removal of unused batch keys."""
+"""Data utilities: collators, the resumable and length-grouped samplers, and removal of unused batch keys."""
 
 from lightlike.data.collators import LanguageModelingCollator, PaddingCollator, count_label_tokens
 from lightlike.data.keys import remove_unused_keys
 from lightlike.data.length_grouped import LengthGroupedSampler
+from lightlike.data.sampler import ResumableSampler
 
 __all__ = [
     "LanguageModelingCollator",
     "LengthGroupedSampler",
     "PaddingCollator",
+    "ResumableSampler",
     "count_label_tokens",
     "remove_unused_keys",
 ]

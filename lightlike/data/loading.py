@@ -46,13 +46,16 @@ class TrainData:
     def order_key(self) -> dict[str, Any] | None:
         """What, besides (seed, epoch), the epoch's batches depend on; saved with a checkpoint so
         that a mid-epoch resume refuses an order that would repeat and skip samples."""
-        if self.sampler is not None:
-            return self.sampler.order_key()
+        sampler = self.sampler
+        if sampler is not None:
+            return {"seed": sampler.seed, "shuffle": sampler.shuffle, **(sampler.order_key() or {})}
         if self.replays():  # each rank's batches depend on how the items are dealt
             loader = self.loader
             return {"batch_size": loader.batch_size or 1, "num_workers": loader.num_workers,
                     "world_size": self.world_size, "drop_last": loader.drop_last}
-        return None
+        # a sampler of the user's that cannot seek: its order is nobody else's (on several
+        # processes lightlike's sampler replaces it, whose position would mean other samples)
+        return {"sampler": type(getattr(self.loader, "sampler", None)).__name__}
 
     def batches_per_epoch(self) -> int | None:
         try:
@@ -379,7 +382,9 @@ def _split_train_loader(loader: DataLoader, *, shuffle: bool, seed: int, rank: i
                         f"({type(loader.batch_sampler).__name__}) has no batch_size to keep. Pass the Dataset, a "
                         "DataLoader with batch_size=..., or one whose sampler is a ResumableSampler (or "
                         "DistributedSampler) built for this job's ranks")
-    shuffled = _plain_sampler(loader)
+    # a batch_sampler of the user's is replaced whole: the Fitter's shuffle decides (the loader's
+    # sampler is then torch's placeholder SequentialSampler, not the user's choice)
+    shuffled = None if custom else _plain_sampler(loader)
     if custom or shuffled is None:
         what = f"batch_sampler ({type(loader.batch_sampler).__name__})" if custom else \
             f"sampler ({type(loader.sampler).__name__})"

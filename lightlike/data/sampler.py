@@ -67,6 +67,12 @@ class ResumableSampler(Sampler[int]):
         self.epoch = int(epoch)
         self.start = int(start)
 
+    @property
+    def deals_evenly(self) -> bool:
+        """Whether every rank gets as many samples as every other (``even``/``drop_last``, or one
+        process): then the ranks take the same steps without agreeing on it."""
+        return self.drop_last or self.world_size == 1
+
     def global_end(self) -> int:
         """Global samples per epoch that are dealt to ranks."""
         return self._global_end()

@@ -10,7 +10,7 @@ DeepSpeed implement the same methods, so ``Fitter`` never asks which strategy it
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -83,6 +83,13 @@ class Strategy:
         """``setup_module`` for ``validate``/``test``/``predict`` without a ``fit`` before them
         (no optimizer: a strategy that needs one to run the module says so here)."""
         return self.setup_module(module)
+
+    @contextlib.contextmanager
+    def evaluating(self, model: nn.Module) -> Iterator[nn.Module]:
+        """Around one evaluation pass (no gradients): yields what to call. A strategy whose ranks
+        hold their own copies of the buffers (BatchNorm statistics) gives every rank rank 0's
+        first, the ones a checkpoint saves, so that all ranks evaluate the same model."""
+        yield model
 
     def unwrap(self, module: nn.Module) -> nn.Module:
         """The user's TaskModule inside whatever wrapper ``setup_module`` added, and inside
@@ -181,8 +188,10 @@ class Strategy:
     def all_gather_object(self, obj: Any) -> list[Any]:
         return [obj]
 
-    def gather_in_order(self, local: Any) -> Any:
-        """Evaluation outputs of every rank, in dataset order (identity on one process)."""
+    def gather_in_order(self, local: Any, dealt: bool = True) -> Any:
+        """Evaluation outputs of every rank, in dataset order (identity on one process): dealt
+        round-robin, as lightlike splits a set; ``dealt=False`` (a dataset that shards itself)
+        rank 0's items first, then rank 1's, and so on."""
         return local
 
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:

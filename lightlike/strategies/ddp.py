@@ -15,7 +15,7 @@ import datetime
 import gc
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -143,6 +143,20 @@ class DDPStrategy(Strategy):
         inner = getattr(module, "_orig_mod", module)  # torch.compile
         return inner.module if isinstance(inner, DistributedDataParallel) else inner
 
+    @contextlib.contextmanager
+    def evaluating(self, model: nn.Module) -> Iterator[nn.Module]:
+        # Every rank takes rank 0's buffers here, where every rank is. DDP's own forward would
+        # broadcast them at the first forward after a training one, a collective that a rank
+        # without evaluation batches never joins (it hung); FSDP and DeepSpeed never sync them,
+        # so each rank evaluated with its own BatchNorm statistics.
+        if self.world_size > 1:
+            for buffer in self.unwrap(model).buffers():
+                dist.broadcast(buffer, src=0)
+        inner = getattr(model, "_orig_mod", model)
+        if isinstance(inner, DistributedDataParallel):
+            inner.require_forward_param_sync = False  # synced just above: its forward must not again
+        yield model
+
     def no_sync(self, module: nn.Module, enabled: bool) -> contextlib.AbstractContextManager:
         inner = getattr(module, "_orig_mod", module)
         return inner.no_sync() if enabled and isinstance(inner, DistributedDataParallel) else contextlib.nullcontext()
@@ -225,15 +239,30 @@ class DDPStrategy(Strategy):
             return bool(host.item())
         return read
 
-    def gather_in_order(self, local: Any) -> Any:
+    def gather_in_order(self, local: Any, dealt: bool = True) -> Any:
         """Reassemble per-rank evaluation outputs in dataset order: rank r holds the items at
-        global positions r, r + W, r + 2W, ... (the evaluation sampler deals them round-robin)."""
+        global positions r, r + W, r + 2W, ... (the evaluation sampler deals them round-robin);
+        ``dealt=False``: one rank's after another's."""
         parts = self.all_gather_object(local)
-        return _interleave(parts)
+        return _interleave(parts) if dealt else _join(parts)
 
     def __repr__(self) -> str:
         return (f"DDPStrategy(rank={self.global_rank}/{self.world_size}, device={self.root_device}, "
                 f"precision={self.precision.name!r})")
+
+
+def _join(parts: list[Any]) -> Any:
+    if all(p is None for p in parts):
+        return None
+    first = next(p for p in parts if p is not None)
+    if isinstance(first, torch.Tensor):
+        return torch.cat(parts)
+    if isinstance(first, dict):
+        return {k: _join([p[k] for p in parts]) for k in first}
+    if isinstance(first, tuple):
+        fields = [_join([p[j] for p in parts]) for j in range(len(first))]
+        return type(first)(*fields) if hasattr(first, "_fields") else tuple(fields)
+    return [x for p in parts for x in p]
 
 
 def _interleave(parts: list[Any]) -> Any:

@@ -30,7 +30,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -154,6 +154,15 @@ class FSDPStrategy(DDPStrategy):
     def forward_is_collective(self) -> bool:
         return self.world_size > 1  # every shard unit all-gathers its parameters in forward
 
+    @contextlib.contextmanager
+    def evaluating(self, model: nn.Module) -> Iterator[nn.Module]:
+        try:
+            with super().evaluating(model) as m:
+                yield m
+        finally:  # the root is sharded with reshard_after_forward=False and no backward reshards it
+            _reshard(model)  # after a forward without gradients: its full parameters stayed the
+            # module's, and the optimizer of a fit after validate() was built over them (no training)
+
     def setup_module(self, module: nn.Module) -> nn.Module:
         from torch.distributed.fsdp import (
             CPUOffloadPolicy,
@@ -164,6 +173,7 @@ class FSDPStrategy(DDPStrategy):
         )
 
         if isinstance(module, FSDPModule):  # sharded already (e.g. validate() after fit())
+            _reshard(module)
             return module
         on_meta = any(p.is_meta for p in module.parameters())
         module = self.precision.convert_module(module)
@@ -353,3 +363,12 @@ def _reset_whole(m: nn.Module) -> None:
     finally:
         for d, n in slots:
             d[n] = sharded[(id(d), n)]
+
+
+def _reshard(module: nn.Module) -> None:
+    """Free the full parameters every FSDP unit of ``module`` holds, leaving the shards."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for m in module.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()

@@ -211,7 +211,8 @@ def main() -> None:
     p.add_argument("--meta", action="store_true", help="build the module on the meta device")
     p.add_argument("--init-module", action="store_true", help="build the module in fitter.init_module()")
     p.add_argument("--gradient-checkpointing", action="store_true")
-    p.add_argument("--data", default="dict", choices=["dict", "recording", "uneven-stream"])
+    p.add_argument("--data", default="dict", choices=["dict", "recording", "uneven-stream", "user-shuffled",
+                                                        "user-uneven-sampler"])
     p.add_argument("--no-overwrite", action="store_true", help="refuse an output_dir that holds a run")
     p.add_argument("--eval-on-epoch-end", action="store_true")
     p.add_argument("--log-every", type=int, default=1)
@@ -306,6 +307,14 @@ def main() -> None:
         train: torch.utils.data.Dataset = UnevenStream(dtype)
     elif args.data == "recording":
         train = Recording(n=args.items, dtype=dtype)
+    elif args.data == "user-uneven-sampler":  # a ResumableSampler without even=True: shares differ by one
+        from lightlike.data import ResumableSampler
+
+        sampler = ResumableSampler(args.items, rank=rank, world_size=int(os.environ.get("WORLD_SIZE", "1")))
+        train = torch.utils.data.DataLoader(DictDataset(n=args.items, dtype=dtype), batch_size=args.batch,
+                                            sampler=sampler)
+    elif args.data == "user-shuffled":  # a DataLoader of the user's with torch's RandomSampler
+        train = torch.utils.data.DataLoader(DictDataset(n=args.items, dtype=dtype), batch_size=args.batch, shuffle=True)
     elif args.mode == "fail-data":  # the batch of step fail_step + 1 fails to load on fail_rank
         train = BrokenData(args.fail_rank, args.fail_step * args.batch * args.accum, n=args.items, dtype=dtype)
     else:
