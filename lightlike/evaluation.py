@@ -24,6 +24,7 @@ import inspect
 import linecache
 import logging
 import math
+import numbers
 from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -259,7 +260,7 @@ def _metric_tensors(values: Any, device: torch.device, where: str) -> dict[str, 
                     "per-batch mean (put whole-set metrics in compute_metrics)"
                 )
             out[k] = v.detach().reshape(())
-        elif isinstance(v, (int, float)) and not isinstance(v, bool):
+        elif isinstance(v, numbers.Real) and not isinstance(v, bool):  # also numpy scalars (np.float32)
             out[k] = torch.tensor(float(v), device=device)
         else:
             raise ModuleContractError(f"metrics()[{k!r}] is a {type(v).__name__} {where}; return a scalar")

@@ -175,6 +175,31 @@ def test_metrics_not_scalar(tmp_path):
         fitter(tmp_path).validate(VectorMetric(), DictDataset(n=8))
 
 
+def test_metrics_may_be_numpy_scalars(tmp_path):
+    """A metric computed with numpy (np.float32, np.int64) is a number like a float (it was
+    refused: "is a float32; return a scalar"); a string is still refused by name."""
+    import numpy as np
+
+    class NumpyMetric(Classifier):
+        def metrics(self, outputs, batch):
+            right = (outputs.argmax(-1) == batch["y"]).numpy()
+            return {"accuracy": np.float32(right.mean()), "right": np.int64(right.sum())}
+
+    data, module = DictDataset(n=8), NumpyMetric()
+    metrics = fitter(tmp_path).validate(module, data)
+    with torch.no_grad():
+        accuracy = (module.net(data.x).argmax(-1) == data.y).double().mean().item()
+    assert set(metrics) == {"val/loss", "val/accuracy", "val/right"}
+    assert metrics["val/accuracy"] == pytest.approx(accuracy, abs=1e-7)
+
+    class TextMetric(Classifier):
+        def metrics(self, outputs, batch):
+            return {"label": "good"}
+
+    with pytest.raises(ll.ModuleContractError, match=r"metrics\(\)\['label'\] is a str"):
+        fitter(tmp_path).validate(TextMetric(), data)
+
+
 def test_eval_every_without_eval_data(tmp_path):
     with pytest.raises(ll.ConfigError, match="eval_every is set but fit\\(\\) got no evaluation data"):
         fitter(tmp_path, eval_every=1).fit(Classifier(), DictDataset())
