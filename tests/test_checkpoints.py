@@ -102,6 +102,22 @@ def test_sizes_only_mode_misses_same_size_bitflip(tmp_path):
         verify_checkpoint(ckpt, hashes=True)
 
 
+def test_a_manifest_of_a_newer_layout_is_refused_by_name(tmp_path):
+    """A checkpoint whose manifest says a version this lightlike does not know: refused, saying
+    to upgrade (it was read as if it were version 1); resume=True falls back past it."""
+    import json
+
+    train(tmp_path, steps=4)
+    ckpt = tmp_path / "run" / "checkpoint-4"
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    assert manifest["version"] == 1
+    (ckpt / "manifest.json").write_text(json.dumps({**manifest, "version": 2}))
+    with pytest.raises(ll.CheckpointError, match="written by a newer lightlike .*version 2.*upgrade lightlike"):
+        verify_checkpoint(ckpt)
+    with pytest.warns(UserWarning, match="skipping invalid checkpoint"):
+        assert find_latest_valid(tmp_path / "run").name == "checkpoint-2"
+
+
 def test_checksums_are_crc32_and_older_sha256_manifests_still_verify(tmp_path):
     import hashlib
     import json

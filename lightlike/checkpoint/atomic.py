@@ -28,7 +28,15 @@ from typing import Any
 
 import torch
 
-from lightlike.checkpoint.manifest import CHECKSUM, FORMAT, MANIFEST, file_hash, hash_files, verify_checkpoint
+from lightlike.checkpoint.manifest import (
+    CHECKSUM,
+    FORMAT,
+    MANIFEST,
+    VERSION,
+    file_hash,
+    hash_files,
+    verify_checkpoint,
+)
 from lightlike.checkpoint.weights import save_safetensors
 from lightlike.errors import CheckpointError
 
@@ -165,7 +173,7 @@ class CheckpointWriter:
         files = {rel: {"size": f.stat().st_size, CHECKSUM: digests[rel]} for f, rel in zip(paths, rels, strict=True)}
         for d in sorted({f.parent for f in self.tmp.rglob("*")} | {self.tmp}, key=lambda p: len(p.parts), reverse=True):
             _fsync_path(d)
-        manifest = {"format": FORMAT, "version": 1, "step": self.step, "files": files, "meta": self.meta,
+        manifest = {"format": FORMAT, "version": VERSION, "step": self.step, "files": files, "meta": self.meta,
                     "created": datetime.datetime.now(datetime.timezone.utc).isoformat()}
         mpath = self.tmp / MANIFEST
         with open(mpath, "w") as fh:

@@ -28,6 +28,7 @@ from lightlike.errors import CheckpointError
 
 MANIFEST = "manifest.json"
 FORMAT = "lightlike-checkpoint"
+VERSION = 1  # of the manifest's layout: a newer one is refused by name, not misread
 _NAME = re.compile(r"^checkpoint-(\d+)$")
 log = logging.getLogger("lightlike")
 
@@ -151,6 +152,9 @@ def verify_checkpoint(path: str | Path, hashes: bool = True) -> dict[str, Any]:
             raise ValueError(f"format {manifest.get('format')!r}")
     except (ValueError, KeyError, TypeError) as e:
         raise CheckpointError(f"{p}: {MANIFEST} is unreadable or not a lightlike manifest ({e})") from e
+    if not isinstance(manifest.get("version", 1), int) or manifest.get("version", 1) > VERSION:
+        raise CheckpointError(f"{p} was written by a newer lightlike (manifest version {manifest.get('version')!r}; "
+                              f"this one reads up to {VERSION}): upgrade lightlike to load it")
     for rel, info in files.items():
         f = p / rel
         if not f.is_file():
