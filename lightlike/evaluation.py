@@ -409,8 +409,10 @@ def run_evaluation(
     n_batches = 0
     labelled: bool | None = None  # whether this rank's batches carry labels (all or none)
     default_labels = type(module).labels is _base_module().labels
-    # each submodule's own mode comes back as it was (a frozen BatchNorm in a training module, a
-    # wrapper's flag that is not the module's): model.train(flag) would set them all alike
+    # the mode comes back as it was: train(mode) of the user's module's (not a wrapper's) flag,
+    # which runs a train() override, then each submodule that was in another mode than that
+    # (a frozen BatchNorm in a training module) set back as it was
+    was_training = module.training
     modes = [(m, m.training) for m in {*model.modules(), *module.modules()}]
     lockstep = strategy.forward_is_collective
     with strategy.evaluating(model) as model:
@@ -463,8 +465,10 @@ def run_evaluation(
                         labels.append(_detach_cpu(label))
                 n_batches += 1
         finally:
+            model.train(was_training)  # the module's own train() runs, as eval() did
             for m, mode in modes:
-                m.training = mode
+                if m.training != mode:  # a submodule in another mode than its parent (a frozen norm)
+                    m.training = mode
     names = sorted(sums)
     pred_local = _concat(preds, "predictions") if collect else None
     label_local = _concat(labels, "labels")

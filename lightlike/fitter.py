@@ -112,6 +112,12 @@ class Fitter:
         if cfg.metric_for_best and not eval_sets:
             raise ConfigError(f"metric_for_best={cfg.metric_for_best!r} needs evaluation data: pass val=...")
         accum = cfg.grad_accum_steps
+        # lightlike's sampler gives every rank the same batches, and with the default num_items
+        # the same counts; otherwise the ranks agree each step that all still have data (an
+        # epoch ends everywhere when one rank runs out) and sum their item counts
+        agree_on_data = strategy.world_size > 1 and not train_data.deals_evenly
+        if agree_on_data:
+            train_data.agree_on_length(strategy)
         resumed = FitState.saved_in(resume_from) if resume_from is not None else None
         max_steps, epoch_limit = train_data.step_budget(cfg.max_steps, cfg.max_epochs, accum, resumed)
 
@@ -157,12 +163,7 @@ class Fitter:
         if strategy.root_device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(strategy.root_device)
 
-        # a sampler that deals evenly (lightlike's) gives every rank the same number of batches, and
-        # with the default num_items the same counts; otherwise the ranks agree each step that all
-        # still have data (an epoch ends everywhere when one rank runs out) and sum their counts
-        even = train_data.sampler is not None and train_data.sampler.deals_evenly
-        agree_on_data = strategy.world_size > 1 and not even
-        self._uniform_counts = even and type(module).num_items is TaskModule.num_items
+        self._uniform_counts = train_data.deals_evenly and type(module).num_items is TaskModule.num_items
         # a signal an out-of-memory retry's failed try received is kept (auto_find_batch_size)
         self._preemption = preemption = PreemptionHandler(cfg.preemption_signals, self.__dict__.pop("_signal_carried", None))
         self._stop_agreed: Any = False  # the stop flag agreed in this step's item-count reduction

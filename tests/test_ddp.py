@@ -146,16 +146,24 @@ def test_uneven_iterable_shards_resume_mid_epoch_bit_identical(tmp_path):
         assert all(torch.equal(a[k], b[k]) for k in a), f"rank {rank} differs"
 
 
-def test_a_user_sampler_with_uneven_shares_does_not_hang(tmp_path):
-    """A DataLoader with ResumableSampler(9, rank, world_size=2) (not even): rank 0 holds 5 items
-    (batches of 4 and 1), rank 1 holds 4 (one batch). Each epoch ends on both ranks when rank 1 runs
-    out (rank 0 skips its short batch, with a warning); rank 0 waited at step 2 for ever before."""
-    p = launch(2, tmp_path, "--data", "user-uneven-sampler", "--items", "9", "--batch", "4", "--steps", "3",
-               timeout=90)
+@pytest.mark.parametrize("budget, accum, steps", [(["--steps", "3"], "1", 3), (["--epochs", "2"], "1", 2),
+                                                  (["--epochs", "2"], "2", 6)])
+def test_a_user_sampler_with_uneven_shares_does_not_hang(tmp_path, budget, accum, steps):
+    """A DataLoader with ResumableSampler(n, rank, world_size=2) (not even): rank 0 holds one item
+    more. 9 items, batch 4 (accumulation 1): rank 0 has batches of 4 and 1, rank 1 one of 4; 21
+    items, batch 2, accumulation 2: 6 and 5 batches. An epoch is as long as the shorter share
+    and ends on both ranks when rank 1 runs out (rank 0 skips what is left, with a warning). Rank
+    0 waited for ever, or, with max_epochs, the ranks counted different steps (one hung) or one
+    rank ended its epoch a window early (an empty epoch, DataError)."""
+    items, batch = ("9", "4") if accum == "1" else ("21", "2")
+    p = launch(2, tmp_path, "--data", "user-uneven-sampler", "--items", items, "--batch", batch, "--accum", accum,
+               *budget, timeout=90)
     assert p.returncode == 0, p.stderr[-3000:]
-    assert "another rank ran out of training data" in p.stderr
+    assert "another rank ran out of training data" in p.stderr or accum == "2"
     w0, w1 = weights(tmp_path, 0), weights(tmp_path, 1)
     assert all(torch.equal(w0[k], w1[k]) for k in w0), "ranks disagree"
+    lines = (tmp_path / "logs" / "metrics.jsonl").read_text().splitlines()
+    assert max(json.loads(x)["step"] for x in lines) == steps
 
 
 def test_a_mid_epoch_position_in_another_order_is_refused(tmp_path):

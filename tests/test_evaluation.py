@@ -402,3 +402,35 @@ def test_tuple_predictions_are_joined_field_by_field(tmp_path):
         assert type(got) is (Pair if named else tuple)
         want = torch.tensor([200, 201, 200, 201, 100])
         assert torch.equal(got[0], want) and torch.equal(got[1], want * 10)
+
+
+def test_evaluation_gives_the_module_back_through_its_own_train(tmp_path):
+    """A module whose train() override switches training-only behaviour: after an evaluation
+    its train(True) runs again (setting the flags back only skipped it, and the run trained on
+    with the behaviour off); a submodule frozen in eval mode stays so."""
+    seen = []
+
+    class Noisy(Classifier):
+        def __init__(self):
+            super().__init__()
+            self.noise = True
+            self.frozen = nn.BatchNorm1d(8).eval()
+
+        def train(self, mode=True):
+            super().train(mode)
+            self.noise = mode
+            self.frozen.eval()  # the module keeps its norm frozen, as fine-tuning code does
+            return self
+
+        def forward(self, batch):
+            if self.training:
+                seen.append((self.noise, self.frozen.training))
+            return self.net(self.frozen(batch["x"]))
+
+    module = Noisy()
+    ll.Fitter(max_steps=4, batch_size=4, eval_every=2, output_dir=str(tmp_path), loggers=[]).fit(
+        module, DictDataset(n=16), DictDataset(n=4))
+    assert seen == [(True, False)] * 4
+    module.frozen.train()  # now a mode the override would not set: kept as it was too
+    ll.Fitter(max_steps=1, output_dir=str(tmp_path / "b"), loggers=[]).validate(module, DictDataset(n=4))
+    assert module.training and module.noise and module.frozen.training

@@ -110,7 +110,7 @@ def save_training_checkpoint(fitter: Fitter, wait: bool = True, full: bool | Non
                     "pending_per_rank": [p for _, p, _ in per_rank],
                     "batches_in_epoch_per_rank": [b for _, _, b in per_rank],
                     "loss_total": [fitter._loss_total, fitter._items_total],
-                    "order_key": _order_key(fitter),
+                    "data_order": _order_key(fitter),
                 })
         if pending is not None and not wait:
             fitter._checkpoint_in_flight = (writer, pending, None)
@@ -205,10 +205,16 @@ def load_training_checkpoint(fitter: Fitter, path: Path, verified: bool = False)
     if len(saved.get("batches_in_epoch_per_rank", [])) == strategy.world_size:  # this rank's own count
         state.batches_in_epoch = saved["batches_in_epoch_per_rank"][strategy.global_rank]
     state.best_checkpoint = resolve_best(cfg.output_dir, state.best_checkpoint, state.best_step)
-    if state.samples_in_epoch and "order_key" in saved and saved["order_key"] != _order_key(fitter):  # mid-epoch
+    # mid-epoch, the rest of the epoch must be the same order's: "data_order" (seed, shuffle and
+    # the sampler's own key), or in checkpoints of earlier versions "order_key" (the sampler's own)
+    saved_order, order = saved.get("data_order"), _order_key(fitter)
+    if "data_order" not in saved and "order_key" in saved:
+        saved_order = saved["order_key"]
+        order = fitter.train_data.sampler.order_key() if fitter.train_data and fitter.train_data.sampler else None
+    if state.samples_in_epoch and ("data_order" in saved or "order_key" in saved) and saved_order != order:
         raise CheckpointError(
-            f"{path.name} was taken mid-epoch with a data order of {saved.get('order_key')} and this run's "
-            f"gives {_order_key(fitter)}: the rest of the epoch would repeat and skip samples. Resume with the "
+            f"{path.name} was taken mid-epoch with a data order of {saved_order} and this run's "
+            f"gives {order}: the rest of the epoch would repeat and skip samples. Resume with the "
             "checkpoint's values (seed and shuffle; for an IterableDataset the same batch_size, num_workers and "
             "number of processes; LengthGroupedSampler(..., group_size=...)), or from a checkpoint taken at "
             "an epoch's end")

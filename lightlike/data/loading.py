@@ -37,6 +37,19 @@ class TrainData:
     seed: int
     generator: torch.Generator | None
     world_size: int = 1
+    #: set when the ranks' shares may differ (``agree_on_length``): the smallest over the ranks
+    min_over_ranks: Callable[[int], int] | None = None
+
+    @property
+    def deals_evenly(self) -> bool:
+        """Whether every rank takes the same batches each epoch without agreeing on it: a sampler
+        that deals evenly (lightlike's); not an IterableDataset or a sampler of the user's."""
+        return self.sampler is not None and self.sampler.deals_evenly
+
+    def agree_on_length(self, strategy: Any) -> None:
+        """The ranks' shares may differ: an epoch is as long as the shortest rank's (one all-reduce
+        per epoch), and it ends when a rank runs out, which the loop agrees on every step. Collective."""
+        self.min_over_ranks = lambda n: int(strategy.all_reduce(torch.tensor(n, device=strategy.root_device), "min"))
 
     def replays(self) -> bool:
         """Whether a mid-epoch resume reaches its position by reading the epoch's first batches
@@ -58,10 +71,12 @@ class TrainData:
         return {"sampler": type(getattr(self.loader, "sampler", None)).__name__}
 
     def batches_per_epoch(self) -> int | None:
+        """This rank's batches in the epoch (the shortest rank's when the shares may differ)."""
         try:
-            return len(self.loader)
+            n = len(self.loader)
         except TypeError:
             return None
+        return self.min_over_ranks(n) if self.min_over_ranks is not None else n
 
     def step_budget(self, max_steps: int | None, max_epochs: int | None, accum: int,
                     resumed: Any = None) -> tuple[int, float]:
@@ -90,7 +105,7 @@ class TrainData:
         left = batches
         if self.sampler is not None and resumed.samples_in_epoch:
             self.sampler.set_epoch(resumed.epoch_index, resumed.samples_in_epoch)
-            left = len(self.loader)
+            left = self.batches_per_epoch()  # type: ignore[assignment]
         rest = -(-left // accum) + (max_epochs - resumed.epoch_index - 1) * per_epoch  # type: ignore[operator]
         return resumed.global_step + max(0, rest), max_epochs  # type: ignore[return-value]
 
@@ -147,10 +162,11 @@ class EpochPosition:
     uses another batch size or world size. Everything the step needs comes from one call."""
 
     __slots__ = ("_start", "_here", "_batches", "_global_batch", "_end", "_done_below", "_per_epoch",
-                 "_batches_per_epoch")
+                 "_batches_per_epoch", "_decides")
 
     def __init__(self, data: TrainData, start: int, batches_in_epoch: int, world_size: int):
         self._start, self._here, self._batches = start, 0, batches_in_epoch
+        self._decides = data.min_over_ranks is None  # else an empty window, agreed by all ranks, ends it
         batch_size = data.loader.batch_size or 1
         self._global_batch = batch_size * world_size
         self._batches_per_epoch = data.batches_per_epoch() if data.sampler is None else None
@@ -177,10 +193,10 @@ class EpochPosition:
             samples = end
         if self._per_epoch:  # lightlike's sampler
             assert end is not None
-            return samples, min(1.0, samples / self._per_epoch), end - samples < self._done_below
+            return samples, min(1.0, samples / self._per_epoch), end - samples < self._done_below and self._decides
         per_epoch = self._batches_per_epoch
         if per_epoch:
-            return samples, min(1.0, self._batches / per_epoch), self._batches >= per_epoch
+            return samples, min(1.0, self._batches / per_epoch), self._batches >= per_epoch and self._decides
         return samples, 0.0, False
 
 

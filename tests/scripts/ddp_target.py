@@ -194,6 +194,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--accum", type=int, default=1)
     p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--epochs", type=int, default=0, help="max_epochs instead of max_steps")
     p.add_argument("--stop", type=int, default=0)
     p.add_argument("--task", default="plain")
     p.add_argument("--items", type=int, default=48)
@@ -288,7 +289,8 @@ def main() -> None:
         callbacks.append(FailAt(args.fail_rank, args.fail_step, "first-attempt"))
     if args.mode == "stop-on-save":
         callbacks.append(StopOnSave(out))
-    fitter = ll.Fitter(max_steps=args.steps, batch_size=args.batch, grad_accum_steps=args.accum, learning_rate=1e-2,
+    fitter = ll.Fitter(max_steps=None if args.epochs else args.steps, max_epochs=args.epochs or None,
+                       batch_size=args.batch, grad_accum_steps=args.accum, learning_rate=1e-2,
                        lr_scheduler="constant", output_dir=str(out), loggers=["jsonl"], log_every=args.log_every,
                        save_every=args.save_every or None, max_grad_norm=args.max_grad_norm or None,
                        log_level="warning", callbacks=callbacks,
