@@ -114,3 +114,17 @@ def test_config_reference_is_generated_from_the_dataclass():
     if os.environ.get("LIGHTLIKE_REGEN_DOCS"):
         page.write_text(head + config_table())
     assert page.read_text() == head + config_table()
+
+
+def test_every_test_a_page_cites_exists():
+    """`tests/<file>.py` and `tests/<file>.py::<test>` (a parametrized id or a `*` prefix
+    allowed) named in the docs point at a file and a test function that exist."""
+    missing = []
+    for page in PAGES:
+        for path, name in re.findall(r"`(tests/[\w/]+\.py)(?:::([\w*]+))?", page.read_text()):
+            source = ROOT / path
+            if not source.is_file():
+                missing.append(f"{page.name}: {path}")
+            elif name and not re.search(rf"^def {name.replace('*', '[A-Za-z0-9_]*')}\(", source.read_text(), re.M):
+                missing.append(f"{page.name}: {path}::{name}")
+    assert not missing, missing
