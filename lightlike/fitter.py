@@ -136,7 +136,7 @@ class Fitter:
         from lightlike.callbacks.progress import ProgressBar
 
         built_in = built_in_callbacks(cfg, module, strategy.is_global_zero)
-        self._bar_active = any(isinstance(cb, ProgressBar) for cb in built_in)  # the bar replaces log lines
+        bars = [cb for cb in built_in if isinstance(cb, ProgressBar)]
         self.callbacks = callbacks = CallbackList(built_in + self.user_callbacks)
         self._pending = []
         self._checkpoint_in_flight = None
@@ -170,6 +170,7 @@ class Fitter:
         preemption.install()
         try:
             callbacks.call("on_fit_start", self, state, control)
+            self._bar_active = any(bar.bar is not None for bar in bars)  # a bar drawn replaces log lines
             model.train()
             epoch = state.epoch_index
             # ---- the loop ----------------------------------------------------------------------

@@ -486,43 +486,59 @@ def test_importing_loggers_and_progress_loads_neither_tensorboard_nor_tqdm():
 _FIT_SCRIPT = """
 import sys
 sys.path.insert(0, {tests!r})
+{prelude}
 import lightlike as ll
 from helpers import Classifier, DictDataset
-ll.Fitter(max_steps=6, batch_size=4, log_every=3, output_dir={out!r}, loggers=[], model_summary=False).fit(
-    Classifier(), DictDataset(n=24))
+ll.Fitter(max_steps=6, batch_size=4, log_every=3, output_dir={out!r}, loggers=[], model_summary=False,
+          save_every=3).fit(Classifier(), DictDataset(n=24))
 """
 
 
-def test_the_fitter_shows_a_bar_on_a_terminal_and_log_lines_elsewhere(tmp_path):
-    """A real fit in a subprocess, its stderr once a pseudo-terminal and once a pipe: on the
-    terminal tqdm draws the bar (and no per-log line); through the pipe there is no bar, and each
-    log step is a line."""
+def _on_pty(code: list[str], columns: int = 100) -> str:
+    """What ``code`` writes to its stderr, a pseudo-terminal of ``columns`` columns."""
     import fcntl
     import pty
     import struct
     import termios
 
+    main, child = pty.openpty()
+    fcntl.ioctl(child, termios.TIOCSWINSZ, struct.pack("HHHH", 24, columns, 0, 0))
+    proc = subprocess.Popen(code, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=child)
+    os.close(child)
+    chunks = []
+    while True:
+        try:
+            data = os.read(main, 4096)
+        except OSError:  # the child closed the terminal
+            break
+        if not data:
+            break
+        chunks.append(data)
+    os.close(main)
+    assert proc.wait(timeout=120) == 0, b"".join(chunks)[-2000:]
+    return b"".join(chunks).decode(errors="replace")
+
+
+def test_the_fitter_shows_a_bar_on_a_terminal_and_log_lines_elsewhere(tmp_path):
+    """A real fit in a subprocess, its stderr once a pseudo-terminal and once a pipe: on the
+    terminal tqdm draws the bar (and no per-log line), and log lines during the fit (a saved
+    checkpoint) go above it, each on a line of its own (they were written onto the bar's line);
+    through the pipe there is no bar, and each log step is a line."""
+    import re
+
     tests = str(Path(__file__).parent)
     for columns in (100, 0):  # a sized terminal, and one that reports no size (tqdm drew nothing there)
-        code = [sys.executable, "-c", _FIT_SCRIPT.format(tests=tests, out=str(tmp_path / f"tty{columns}"))]
-        main, child = pty.openpty()
-        fcntl.ioctl(child, termios.TIOCSWINSZ, struct.pack("HHHH", 24, columns, 0, 0))
-        proc = subprocess.Popen(code, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=child)
-        os.close(child)
-        chunks = []
-        while True:
-            try:
-                data = os.read(main, 4096)
-            except OSError:  # the child closed the terminal
-                break
-            if not data:
-                break
-            chunks.append(data)
-        os.close(main)
-        assert proc.wait(timeout=120) == 0
-        on_tty = b"".join(chunks).decode(errors="replace")
+        on_tty = _on_pty([sys.executable, "-c", _FIT_SCRIPT.format(tests=tests, prelude="",
+                                                                  out=str(tmp_path / f"tty{columns}"))], columns)
         assert "fit: 100%" in on_tty and "6/6" in on_tty and "step 3/6" not in on_tty, (columns, on_tty[-2000:])
-    piped = subprocess.run([sys.executable, "-c", _FIT_SCRIPT.format(tests=tests, out=str(tmp_path / "pipe"))],
+        assert on_tty.count("saved checkpoint") == 2
+        assert not re.search(r"[^\r\n]\[lightlike", on_tty), on_tty[-2000:]
+    # a terminal, but no tqdm: no bar, so the log lines it would have replaced are written
+    no_tqdm = _on_pty([sys.executable, "-c", _FIT_SCRIPT.format(
+        tests=tests, prelude="sys.modules['tqdm'] = None", out=str(tmp_path / "notqdm"))])
+    assert "tqdm is not installed" in no_tqdm and "step 3/6" in no_tqdm and "step 6/6" in no_tqdm
+    piped = subprocess.run([sys.executable, "-c", _FIT_SCRIPT.format(tests=tests, prelude="",
+                                                                     out=str(tmp_path / "pipe"))],
                            capture_output=True, text=True, timeout=120)
     assert piped.returncode == 0, piped.stderr[-2000:]
     assert "fit:" not in piped.stderr and "step 3/6" in piped.stderr and "step 6/6" in piped.stderr

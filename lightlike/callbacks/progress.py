@@ -86,6 +86,10 @@ class ProgressBar(Callback):
         self.bar = tqdm(total=total, initial=min(state.global_step, total or state.global_step),
                         unit="step", desc="fit", file=self.stream, dynamic_ncols=dynamic,
                         ncols=None if dynamic else 100, leave=True)
+        if self.stream is sys.stderr:  # lightlike's log lines go above the bar, not onto its line
+            from lightlike.loggers.console import _StderrHandler
+
+            _StderrHandler.bar = self.bar
 
     def on_step_end(self, fitter: Fitter, state: FitState, control: Control) -> None:
         if self.bar is not None:
@@ -104,6 +108,10 @@ class ProgressBar(Callback):
 
     def _close(self) -> None:
         if self.bar is not None:
+            from lightlike.loggers.console import _StderrHandler
+
+            if _StderrHandler.bar is self.bar:
+                _StderrHandler.bar = None
             try:
                 self.bar.close()
             finally:

@@ -24,9 +24,22 @@ class _StderrHandler(logging.StreamHandler):  # type: ignore[type-arg]
     after set-up, e.g. by test runners or notebooks, are honoured)."""
 
     _lightlike = True
+    #: a progress bar drawn on stderr (``ProgressBar`` sets it while it shows): records are
+    #: written above it, not onto its line
+    bar: Any = None
 
     def __init__(self) -> None:
         super().__init__(sys.stderr)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        bar = _StderrHandler.bar
+        if bar is None:
+            super().emit(record)
+            return
+        try:
+            bar.write(self.format(record), file=self.stream)
+        except Exception:  # as StreamHandler.emit does
+            self.handleError(record)
 
     @property  # type: ignore[override]
     def stream(self) -> Any:
