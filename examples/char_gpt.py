@@ -263,6 +263,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tiny", action="store_true", help="a tiny model on tiny data for a few steps (tests)")
     p.add_argument("--overwrite", action="store_true", help="replace an earlier run in --output-dir")
+    p.add_argument("--resume", action="store_true", help="continue the run in --output-dir from its newest checkpoint")
     return p.parse_args(argv)
 
 
@@ -311,7 +312,7 @@ def main(argv: list[str] | None = None) -> ll.FitResult:
         callbacks=[PrintEvaluations()],
     )
     start = time.perf_counter()
-    result = fitter.fit(module, train_data, val_data)
+    result = fitter.fit(module, train_data, val_data, resume=True if args.resume else None)
     elapsed = time.perf_counter() - start
 
     out = Path(args.output_dir)
@@ -334,4 +335,8 @@ def main(argv: list[str] | None = None) -> ll.FitResult:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except ll.OutputDirError as error:  # a second run into the same folder: say this script's flags
+        sys.exit(f"{error}\n(with this example: --resume to continue it, --overwrite to replace it, "
+                 "or --output-dir DIR)")

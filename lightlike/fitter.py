@@ -158,7 +158,7 @@ class Fitter:
             log.info("model summary\n%s", model_summary(module))
 
         self._grad_norm: torch.Tensor | None = None
-        self._last_metrics: dict[str, float] = {}
+        self._last_metrics: dict[str, float] = state.last_evaluation()  # resumed: its last evaluation's
         start_time, start_step, start_samples = time.perf_counter(), state.global_step, state.samples_seen
         if strategy.root_device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(strategy.root_device)

@@ -32,6 +32,12 @@ class FitState:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
+    def last_evaluation(self) -> dict[str, float]:
+        """The metrics of the last evaluation, from the log history ({} before any): what a
+        resumed run reports if it evaluates no more, as the uninterrupted run did."""
+        return {k: v for entry in self.log_history if entry.get("step") == self.last_eval_step
+                for k, v in entry.items() if k != "step" and not k.startswith("train/")}
+
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> FitState:
         names = {f.name for f in dataclasses.fields(cls)}

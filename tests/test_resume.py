@@ -391,3 +391,15 @@ def test_an_iterable_dataset_resumes_mid_epoch_bit_identical(tmp_path, caplog, w
     go(tmp_path / "other", stop=8)
     with pytest.raises(ll.CheckpointError, match="'num_workers': 1"):
         go(tmp_path / "other", resume=True, num_workers=1)
+
+
+def test_a_resumed_run_reports_the_metrics_of_its_last_evaluation(tmp_path):
+    """Resumed from its last checkpoint (killed after it, or run again when finished): the
+    resumed fit evaluates no more, and its FitResult.metrics are the uninterrupted run's (the
+    last evaluation's), not empty (the example's result.metrics["val/loss"] was a KeyError)."""
+    cfg = dict(max_steps=6, batch_size=4, eval_every=3, save_every=3, loggers=[], output_dir=str(tmp_path))
+    reference = ll.Fitter(**cfg).fit(Classifier(), DictDataset(n=24), DictDataset(n=8, seed=1))
+    resumed = ll.Fitter(**cfg).fit(Classifier(), DictDataset(n=24), DictDataset(n=8, seed=1), resume=True)
+    assert resumed.global_step == 6 and "val/loss" in reference.metrics
+    assert {k: v for k, v in resumed.metrics.items() if k != "train/loss"} == \
+        {k: v for k, v in reference.metrics.items() if k != "train/loss"}
