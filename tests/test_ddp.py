@@ -43,12 +43,15 @@ def assert_close(a, b, tol=1e-12):
         torch.testing.assert_close(a[k], b[k], rtol=tol, atol=tol, msg=k)
 
 
-@pytest.mark.parametrize("module,accum", [("plain", 1), ("plain", 2), ("token", 2), ("inttoken", 2)])
-def test_two_processes_equal_one_with_double_batch(tmp_path, module, accum):
+@pytest.mark.parametrize("module,accum,strategy", [("plain", 1, "ddp"), ("plain", 2, "ddp"), ("token", 2, "ddp"),
+                                                   ("inttoken", 2, "ddp"), ("token", 2, "ddp:static-graph")])
+def test_two_processes_equal_one_with_double_batch(tmp_path, module, accum, strategy):
     """2 ranks x batch 4 == 1 rank x batch 8, in float64 (to 1e-12), with accumulation and
-    uneven item counts (token module: each item holds 1-4 'tokens'); 46 items: a short last batch."""
+    uneven item counts (token module: each item holds 1-4 'tokens'); 46 items: a short last batch.
+    static_graph=True with accumulation: its reducer must see a synchronised backward first (torch
+    asserted at step 1 when the first micro-step ran under no_sync)."""
     args = ["--task", module, "--accum", str(accum), "--steps", "7", "--items", "46", "--max-grad-norm", "0.5"]
-    p2 = launch(2, tmp_path / "ddp", "--batch", "4", *args)
+    p2 = launch(2, tmp_path / "ddp", "--batch", "4", "--strategy", strategy, *args)
     assert p2.returncode == 0, p2.stderr[-3000:]
     p1 = launch(1, tmp_path / "one", "--batch", "8", *args)
     assert p1.returncode == 0, p1.stderr[-3000:]

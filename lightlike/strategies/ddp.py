@@ -15,6 +15,7 @@ import datetime
 import gc
 import logging
 import os
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -54,6 +55,7 @@ class DDPStrategy(Strategy):
         self.env: ClusterEnvironment | None = None
         self._owns_group = False
         self._failed = False
+        self._synced: weakref.WeakSet = weakref.WeakSet()  # static_graph wrappers past a synchronised backward
 
     # -- processes and devices -----------------------------------------------------------------
     @property
@@ -159,7 +161,16 @@ class DDPStrategy(Strategy):
 
     def no_sync(self, module: nn.Module, enabled: bool) -> contextlib.AbstractContextManager:
         inner = getattr(module, "_orig_mod", module)
-        return inner.no_sync() if enabled and isinstance(inner, DistributedDataParallel) else contextlib.nullcontext()
+        if not isinstance(inner, DistributedDataParallel):
+            return contextlib.nullcontext()
+        if self.ddp_kwargs["static_graph"] and inner not in self._synced:
+            # static_graph's reducer must see a synchronised backward before any under no_sync
+            # (torch's "expect_autograd_hooks_" assert): the first window all-reduces every
+            # micro-step, which sums to the same gradient
+            if not enabled:
+                self._synced.add(inner)
+            return contextlib.nullcontext()
+        return inner.no_sync() if enabled else contextlib.nullcontext()
 
     # -- exact accumulation ----------------------------------------------------------------------
     def item_normaliser(self, counts: list[int | torch.Tensor], flag: bool = False,

@@ -262,7 +262,11 @@ def main() -> None:
     else:
         model = module_cls(width=args.width).to(dtype)
     strategy = args.strategy
-    if strategy.startswith("hsdp:"):  # hsdp:<shard size>
+    if strategy == "ddp:static-graph":
+        from lightlike.strategies.ddp import DDPStrategy
+
+        strategy = DDPStrategy(static_graph=True)
+    elif strategy.startswith("hsdp:"):  # hsdp:<shard size>
         from lightlike.strategies.fsdp import FSDPStrategy
 
         strategy = FSDPStrategy(hybrid=True, shard_size=int(strategy.split(":")[1]))
