@@ -430,6 +430,21 @@ def _cmd_export(argv: list[str]) -> int:
     return 0
 
 
+def _output_dir_hint(message: str) -> str:
+    """The flags for what an ``OutputDirError`` offers in Python terms: ``--resume auto`` where it
+    says resume='auto' (a bare ``--resume`` would fail there: nothing to resume), ``--resume`` where
+    it says resume=True."""
+    flags = []
+    if "resume='auto'" in message:
+        flags.append("--resume auto")
+    elif "resume=True" in message:
+        flags.append("--resume")
+    if "overwrite_output_dir=True" in message:
+        flags.append("--overwrite_output_dir")
+    flags.append("another --output_dir")
+    return f" (on the command line: {', or '.join(flags)})"
+
+
 # ==============================================================================================
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit code (2 for a user error, printed as one line)."""
@@ -456,7 +471,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except LightlikeError as e:
         hint = ""
         if isinstance(e, OutputDirError):
-            hint = " (on the command line: --resume, or --overwrite_output_dir, or another --output_dir)"
+            hint = _output_dir_hint(str(e))
         print(f"lightlike {cmd}: error: {e}{hint}", file=sys.stderr)
         return 2
 

@@ -77,15 +77,50 @@ class Option:
         """A command-line string as this option's value, or ``ArgumentTypeError``."""
         return convert(raw, self.kinds, self.default)
 
-    def coerce(self, value: Any) -> Any:
+    def coerce(self, value: Any, source: str | None = None) -> Any:
         """A config-file value: strings are converted as flags are where the option takes no
-        strings (YAML reads ``1e-3`` as a string), anything else is kept as it is."""
+        strings (YAML reads ``1e-3`` as a string). With ``source`` (the file's name, for the
+        module's constructor arguments, which no ``FitConfig`` validation sees) a value this option
+        does not take is a ``ConfigError`` naming the file and key, as the flag's is; without it the
+        value is kept as it is, for ``FitConfig``'s validation to name."""
         if isinstance(value, str) and not self.kinds & {"str", "any"}:
             try:
                 return self.convert(value)
-            except argparse.ArgumentTypeError:
-                return value  # FitConfig's validation names the setting
+            except argparse.ArgumentTypeError as e:
+                if source is None:
+                    return value  # FitConfig's validation names the setting
+                raise ConfigError(f"{source}: {self.key}: {e}") from None
+        if source is not None and not self.takes(value):
+            want = " or ".join(sorted(self.kinds))
+            hint = ""
+            if isinstance(value, float) and "int" in self.kinds and value.is_integer():
+                hint = f"; write {int(value)}"  # 64.0 is refused, as --model.width 64.0 is
+            elif not isinstance(value, str) and "str" in self.kinds:
+                hint = f"; write it as a string: {json.dumps(str(value))}"
+            raise ConfigError(f"{source}: {self.key}: expected {want}, got {value!r} ({type(value).__name__}){hint}")
         return value
+
+    def takes(self, value: Any) -> bool:
+        """Whether a value read from a config file is of a kind this option takes (``int`` for
+        ``float`` too, ``None`` also where the default is None; never a bool for a number)."""
+        k = self.kinds
+        if "any" in k:
+            return True
+        if value is None:
+            return "none" in k or self.default is None
+        if isinstance(value, bool):
+            return "bool" in k
+        if isinstance(value, int):
+            return bool(k & {"int", "float"})
+        if isinstance(value, float):
+            return "float" in k
+        if isinstance(value, str):
+            return "str" in k
+        if isinstance(value, (list, tuple)):
+            return "list" in k
+        if isinstance(value, dict):
+            return "dict" in k
+        return False
 
 
 def kinds_of(annotation: Any, default: Any = REQUIRED) -> frozenset[str]:
@@ -238,6 +273,12 @@ def normalise_argv(argv: list[str], options: dict[str, Option], optional_value: 
             opt = options.get(key)
             takes = optional_value.get(key) or (
                 (lambda t, o=opt: t.strip().lower() in TRUE + FALSE + NONE) if opt is not None and opt.is_bool else None)
+            if not eq and nxt is not None and nxt.startswith("-") and _is_number(nxt):
+                # argparse takes only -1 and -.5 for negative numbers, not -1e-3, -inf or -nan:
+                # --scale -1e-3 is --scale=-1e-3, as the docs promise
+                out.append(f"{tok}={nxt}")
+                i += 2
+                continue
             if not eq and takes is not None and (nxt is None or nxt.startswith("-") or not takes(nxt)):
                 tok += "=true"
         out.append(tok)
@@ -248,17 +289,16 @@ def normalise_argv(argv: list[str], options: dict[str, Option], optional_value: 
 def nearest(name: str, valid: list[str]) -> str:
     """The hint for an unknown flag or key: the field an HF Trainer / Lightning name maps to
     (``config.OTHER_NAMES``), else the closest valid name."""
-    from lightlike.config import OTHER_NAMES
+    from lightlike.config import other_name_hint
 
-    other = OTHER_NAMES.get(name.lstrip("-"))
+    # --fp16 -> --precision 16-mixed, --resume_from_checkpoint -> --resume
+    other = other_name_hint(name.lstrip("-"), flag=name.startswith("--"))
     if other is not None:
-        if name.startswith("--"):  # --fp16 -> --precision 16-mixed, --resume_from_checkpoint -> --resume
-            other = "resume" if other.startswith("fit(") else other
-            other = "--" + other.replace("='", " ").rstrip("'") if other.isidentifier() or "='" in other else other
-        plain = other.lstrip("-").isidentifier()
-        return f" (did you mean {other!r}?)" if plain else f" (did you mean {other}?)"
-    close = difflib.get_close_matches(name, valid, n=1, cutoff=0.5)
-    return f" (did you mean {close[0]!r}?)" if close else ""
+        return f" ({other})"
+    # compared without the '--' every flag shares (it made --devices look like --metric_for_best)
+    bare = {v.lstrip("-"): v for v in valid}
+    close = difflib.get_close_matches(name.lstrip("-"), list(bare), n=1, cutoff=0.5)
+    return f" (did you mean {bare[close[0]]!r}?)" if close else ""
 
 
 def check_flags(extras: list[str], valid_flags: list[str], prog: str) -> None:
@@ -340,7 +380,7 @@ def split_config(data: dict[str, Any], source: str, fit_opts: dict[str, Option],
                     raise ConfigError(f"{source}: unknown key {full!r}{nearest(full, list(model_opts))}; "
                                       f"the module takes: {', '.join(o.split('.', 1)[1] for o in model_opts) or 'nothing'}")
                 opt = (model_opts or {}).get(full)
-                model[name] = opt.coerce(v) if opt else v
+                model[name] = opt.coerce(v, source) if opt else v
         elif key in fit_opts:
             fit[key] = fit_opts[key].coerce(value)
         else:

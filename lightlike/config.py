@@ -30,6 +30,9 @@ OPTIMIZERS = ("adamw", "sgd")
 NONFINITE_POLICIES = ("raise", "skip")
 SAVE_STRATEGIES = ("steps", "epoch", "best", "no")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+#: The seeds taken: a signed 64-bit int (torch.manual_seed takes -2**63 to 2**64 - 1; the sampler adds
+#: the epoch to the seed and the collators pack it as an int64).
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 
 
 def _f(default: Any, help: str, **kw: Any) -> Any:
@@ -180,6 +183,10 @@ class FitConfig:
         for name in ("adam_beta1", "adam_beta2"):
             v = getattr(self, name)
             need(0.0 <= v < 1.0, f"{name} must be in [0, 1), got {v!r}")
+        need(math.isfinite(self.num_cycles), f"num_cycles must be finite, got {self.num_cycles!r}")
+        need(SEED_MIN <= self.seed <= SEED_MAX,
+             f"seed must be in [-2**63, 2**63 - 1] (a signed 64-bit int: torch.manual_seed takes -2**63 to "
+             f"2**64 - 1, and the epoch and step are added to the seed), got {self.seed!r}")
         need(0.0 <= self.warmup_ratio < 1.0, f"warmup_ratio must be in [0, 1), got {self.warmup_ratio!r}")
         need(self.warmup_steps >= 0, f"warmup_steps must be >= 0, got {self.warmup_steps!r}")
         _choice("lr_scheduler", self.lr_scheduler, SCHEDULERS)
@@ -305,7 +312,30 @@ OTHER_NAMES = {
     "dataloader_num_workers": "num_workers", "dataloader_drop_last": "drop_last",
     "dataloader_pin_memory": "pin_memory", "torch_compile": "compile", "gradient_clip_val": "max_grad_norm",
     "resume_from_checkpoint": "fit(..., resume=True or 'path')",
+    "val_check_interval": "eval_every or eval_on_epoch_end", "check_val_every_n_epoch": "eval_on_epoch_end",
+    "enable_progress_bar": "progress_bar", "disable_tqdm": "progress_bar (the opposite sense: false hides the bar)",
+    "default_root_dir": "output_dir", "logging_dir": "output_dir (the logs go in output_dir/logs)",
+    "logging_strategy": "log_every",
+    "devices": "accelerator (lightlike runs one process per device, started by torchrun --nproc_per_node N "
+               "or srun: there is no device count to set)",
 }
+
+
+def other_name_hint(name: str, flag: bool = False) -> str | None:
+    """``did you mean ...?`` for an HF Trainer / Lightning name (``OTHER_NAMES``), or None.
+    ``flag``: as command-line flags (``--precision 16-mixed``, ``--eval_every or --eval_on_epoch_end``).
+    A value's `` (note)`` follows the question."""
+    other = OTHER_NAMES.get(name)
+    if other is None:
+        return None
+    main, _, note = other.partition(" (") if not other.startswith("fit(") else (other, "", "")
+    note = note.removesuffix(")")
+    if flag:
+        alts = ["--resume"] if main.startswith("fit(") else \
+            ["--" + a.strip().replace("='", " ").rstrip("'") for a in main.split(" or ")]
+        main = " or ".join(alts)
+    text = repr(main) if main.lstrip("-").isidentifier() else main
+    return f"did you mean {text}?" + (f" {note}" if note else "")
 
 
 def check_keys(data: dict[str, Any], cls: type = FitConfig) -> None:
@@ -315,10 +345,9 @@ def check_keys(data: dict[str, Any], cls: type = FitConfig) -> None:
     if bad:
         parts = []
         for k in bad:
-            other = OTHER_NAMES.get(k) if cls is FitConfig else None
-            close = [repr(other) if other.isidentifier() else other] if other else \
-                [repr(c) for c in difflib.get_close_matches(k, valid, n=3, cutoff=0.5)]
-            hint = f" (did you mean {', '.join(close)}?)" if close else ""
+            other = other_name_hint(k) if cls is FitConfig else None
+            close = [repr(c) for c in difflib.get_close_matches(k, valid, n=3, cutoff=0.5)]
+            hint = f" ({other})" if other else f" (did you mean {', '.join(close)}?)" if close else ""
             parts.append(f"{k!r}{hint}")
         raise ConfigError(f"unknown config key(s): {'; '.join(parts)}")
 

@@ -1,0 +1,194 @@
+"""The command line's surface: what it accepts and how it answers a mistake. Each test drives the
+real ``lightlike`` command (``lightlike.cli.main``, in process) and expects, for a user error, one
+line on stderr and exit code 2, never a traceback."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+import lightlike as ll
+from lightlike.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+TARGET = f"{ROOT / 'examples' / 'cli_module.py'}:Classifier"
+SMALL = ["--loggers", "[]", "--model_summary", "false", "--model.train_items", "32", "--model.val_items", "16"]
+
+
+def run_cli(capsys, *args: str) -> tuple[int, str, str]:
+    code = main(list(args))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def one_line_error(capsys, *args: str) -> str:
+    code, _, err = run_cli(capsys, *args)
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and ": error: " in lines[0], (code, err)
+    return lines[0]
+
+
+# -- 1: the [model] table is typed as the --model.* flags are ------------------------------------
+@pytest.mark.parametrize(("name", "text", "want"), [
+    ("w.toml", 'max_steps = 2\n[model]\nwidth = "abc"\n', "w.toml: model.width: expected int, got 'abc'"),
+    ("w.toml", "max_steps = 2\n[model]\nwidth = 64.0\n", "w.toml: model.width: expected int, got 64.0 (float); write 64"),
+    ("w.toml", "max_steps = 2\n[model]\nwidth = true\n", "w.toml: model.width: expected int, got True (bool)"),
+    ("w.toml", "max_steps = 2\n[model]\ndropout = [0.1]\n", "w.toml: model.dropout: expected float, got [0.1] (list)"),
+    ("w.yaml", "max_steps: 2\nmodel:\n  width: 1e2\n", "w.yaml: model.width: expected int, got '1e2'"),
+    ("w.json", '{"max_steps": 2, "model": {"width": "12x"}}', "w.json: model.width: expected int, got '12x'"),
+])
+def test_model_table_values_are_type_checked(capsys, tmp_path, monkeypatch, name, text, want):
+    if name.endswith(".yaml"):
+        pytest.importorskip("yaml")
+    monkeypatch.chdir(tmp_path)
+    Path(name).write_text(text)
+    line = one_line_error(capsys, "fit", TARGET, "--config", name, "--output_dir", "out", *SMALL)
+    assert line == f"lightlike fit: error: {want}"
+    assert not (tmp_path / "out").exists()
+
+
+def test_model_table_values_of_the_right_type_are_taken(capsys, tmp_path, monkeypatch):
+    """Strings converted as flags are (YAML's 1e-3), an int where a float goes, None where the
+    default is None: all accepted, as before."""
+    monkeypatch.chdir(tmp_path)
+    Path("ok.toml").write_text('max_steps = 2\n[model]\nwidth = 48\ndropout = 0\n')
+    code, out, err = run_cli(capsys, "config", TARGET, "--config", "ok.toml")
+    assert code == 0, err
+    assert "width = 48" in out and "dropout = 0" in out
+
+
+# -- 2: num_cycles must be finite ----------------------------------------------------------------
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf"])
+@pytest.mark.parametrize("scheduler", ["cosine", "cosine_with_restarts"])
+def test_num_cycles_must_be_finite(capsys, tmp_path, scheduler, value):
+    line = one_line_error(capsys, "fit", TARGET, "--max_steps", "2", "--lr_scheduler", scheduler,
+                          f"--num_cycles={value}", "--output_dir", str(tmp_path / "out"), *SMALL)
+    assert line == f"lightlike fit: error: num_cycles must be finite, got {float(value)!r}"
+    with pytest.raises(ll.ConfigError, match="num_cycles must be finite"):
+        ll.FitConfig(max_steps=1, num_cycles=float(value))
+
+
+# -- 3: --flag VALUE takes every negative number --flag=VALUE does ------------------------------
+@pytest.mark.parametrize("value", ["-1e-3", "-1.5e-3", "-1E+2", "-inf", "-0.5", "-2"])
+def test_negative_numbers_as_separate_values(capsys, value):
+    joined = run_cli(capsys, "config", TARGET, "--max_steps", "1", f"--model.dropout={value}", "--format", "json")
+    spaced = run_cli(capsys, "config", TARGET, "--max_steps", "1", "--model.dropout", value, "--format", "json")
+    assert joined[0] == 0 and spaced[0] == 0, spaced[2]
+    assert spaced[1] == joined[1]
+    assert f'"dropout": {float(value)!r}'.replace("inf", "Infinity") in spaced[1]
+
+
+def test_negative_number_for_a_setting_is_checked_as_a_value(capsys):
+    line = one_line_error(capsys, "config", TARGET, "--max_steps", "1", "--learning_rate", "-1e-3")
+    assert "learning_rate must be >= 0, got -0.001" in line
+
+
+# -- 4: "did you mean" names a related flag -------------------------------------------------------
+@pytest.mark.parametrize(("flag", "want"), [
+    ("--devices", "(did you mean '--accelerator'? lightlike runs one process per device, started by torchrun "
+                  "--nproc_per_node N or srun: there is no device count to set)"),
+    ("--disable_tqdm", "(did you mean '--progress_bar'?"),
+    ("--enable_progress_bar", "(did you mean '--progress_bar'?)"),
+    ("--val_check_interval", "(did you mean --eval_every or --eval_on_epoch_end?)"),
+    ("--check_val_every_n_epoch", "(did you mean '--eval_on_epoch_end'?)"),
+    ("--eval_strategy", "(did you mean --eval_every or --eval_on_epoch_end?)"),
+    ("--default_root_dir", "(did you mean '--output_dir'?)"),
+    ("--max_step", "(did you mean '--max_steps'?)"),
+    ("--fp16", "(did you mean --precision 16-mixed?)"),
+    ("--resume_from_checkpoint", "(did you mean '--resume'?)"),
+])
+def test_unknown_flag_hints(capsys, tmp_path, flag, want):
+    line = one_line_error(capsys, "fit", TARGET, "--max_steps", "1", flag, "1", "--output_dir", str(tmp_path / "o"))
+    assert f"unknown flag {flag} {want}" in line
+
+
+@pytest.mark.parametrize("flag", ["--gpus", "--fast_dev_run"])
+def test_unrelated_flags_get_no_hint(capsys, tmp_path, flag):
+    """Compared without the '--' every flag shares, a name like nothing valid gets no suggestion
+    (--gpus got '--fused', --fast_dev_run '--save_every')."""
+    line = one_line_error(capsys, "fit", TARGET, "--max_steps", "1", flag, "1", "--output_dir", str(tmp_path))
+    assert line == f"lightlike fit: error: unknown flag {flag} (see lightlike fit --help)"
+
+
+@pytest.mark.parametrize(("key", "want"), [
+    ("devices", "(did you mean 'accelerator'? lightlike runs one process per device"),
+    ("disable_tqdm", "(did you mean 'progress_bar'?"),
+    ("val_check_interval", "(did you mean eval_every or eval_on_epoch_end?)"),
+    ("default_root_dir", "(did you mean 'output_dir'?)"),
+])
+def test_python_api_gives_the_same_hints(key, want):
+    with pytest.raises(ll.ConfigError) as e:
+        ll.Fitter(max_steps=1, **{key: 1})
+    assert f"unknown config key(s): {key!r} {want}" in str(e.value)
+
+
+def test_config_file_key_hint(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    Path("h.toml").write_text("max_steps = 1\ndevices = 2\n")
+    line = one_line_error(capsys, "config", TARGET, "--config", "h.toml")
+    assert "h.toml: unknown key 'devices' (did you mean 'accelerator'?" in line
+
+
+# -- 5: the output_dir hint offers the flag that works -------------------------------------------
+def test_output_dir_hint_matches_the_message(capsys, tmp_path):
+    out = tmp_path / "od"
+    (out / "logs").mkdir(parents=True)  # logs only: nothing to resume
+    line = one_line_error(capsys, "fit", TARGET, "--max_steps", "2", "--output_dir", str(out), *SMALL)
+    assert "pass resume='auto'" in line
+    assert line.endswith("(on the command line: --resume auto, or --overwrite_output_dir, or another --output_dir)")
+    code, _, err = run_cli(capsys, "fit", TARGET, "--max_steps", "2", "--output_dir", str(out), "--resume", "auto",
+                           *SMALL)
+    assert code == 0, err  # what the hint says works
+
+    ckpt = tmp_path / "ckpt"  # a resumable checkpoint: plain --resume
+    assert run_cli(capsys, "fit", TARGET, "--max_steps", "2", "--save_every", "2", "--output_dir", str(ckpt),
+                   *SMALL)[0] == 0
+    line = one_line_error(capsys, "fit", TARGET, "--max_steps", "4", "--output_dir", str(ckpt), *SMALL)
+    assert "pass resume=True" in line
+    assert line.endswith("(on the command line: --resume, or --overwrite_output_dir, or another --output_dir)")
+
+
+# -- 6: seed range ------------------------------------------------------------------------------
+@pytest.mark.parametrize("seed", [2**64, 2**63, -(2**63) - 1])
+def test_seed_out_of_range(capsys, tmp_path, seed):
+    line = one_line_error(capsys, "fit", TARGET, "--max_steps", "1", f"--seed={seed}", "--output_dir",
+                          str(tmp_path / "o"), *SMALL)
+    assert "seed must be in [-2**63, 2**63 - 1]" in line and "torch.manual_seed takes -2**63 to 2**64 - 1" in line
+    assert line.endswith(f"got {seed}")
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("seed", [2**63 - 1, -(2**63)])
+def test_seed_at_the_limits_trains_two_epochs(capsys, tmp_path, seed):
+    code, _, err = run_cli(capsys, "fit", TARGET, "--max_epochs", "2", f"--seed={seed}", "--output_dir",
+                           str(tmp_path / "o"), *SMALL)
+    assert code == 0, err
+
+
+# -- 7: export names a missing path and a run's output_dir ---------------------------------------
+def test_export_missing_path(capsys, tmp_path):
+    line = one_line_error(capsys, "export", str(tmp_path / "nope"), str(tmp_path / "out"))
+    assert line == f"lightlike export: error: export: no such checkpoint directory: {str(tmp_path / 'nope')!r}"
+    assert not (tmp_path / "out").exists()
+
+
+def test_export_an_output_dir_names_its_newest_checkpoint(capsys, tmp_path):
+    run = tmp_path / "run"
+    assert run_cli(capsys, "fit", TARGET, "--max_steps", "4", "--save_every", "2", "--output_dir", str(run),
+                   *SMALL)[0] == 0
+    line = one_line_error(capsys, "export", str(run), str(tmp_path / "out"))
+    assert "is a run's output_dir, not one checkpoint" in line
+    assert line.endswith(f"its newest valid one, {str(run / 'checkpoint-4')!r}")
+    (run / "checkpoint-4" / "manifest.json").unlink()  # torn: the newest valid one is older
+    line = one_line_error(capsys, "export", str(run), str(tmp_path / "out"))
+    assert line.endswith(f"its newest valid one, {str(run / 'checkpoint-2')!r}")
+    assert not (tmp_path / "out").exists()
+    code, out, err = run_cli(capsys, "export", str(run / "checkpoint-2"), str(tmp_path / "out"))
+    assert code == 0 and (tmp_path / "out" / "model.safetensors").is_file(), err
+
+
+def test_export_an_output_dir_without_a_valid_checkpoint(capsys, tmp_path):
+    (tmp_path / "run" / "checkpoint-3").mkdir(parents=True)
+    line = one_line_error(capsys, "export", str(tmp_path / "run"), str(tmp_path / "out"))
+    assert "is a run's output_dir, not one checkpoint, and holds no valid checkpoint" in line
