@@ -15,6 +15,7 @@ from collections import Counter
 import numpy as np
 import pytest
 import torch
+from test_data_utils import padding_waste
 
 from lightlike.data import LanguageModelingCollator, LengthGroupedSampler, PaddingCollator
 from lightlike.data.sampler import epoch_permutation
@@ -29,14 +30,6 @@ def rank_batches(lengths, epoch, rank, world_size=2, batch_size=4, **kw):
     s.set_epoch(epoch)
     order = list(s)
     return [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
-
-
-def padding_waste(order, lengths, batch_size):
-    waste = 0
-    for s in range(0, len(order), batch_size):
-        b = [lengths[i] for i in order[s:s + batch_size]]
-        waste += max(b) * len(b) - sum(b)
-    return waste
 
 
 # ============================================================================================
