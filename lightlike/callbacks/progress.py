@@ -10,6 +10,7 @@ import logging
 import math
 import os
 import sys
+import warnings
 from typing import TYPE_CHECKING, Any
 
 from lightlike.callbacks.base import Callback
@@ -86,10 +87,20 @@ class ProgressBar(Callback):
         self.bar = tqdm(total=total, initial=min(state.global_step, total or state.global_step),
                         unit="step", desc="fit", file=self.stream, dynamic_ncols=dynamic,
                         ncols=None if dynamic else 100, leave=True)
-        if self.stream is sys.stderr:  # lightlike's log lines go above the bar, not onto its line
+        if self.stream is sys.stderr:  # lightlike's log lines and Python warnings go above the bar
             from lightlike.loggers.console import _StderrHandler
 
             _StderrHandler.bar = self.bar
+            self._showwarning = warnings.showwarning
+            warnings.showwarning = self._show_warning
+
+    def _show_warning(self, message: Any, category: Any, filename: str, lineno: int, file: Any = None,
+                      line: str | None = None) -> None:
+        if self.bar is None or file not in (None, sys.stderr):
+            self._showwarning(message, category, filename, lineno, file, line)
+            return
+        self.bar.write(warnings.formatwarning(message, category, filename, lineno, line).rstrip("\n"),
+                       file=self.stream)
 
     def on_step_end(self, fitter: Fitter, state: FitState, control: Control) -> None:
         if self.bar is not None:
@@ -112,6 +123,8 @@ class ProgressBar(Callback):
 
             if _StderrHandler.bar is self.bar:
                 _StderrHandler.bar = None
+            if getattr(warnings.showwarning, "__self__", None) is self:
+                warnings.showwarning = self._showwarning
             try:
                 self.bar.close()
             finally:

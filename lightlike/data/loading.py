@@ -162,14 +162,23 @@ class EpochPosition:
     uses another batch size or world size. Everything the step needs comes from one call."""
 
     __slots__ = ("_start", "_here", "_batches", "_global_batch", "_end", "_done_below", "_per_epoch",
-                 "_batches_per_epoch", "_decides")
+                 "_batches_per_epoch", "_agreed_left")
 
     def __init__(self, data: TrainData, start: int, batches_in_epoch: int, world_size: int):
         self._start, self._here, self._batches = start, 0, batches_in_epoch
-        self._decides = data.min_over_ranks is None  # else an empty window, agreed by all ranks, ends it
         batch_size = data.loader.batch_size or 1
         self._global_batch = batch_size * world_size
         self._batches_per_epoch = data.batches_per_epoch() if data.sampler is None else None
+        # shares that may differ by rank: the epoch ends at the same step everywhere, once every
+        # rank has taken the shortest share's batches left from here (without a length, an empty
+        # window, agreed by all ranks, ends it)
+        self._agreed_left: int | None = None
+        if data.min_over_ranks is not None:
+            self._agreed_left = left = self._batches_per_epoch if data.sampler is None else data.batches_per_epoch()
+            own = len(data.loader) if left is not None else 0
+            if left is not None and own > left:
+                log.warning("this rank's share of the epoch holds %d batch(es) and another rank's %d: its last %d "
+                            "are left out, so that every rank takes the same steps", own, left, own - left)
         sampler = data.sampler
         if sampler is not None:
             self._end: int | None = sampler.global_end()  # the rest from start splits evenly
@@ -193,11 +202,15 @@ class EpochPosition:
             samples = end
         if self._per_epoch:  # lightlike's sampler
             assert end is not None
-            return samples, min(1.0, samples / self._per_epoch), end - samples < self._done_below and self._decides
-        per_epoch = self._batches_per_epoch
-        if per_epoch:
-            return samples, min(1.0, self._batches / per_epoch), self._batches >= per_epoch and self._decides
-        return samples, 0.0, False
+            fraction, done = min(1.0, samples / self._per_epoch), end - samples < self._done_below
+        else:
+            per_epoch = self._batches_per_epoch
+            fraction = min(1.0, self._batches / per_epoch) if per_epoch else 0.0
+            done = per_epoch is not None and per_epoch > 0 and self._batches >= per_epoch
+        left = self._agreed_left
+        if left is not None:
+            done = self._here >= left
+        return samples, fraction, done
 
 
 def _check_nonempty(data: Any, what: str) -> int | None:
