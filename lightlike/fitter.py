@@ -113,8 +113,8 @@ class Fitter:
             raise ConfigError(f"metric_for_best={cfg.metric_for_best!r} needs evaluation data: pass val=...")
         accum = cfg.grad_accum_steps
         # lightlike's sampler gives every rank the same batches, and with the default num_items
-        # the same counts; otherwise the ranks agree each step that all still have data (an
-        # epoch ends everywhere when one rank runs out) and sum their item counts
+        # the same counts; otherwise the ranks agree on the epoch's length where it is known (the
+        # shortest share's) and each step that all still have data, and sum their item counts
         agree_on_data = strategy.world_size > 1 and not train_data.deals_evenly
         if agree_on_data:
             train_data.agree_on_length(strategy)

@@ -20,7 +20,7 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from lightlike.data.sampler import ResumableSampler, epoch_permutation
+from lightlike.data.sampler import ResumableSampler, epoch_generator, epoch_permutation
 from lightlike.errors import DataError
 
 
@@ -107,13 +107,8 @@ class LengthGroupedSampler(ResumableSampler):
     def global_order(self, epoch: int | None = None) -> torch.Tensor:
         """The order of all samples of ``epoch`` (all ranks together): a pure function."""
         epoch = self.epoch if epoch is None else epoch
-        g = None
-        if self.shuffle:  # epoch_permutation's draw; the same generator then draws the turn below
-            g = torch.Generator()
-            g.manual_seed(self.seed + epoch)
-            order = torch.randperm(self.n, generator=g)
-        else:
-            order = epoch_permutation(self.n, self.seed, epoch, self.shuffle)
+        g = epoch_generator(self.seed, epoch) if self.shuffle else None  # it then draws the turn below
+        order = epoch_permutation(self.n, self.seed, epoch, self.shuffle, g)
         groups = []
         for chunk in order.split(self.group_size):
             # stable: equal lengths keep their shuffled order

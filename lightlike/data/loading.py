@@ -47,8 +47,9 @@ class TrainData:
         return self.sampler is not None and self.sampler.deals_evenly
 
     def agree_on_length(self, strategy: Any) -> None:
-        """The ranks' shares may differ: an epoch is as long as the shortest rank's (one all-reduce
-        per epoch), and it ends when a rank runs out, which the loop agrees on every step. Collective."""
+        """The ranks' shares may differ: an epoch with a length lasts the shortest share's batches on
+        every rank (one all-reduce per epoch); one without ends when a rank runs out, which the loop
+        agrees on every step. Collective."""
         self.min_over_ranks = lambda n: int(strategy.all_reduce(torch.tensor(n, device=strategy.root_device), "min"))
 
     def replays(self) -> bool:

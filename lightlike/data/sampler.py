@@ -15,13 +15,20 @@ import torch
 from torch.utils.data import Sampler
 
 
-def epoch_permutation(n: int, seed: int, epoch: int, shuffle: bool) -> torch.Tensor:
-    """The global order of epoch ``epoch``: a pure function of its arguments."""
-    if not shuffle:
-        return torch.arange(n)
+def epoch_generator(seed: int, epoch: int) -> torch.Generator:
+    """The generator an epoch's order is drawn from."""
     g = torch.Generator()
     g.manual_seed(seed + epoch)
-    return torch.randperm(n, generator=g)
+    return g
+
+
+def epoch_permutation(n: int, seed: int, epoch: int, shuffle: bool, generator: torch.Generator | None = None
+                      ) -> torch.Tensor:
+    """The global order of epoch ``epoch``: a pure function of its arguments. ``generator``: the
+    epoch's (``epoch_generator``), when the caller draws more from it after the permutation."""
+    if not shuffle:
+        return torch.arange(n)
+    return torch.randperm(n, generator=generator if generator is not None else epoch_generator(seed, epoch))
 
 
 class ResumableSampler(Sampler[int]):

@@ -255,44 +255,29 @@ class DDPStrategy(Strategy):
         global positions r, r + W, r + 2W, ... (the evaluation sampler deals them round-robin);
         ``dealt=False``: one rank's after another's."""
         parts = self.all_gather_object(local)
-        return _interleave(parts) if dealt else _join(parts)
+        return _reassemble(parts, dealt)
 
     def __repr__(self) -> str:
         return (f"DDPStrategy(rank={self.global_rank}/{self.world_size}, device={self.root_device}, "
                 f"precision={self.precision.name!r})")
 
 
-def _join(parts: list[Any]) -> Any:
+def _reassemble(parts: list[Any], dealt: bool = True) -> Any:
+    """The ranks' evaluation outputs as one: per item, interleaved (``dealt``: rank r held the
+    items at positions r, r + W, ...) or one rank's after another's; dicts and tuples field by
+    field (a list holds one value per item)."""
     if all(p is None for p in parts):
         return None
     first = next(p for p in parts if p is not None)
-    if isinstance(first, torch.Tensor):
-        return torch.cat(parts)
     if isinstance(first, dict):
-        return {k: _join([p[k] for p in parts]) for k in first}
+        return {k: _reassemble([p[k] for p in parts], dealt) for k in first}
     if isinstance(first, tuple):
-        fields = [_join([p[j] for p in parts]) for j in range(len(first))]
+        fields = [_reassemble([p[j] for p in parts], dealt) for j in range(len(first))]
         return type(first)(*fields) if hasattr(first, "_fields") else tuple(fields)
-    return [x for p in parts for x in p]
-
-
-def _interleave(parts: list[Any]) -> Any:
-    if all(p is None for p in parts):
-        return None
-    first = next(p for p in parts if p is not None)
-    if isinstance(first, torch.Tensor):
-        total = sum(len(p) for p in parts)
-        out = first.new_empty((total, *first.shape[1:]))
-        for r, p in enumerate(parts):
-            out[r::len(parts)] = p
-        return out
-    if isinstance(first, dict):
-        return {k: _interleave([p[k] for p in parts]) for k in first}
-    if isinstance(first, tuple):  # fields, each interleaved (a list holds one value per item)
-        fields = [_interleave([p[j] for p in parts]) for j in range(len(first))]
-        return type(first)(*fields) if hasattr(first, "_fields") else tuple(fields)
+    if not dealt:
+        return torch.cat(parts) if isinstance(first, torch.Tensor) else [x for p in parts for x in p]
     total = sum(len(p) for p in parts)
-    merged: list[Any] = [None] * total
+    merged: Any = first.new_empty((total, *first.shape[1:])) if isinstance(first, torch.Tensor) else [None] * total
     for r, p in enumerate(parts):
-        merged[r::len(parts)] = list(p)
+        merged[r::len(parts)] = p if isinstance(first, torch.Tensor) else list(p)
     return merged
