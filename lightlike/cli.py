@@ -226,7 +226,13 @@ def _parse(cmd: str, argv: list[str]) -> dict[str, Any]:
         if cmd == "config":
             print("lightlike config: note: neither max_steps nor max_epochs given; showing max_epochs = 1",
                   file=sys.stderr)
-    config = FitConfig.from_dict(values)
+    try:
+        config = FitConfig.from_dict(values)
+    except ConfigError as e:  # a value the config file set (and no flag replaced): name the file
+        from_file = [k for k in e.settings if k in file_fit and k not in given]
+        if not from_file:
+            raise
+        raise ConfigError(f"{given['cli_config']}: {e}", settings=e.settings) from None
 
     # constructor arguments: signature defaults < checkpoint's hparams.json < config file < flags
     checkpoint = _resolve_checkpoint(given["cli_checkpoint"], config) if given.get("cli_checkpoint") else None
@@ -430,19 +436,14 @@ def _cmd_export(argv: list[str]) -> int:
     return 0
 
 
-def _output_dir_hint(message: str) -> str:
-    """The flags for what an ``OutputDirError`` offers in Python terms: ``--resume auto`` where it
-    says resume='auto' (a bare ``--resume`` would fail there: nothing to resume), ``--resume`` where
-    it says resume=True."""
-    flags = []
-    if "resume='auto'" in message:
-        flags.append("--resume auto")
-    elif "resume=True" in message:
-        flags.append("--resume")
-    if "overwrite_output_dir=True" in message:
-        flags.append("--overwrite_output_dir")
-    flags.append("another --output_dir")
-    return f" (on the command line: {', or '.join(flags)})"
+def _output_dir_hint(error: OutputDirError) -> str:
+    """The flags for what an ``OutputDirError`` offers in Python terms: ``--resume auto`` for
+    resume='auto' (a bare ``--resume`` would fail there: nothing to resume), ``--resume`` for
+    resume=True."""
+    flags = {"resume='auto'": "--resume auto", "resume=True": "--resume",
+             "overwrite_output_dir=True": "--overwrite_output_dir"}
+    named = [flags[o] for o in error.offers if o in flags] + ["another --output_dir"]
+    return f" (on the command line: {', or '.join(named)})"
 
 
 # ==============================================================================================
@@ -471,7 +472,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except LightlikeError as e:
         hint = ""
         if isinstance(e, OutputDirError):
-            hint = _output_dir_hint(str(e))
+            hint = _output_dir_hint(e)
         print(f"lightlike {cmd}: error: {e}{hint}", file=sys.stderr)
         return 2
 

@@ -45,6 +45,16 @@ class Option:
     kinds: frozenset[str]
     default: Any
     help: str = ""
+    choices: tuple[Any, ...] | None = None  # a ``Literal[...]`` annotation's values
+
+    def check_choice(self, value: Any) -> Any:
+        """``value``, or ``ArgumentTypeError`` when a ``Literal`` annotation does not list it."""
+        if self.choices is None or value in self.choices or (value is None and "none" in self.kinds):
+            return value
+        valid = ", ".join(repr(c) for c in self.choices)
+        near = difflib.get_close_matches(str(value), [str(c) for c in self.choices], n=1)
+        hint = f" (did you mean {near[0]!r}?)" if near else ""
+        raise argparse.ArgumentTypeError(f"expected one of {valid}, got {value!r}{hint}")
 
     @property
     def flag(self) -> str:
@@ -75,7 +85,7 @@ class Option:
 
     def convert(self, raw: str) -> Any:
         """A command-line string as this option's value, or ``ArgumentTypeError``."""
-        return convert(raw, self.kinds, self.default)
+        return self.check_choice(convert(raw, self.kinds, self.default))
 
     def coerce(self, value: Any, source: str | None = None) -> Any:
         """A config-file value: strings are converted as flags are where the option takes no
@@ -98,6 +108,11 @@ class Option:
             elif not isinstance(value, str) and "str" in self.kinds:
                 hint = f"; write it as a string: {json.dumps(str(value))}"
             raise ConfigError(f"{source}: {self.key}: expected {want}, got {value!r} ({type(value).__name__}){hint}")
+        if source is not None:
+            try:
+                self.check_choice(value)
+            except argparse.ArgumentTypeError as e:
+                raise ConfigError(f"{source}: {self.key}: {e}") from None
         return value
 
     def takes(self, value: Any) -> bool:
@@ -151,6 +166,25 @@ def kinds_of(annotation: Any, default: Any = REQUIRED) -> frozenset[str]:
         if isinstance(base, type) and issubclass(base, types_):
             return frozenset({kind})
     return frozenset({"any"})
+
+
+def literal_choices(annotation: Any) -> tuple[Any, ...] | None:
+    """The values a ``Literal[...]`` annotation (or an Optional/Union of Literals) allows; None
+    where it allows any value of its kinds (or is an unresolved string)."""
+    origin = typing.get_origin(annotation)
+    if origin is typing.Literal:
+        return typing.get_args(annotation)
+    if origin is typing.Union or (hasattr(types, "UnionType") and isinstance(annotation, types.UnionType)):
+        out: list[Any] = []
+        for arg in typing.get_args(annotation):
+            if arg is type(None):
+                continue
+            sub = literal_choices(arg)
+            if sub is None:
+                return None
+            out.extend(sub)
+        return tuple(out) or None
+    return None
 
 
 _SIMPLE = {"bool", "int", "float", "str", "list", "dict", "none", "any"}
@@ -234,7 +268,7 @@ def model_options(cls: type) -> tuple[list[Option], bool]:
             continue
         ann = hints.get(p.name, p.annotation)
         out.append(Option(f"{MODEL}.{p.name}", kinds_of(ann, p.default), p.default,
-                          doc.get(p.name, f"{cls.__name__}(..., {p.name}=...)")))
+                          doc.get(p.name, f"{cls.__name__}(..., {p.name}=...)"), literal_choices(ann)))
     return out, var_kw
 
 

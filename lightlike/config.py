@@ -156,39 +156,41 @@ class FitConfig:
         self.validate()
 
     def validate(self) -> None:
-        def need(cond: bool, msg: str) -> None:
+        def need(cond: bool, msg: str, *settings: str) -> None:
             if not cond:
-                raise ConfigError(msg)
+                raise ConfigError(msg, settings=settings)
 
         for f in fields(self):  # types first: the checks below compare numbers
             _check_type(f.name, getattr(self, f.name), str(f.type), f.default)
         need(
             self.max_epochs is not None or self.max_steps is not None,
-            "no stopping criterion: set max_steps=N or max_epochs=N",
+            "no stopping criterion: set max_steps=N or max_epochs=N", "max_epochs", "max_steps",
         )
         for name in ("max_epochs", "max_steps"):
             v = getattr(self, name)
-            need(v is None or (isinstance(v, int) and v > 0), f"{name} must be a positive int, got {v!r}")
+            need(v is None or (isinstance(v, int) and v > 0), f"{name} must be a positive int, got {v!r}", name)
         for name in ("batch_size", "grad_accum_steps", "log_every"):
             v = getattr(self, name)
-            need(isinstance(v, int) and v > 0, f"{name} must be a positive int, got {v!r}")
+            need(isinstance(v, int) and v > 0, f"{name} must be a positive int, got {v!r}", name)
         for name in ("eval_batch_size", "eval_every", "save_every", "save_total_limit"):
             v = getattr(self, name)
-            need(v is None or (isinstance(v, int) and v > 0), f"{name} must be a positive int or None, got {v!r}")
-        need(self.num_workers >= 0, f"num_workers must be >= 0, got {self.num_workers}")
+            need(v is None or (isinstance(v, int) and v > 0), f"{name} must be a positive int or None, got {v!r}", name)
+        need(self.num_workers >= 0, f"num_workers must be >= 0, got {self.num_workers}", "num_workers")
         for name in ("learning_rate", "weight_decay", "adam_epsilon", "momentum", "lr_end"):
             v = getattr(self, name)
-            need(math.isfinite(v), f"{name} must be finite, got {v!r}")
-            need(v >= 0, f"{name} must be >= 0, got {v!r}")
+            need(math.isfinite(v), f"{name} must be finite, got {v!r}", name)
+            need(v >= 0, f"{name} must be >= 0, got {v!r}", name)
         for name in ("adam_beta1", "adam_beta2"):
             v = getattr(self, name)
-            need(0.0 <= v < 1.0, f"{name} must be in [0, 1), got {v!r}")
-        need(math.isfinite(self.num_cycles), f"num_cycles must be finite, got {self.num_cycles!r}")
+            need(0.0 <= v < 1.0, f"{name} must be in [0, 1), got {v!r}", name)
+        for name in ("num_cycles", "power"):
+            v = getattr(self, name)
+            need(math.isfinite(v), f"{name} must be finite, got {v!r}", name)
         need(SEED_MIN <= self.seed <= SEED_MAX,
              f"seed must be in [-2**63, 2**63 - 1] (a signed 64-bit int: torch.manual_seed takes -2**63 to "
-             f"2**64 - 1, and the epoch and step are added to the seed), got {self.seed!r}")
-        need(0.0 <= self.warmup_ratio < 1.0, f"warmup_ratio must be in [0, 1), got {self.warmup_ratio!r}")
-        need(self.warmup_steps >= 0, f"warmup_steps must be >= 0, got {self.warmup_steps!r}")
+             f"2**64 - 1, and the epoch and step are added to the seed), got {self.seed!r}", "seed")
+        need(0.0 <= self.warmup_ratio < 1.0, f"warmup_ratio must be in [0, 1), got {self.warmup_ratio!r}", "warmup_ratio")
+        need(self.warmup_steps >= 0, f"warmup_steps must be >= 0, got {self.warmup_steps!r}", "warmup_steps")
         _choice("lr_scheduler", self.lr_scheduler, SCHEDULERS)
         _choice("optimizer", self.optimizer, OPTIMIZERS)
         _choice("nonfinite_loss", self.nonfinite_loss, NONFINITE_POLICIES)
@@ -197,18 +199,26 @@ class FitConfig:
             _choice(name, getattr(self, name).strip().lower(), LOG_LEVELS, shown=getattr(self, name))
         for name in ("max_grad_norm", "max_grad_value"):
             v = getattr(self, name)
-            need(v is None or (math.isfinite(v) and v > 0), f"{name} must be a finite number > 0 or None, got {v!r}")
+            need(v is None or (math.isfinite(v) and v > 0), f"{name} must be a finite number > 0 or None, got {v!r}", name)
         from lightlike.preemption import _signal  # light: signal, os, subprocess
 
         for name in self.preemption_signals:  # named and catchable, checked before any fit
-            _signal(name)
+            try:
+                _signal(name)
+            except ConfigError as e:
+                raise ConfigError(str(e), settings=("preemption_signals",)) from None
         if self.save_strategy == "best" or self.load_best_at_end:
             need(
                 self.metric_for_best is not None,
                 "save_strategy='best' and load_best_at_end need metric_for_best (e.g. 'val/loss')",
+                "save_strategy", "load_best_at_end", "metric_for_best",
             )
         if self.load_best_at_end:
-            self._check_best_has_checkpoint()
+            try:
+                self._check_best_has_checkpoint()
+            except ConfigError as e:
+                raise ConfigError(str(e), settings=("load_best_at_end", "save_strategy", "save_every", "eval_every",
+                                                    "eval_on_epoch_end")) from None
 
     def _check_best_has_checkpoint(self) -> None:
         """``load_best_at_end``: the best evaluation must have a checkpoint to load. The best is
@@ -318,6 +328,15 @@ OTHER_NAMES = {
     "logging_strategy": "log_every",
     "devices": "accelerator (lightlike runs one process per device, started by torchrun --nproc_per_node N "
                "or srun: there is no device count to set)",
+    # no setting of their own: the launcher or the scheduler decides (the text after "!" is the answer)
+    "num_nodes": "!the launcher sets the nodes: torchrun --nnodes N, or sbatch --nodes N (strategies/ has recipes)",
+    "nnodes": "!the launcher sets the nodes: torchrun --nnodes N, or sbatch --nodes N (strategies/ has recipes)",
+    "gpus": "!lightlike runs one process per device, started by torchrun --nproc_per_node N or srun",
+    "n_gpu": "!lightlike runs one process per device, started by torchrun --nproc_per_node N or srun",
+    "nproc_per_node": "!that is torchrun's own flag: torchrun --nproc_per_node N your_script.py",
+    "num_processes": "!lightlike runs one process per device, started by torchrun --nproc_per_node N or srun",
+    "max_time": "!bound a run by max_steps or max_epochs; under a scheduler's time limit, a preemption signal "
+                "(preemption_signals, sbatch --signal) saves and exits",
 }
 
 
@@ -328,6 +347,8 @@ def other_name_hint(name: str, flag: bool = False) -> str | None:
     other = OTHER_NAMES.get(name)
     if other is None:
         return None
+    if other.startswith("!"):  # nothing to set in lightlike for it
+        return f"not a lightlike setting: {other[1:]}"
     main, _, note = other.partition(" (") if not other.startswith("fit(") else (other, "", "")
     note = note.removesuffix(")")
     if flag:
@@ -357,7 +378,7 @@ def _choice(name: str, value: Any, valid: tuple[str, ...], shown: Any = None) ->
         close = difflib.get_close_matches(str(value), valid, n=1)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
         shown = value if shown is None else shown
-        raise ConfigError(f"{name}={shown!r} is not valid{hint}; choose one of: {', '.join(valid)}")
+        raise ConfigError(f"{name}={shown!r} is not valid{hint}; choose one of: {', '.join(valid)}", settings=(name,))
 
 
 _TAKES = {"int": "an int", "float": "a number (int or float)", "bool": "True or False", "str": "a string",
@@ -402,7 +423,8 @@ def _check_type(name: str, value: Any, annotation: str, default: Any) -> None:
         hint = f"; {value!r} is a bool, not a number"
     elif isinstance(value, float) and "int" in kinds and value.is_integer():
         hint = f"; write {name}={int(value)}"
-    raise ConfigError(f"{name}={value!r} ({type(value).__name__}) is not valid: {name} takes {takes}{hint}")
+    raise ConfigError(f"{name}={value!r} ({type(value).__name__}) is not valid: {name} takes {takes}{hint}",
+                      settings=(name,))
 
 
 def _parse_bool(text: str) -> bool:

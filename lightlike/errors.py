@@ -14,7 +14,13 @@ def on_every_rank(error: BaseException) -> BaseException:
 
 
 class ConfigError(LightlikeError, ValueError):
-    """A setting is invalid; the message names the setting and the valid choices."""
+    """A setting is invalid; the message names the setting and the valid choices. ``settings``
+    names the ``FitConfig`` fields the check read, where it is one (the command line then says
+    which config file set them)."""
+
+    def __init__(self, message: str, *, settings: tuple[str, ...] = ()):
+        super().__init__(message)
+        self.settings = settings
 
 
 class DataError(LightlikeError, ValueError):
@@ -49,4 +55,10 @@ class CheckpointError(LightlikeError, RuntimeError):
 
 
 class OutputDirError(LightlikeError, FileExistsError):
-    """output_dir already holds a run and overwriting was not allowed."""
+    """output_dir already holds a run and overwriting was not allowed. ``offers`` lists the
+    settings the message offers (``"resume=True"``, ``"resume='auto'"``,
+    ``"overwrite_output_dir=True"``), for the command line to name its own flags."""
+
+    def __init__(self, message: str, *, offers: tuple[str, ...] = ()):
+        super().__init__(message)
+        self.offers = offers

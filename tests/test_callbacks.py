@@ -251,9 +251,12 @@ def test_flags_asked_for_again_in_their_own_event_do_not_carry_into_the_next_ste
 
     rec = Recorder()
     # 32 items, batch 4: 8 steps per epoch, 2 epochs
-    with pytest.warns(UserWarning, match="should_save, control.should_epoch_stop set in on_save is ignored"):
+    with pytest.warns(UserWarning, match="should_save, control.should_epoch_stop set in Again.on_save is ignored") as w:
         result = fit(tmp_path, [Again(), rec], max_epochs=2, log_every=4, eval_every=3, save_every=5).fit(
             Classifier(), DictDataset(n=32), DictDataset(n=8, seed=1))
+    late = [x for x in w if "on_save is ignored" in str(x.message)]
+    # the warning points at the callback's on_save (where the flag was set), not into lightlike
+    assert {(x.filename, x.lineno) for x in late} == {(__file__, Again.on_save.__code__.co_firstlineno)}
     assert result.global_step == 16
     events = lambda name: [s for e, s in rec.events if e == name]  # noqa: E731
     assert events("on_log") == [3, 4, 8, 12, 16]

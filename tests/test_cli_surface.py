@@ -69,6 +69,13 @@ def test_num_cycles_must_be_finite(capsys, tmp_path, scheduler, value):
         ll.FitConfig(max_steps=1, num_cycles=float(value))
 
 
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf"])
+def test_power_must_be_finite(capsys, tmp_path, value):
+    line = one_line_error(capsys, "fit", TARGET, "--max_steps", "2", "--lr_scheduler", "polynomial",
+                          f"--power={value}", "--output_dir", str(tmp_path / "out"), *SMALL)
+    assert line == f"lightlike fit: error: power must be finite, got {float(value)!r}"
+
+
 # -- 3: --flag VALUE takes every negative number --flag=VALUE does ------------------------------
 @pytest.mark.parametrize("value", ["-1e-3", "-1.5e-3", "-1E+2", "-inf", "-0.5", "-2"])
 def test_negative_numbers_as_separate_values(capsys, value):
@@ -97,6 +104,9 @@ def test_negative_number_for_a_setting_is_checked_as_a_value(capsys):
     ("--max_step", "(did you mean '--max_steps'?)"),
     ("--fp16", "(did you mean --precision 16-mixed?)"),
     ("--resume_from_checkpoint", "(did you mean '--resume'?)"),
+    ("--num_nodes", "(not a lightlike setting: the launcher sets the nodes: torchrun --nnodes N, or sbatch --nodes N"),
+    ("--gpus", "(not a lightlike setting: lightlike runs one process per device, started by torchrun"),
+    ("--max_time", "(not a lightlike setting: bound a run by max_steps or max_epochs;"),
 ])
 def test_unknown_flag_hints(capsys, tmp_path, flag, want):
     line = one_line_error(capsys, "fit", TARGET, "--max_steps", "1", flag, "1", "--output_dir", str(tmp_path / "o"))
@@ -192,3 +202,75 @@ def test_export_an_output_dir_without_a_valid_checkpoint(capsys, tmp_path):
     (tmp_path / "run" / "checkpoint-3").mkdir(parents=True)
     line = one_line_error(capsys, "export", str(tmp_path / "run"), str(tmp_path / "out"))
     assert "is a run's output_dir, not one checkpoint, and holds no valid checkpoint" in line
+
+
+# -- 8: a Literal constructor argument takes only its values ------------------------------------
+LITERAL_MODULE = '''
+from __future__ import annotations
+from typing import Literal, Optional
+import torch
+from torch import nn
+import lightlike as ll
+
+class Net(ll.TaskModule):
+    def __init__(self, act: Literal["relu", "gelu"] = "relu", depth: Literal[1, 2] = 1,
+                 norm: Optional[Literal["layer", "batch"]] = None):
+        super().__init__()
+        self.act, self.depth, self.norm = act, depth, norm
+        self.net = nn.Linear(4, 2)
+
+    def forward(self, batch):
+        return self.net(batch["x"])
+
+    def loss(self, outputs, batch):
+        return outputs.pow(2).mean()
+'''
+
+
+@pytest.mark.parametrize(("args", "toml", "want"), [
+    (["--model.act", "swish"], None, "model.act: expected one of 'relu', 'gelu', got 'swish'"),
+    (["--model.act", "gelo"], None, "got 'gelo' (did you mean 'gelu'?)"),
+    (["--model.depth", "3"], None, "model.depth: expected one of 1, 2, got 3"),
+    (["--model.norm", "group"], None, "expected one of 'layer', 'batch', got 'group'"),
+    ([], '[model]\nact = "swish"\n', "m.toml: model.act: expected one of 'relu', 'gelu', got 'swish'"),
+    ([], "[model]\ndepth = 5\n", "m.toml: model.depth: expected one of 1, 2, got 5"),
+])
+def test_literal_arguments_take_only_their_values(capsys, tmp_path, monkeypatch, args, toml, want):
+    monkeypatch.chdir(tmp_path)
+    Path("literal_net.py").write_text(LITERAL_MODULE)
+    extra = []
+    if toml is not None:
+        Path("m.toml").write_text(toml)
+        extra = ["--config", "m.toml"]
+    line = one_line_error(capsys, "config", "literal_net.py:Net", "--max_steps", "1", *extra, *args)
+    assert want in line
+
+
+def test_literal_arguments_accept_their_values(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    Path("literal_net.py").write_text(LITERAL_MODULE)
+    code, out, err = run_cli(capsys, "config", "literal_net.py:Net", "--max_steps", "1", "--model.act", "gelu",
+                             "--model.depth", "2", "--model.norm", "none", "--format", "json")
+    assert code == 0, err
+    assert '"act": "gelu"' in out and '"depth": 2' in out and '"norm": null' in out
+
+
+# -- 9: a bad value from the config file names the file ------------------------------------------
+@pytest.mark.parametrize(("text", "flags", "want"), [
+    ("max_steps = -3\n", [], "c.toml: max_steps must be a positive int, got -3"),
+    ('max_steps = "abc"\n', [], "c.toml: max_steps='abc' (str) is not valid"),
+    ('max_steps = 2\nlr_scheduler = "cosin"\n', [], "c.toml: lr_scheduler='cosin' is not valid (did you mean 'cosine'?)"),
+    ("max_steps = 2\nwarmup_ratio = 1.5\n", [], "c.toml: warmup_ratio must be in [0, 1), got 1.5"),
+    ('max_steps = 3\nload_best_at_end = true\nmetric_for_best = "val/loss"\nsave_strategy = "steps"\n', [],
+     "c.toml: load_best_at_end=True with save_strategy='steps' needs save_every=N"),
+    # the flag's value is the bad one: no file named
+    ("max_steps = 3\n", ["--max_steps", "-2"], "error: max_steps must be a positive int, got -2"),
+    ("max_steps = -3\n", ["--max_steps", "-2"], "error: max_steps must be a positive int, got -2"),
+])
+def test_a_bad_value_from_the_config_file_names_the_file(capsys, tmp_path, monkeypatch, text, flags, want):
+    monkeypatch.chdir(tmp_path)
+    Path("c.toml").write_text(text)
+    line = one_line_error(capsys, "config", TARGET, "--config", "c.toml", *flags)
+    assert want in line
+    if not flags:
+        assert line.startswith(f"lightlike config: error: {want}")

@@ -97,15 +97,25 @@ class CallbackList:
         flag that would change what the step did is dropped, with a warning: the checkpoint
         cannot hold it, so a run killed before the next step would resume without it and differ."""
         names = ("should_log", "should_evaluate", "should_save", "should_epoch_stop")
-        before = [getattr(control, n) for n in names]
-        self.call("on_save", fitter, state, control, path)
-        late = [n for n, was in zip(names, before, strict=True) if getattr(control, n) and not was]
-        if late:
-            for n in late:
-                setattr(control, n, False)
-            warnings.warn(f"control.{', control.'.join(late)} set in on_save is ignored: on_save comes after the "
-                          "step's checkpoint, which cannot hold it; set it in on_step_end, on_log or on_evaluate "
-                          "(should_training_stop set in on_save does end the run)", stacklevel=3)
+        for handler in self._handlers["on_save"]:
+            before = [getattr(control, n) for n in names]
+            handler(fitter, state, control, path)
+            late = [n for n, was in zip(names, before, strict=True) if getattr(control, n) and not was]
+            if late:
+                for n in late:
+                    setattr(control, n, False)
+                owner = type(getattr(handler, "__self__", handler)).__name__
+                msg = (f"control.{', control.'.join(late)} set in {owner}.on_save is ignored: on_save comes after the "
+                       "step's checkpoint, which cannot hold it; set it in on_step_end, on_log or on_evaluate "
+                       "(should_training_stop set in on_save does end the run)")
+                func = getattr(handler, "__func__", handler)
+                code, where = getattr(func, "__code__", None), getattr(func, "__globals__", None)
+                if code is None or where is None:
+                    warnings.warn(msg, stacklevel=3)
+                else:  # pointed at the callback's on_save, where the flag was set (once there, as warn does)
+                    warnings.warn_explicit(msg, UserWarning, code.co_filename, code.co_firstlineno,
+                                           module=where.get("__name__"),
+                                           registry=where.setdefault("__warningregistry__", {}))
 
     def state_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {}

@@ -63,11 +63,13 @@ def prepare_output_dir(output_dir: str | Path, overwrite: bool, resume: bool | s
     if not overwrite:
         names = ", ".join(p.name for p in old[:5])
         # resume=True is offered only where it would work (not for logs or weights-only checkpoints)
-        hint = ("pass resume=True to continue it" if find_latest_valid(out, hashes=False, resumable=True)
+        resumable = find_latest_valid(out, hashes=False, resumable=True) is not None
+        hint = ("pass resume=True to continue it" if resumable
                 else "it holds no resumable checkpoint: pass resume='auto' to move it aside and start afresh")
         raise OutputDirError(
             f"output_dir {str(out)!r} already holds a run ({names}); {hint}, "
-            "overwrite_output_dir=True to replace it, or choose another output_dir"
+            "overwrite_output_dir=True to replace it, or choose another output_dir",
+            offers=("resume=True" if resumable else "resume='auto'", "overwrite_output_dir=True"),
         )
     log.warning("overwrite_output_dir=True: removing %s", ", ".join(str(p) for p in old))
     for p in old:
