@@ -92,9 +92,11 @@ class TaskModule(nn.Module):
         if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
             from torch.utils.checkpoint import checkpoint
 
-            self.__dict__["_checkpointed"] = True  # seen by the Fitter's check (no Module __setattr__)
+            from lightlike.utils.buffers import buffers_kept_on_recompute
 
-            return checkpoint(fn, *args, use_reentrant=False, **kwargs)
+            self.__dict__["_checkpointed"] = True  # seen by the Fitter's check (no Module __setattr__)
+            owner = fn if isinstance(fn, nn.Module) else self  # running statistics updated once, not twice
+            return checkpoint(fn, *args, use_reentrant=False, context_fn=buffers_kept_on_recompute(owner), **kwargs)
         return fn(*args, **kwargs)
 
     def save_hyperparameters(self, **extra: Any) -> None:

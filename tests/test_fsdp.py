@@ -181,12 +181,14 @@ def test_meta_device_init_materialises_shards(tmp_path, how):
         assert torch.equal(w0[k], w1[k]) and torch.equal(w0[k], eager[k]), k
 
 
-@pytest.mark.parametrize("task", ["blocks", "maybe-checkpointed"])
+@pytest.mark.parametrize("task", ["blocks", "maybe-checkpointed", "norm-blocks"])
 def test_activation_checkpointing_gives_the_same_weights(tmp_path, task):
     """Activation checkpointing recomputes the forward in backward (counted: twice the forwards)
     and the numbers are the same as without it: applied to the shard units before sharding
     ("blocks"), or, for a module without units, by the module's own maybe_checkpoint (it used to
-    be switched off there, so nothing was checkpointed; and the units' case warned falsely)."""
+    be switched off there, so nothing was checkpointed; and the units' case warned falsely).
+    "norm-blocks": units with BatchNorm, whose running statistics the recompute updated a second
+    time (the weights file holds them)."""
     args = ["--strategy", "fsdp", "--batch", "4", "--steps", "4", "--items", "32", "--task", task]
     run_ok(2, tmp_path / "plain", *args)
     p = run_ok(2, tmp_path / "ckpt", *args, "--gradient-checkpointing")

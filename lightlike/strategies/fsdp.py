@@ -183,8 +183,10 @@ class FSDPStrategy(DDPStrategy):
         if self.activation_checkpointing:
             from torch.distributed._composable.checkpoint_activation import checkpoint
 
-            for unit in units:
-                checkpoint(unit)  # hooks, no wrapper module: parameter names stay the same
+            from lightlike.utils.buffers import buffers_kept_on_recompute
+
+            for unit in units:  # hooks, no wrapper module: parameter names stay the same
+                checkpoint(unit, context_fn=buffers_kept_on_recompute(unit))  # statistics updated once
             if units:  # checkpointed here, so not twice (without units the module's maybe_checkpoint does it)
                 if hasattr(module, "gradient_checkpointing"):
                     module.gradient_checkpointing = False  # type: ignore[assignment]

@@ -1,9 +1,14 @@
-"""Putting a module's buffers back after a skipped step (``nonfinite_loss="skip"``)."""
+"""Putting a module's buffers back: after a skipped step (``nonfinite_loss="skip"``), and after
+activation checkpointing's recompute of a forward."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable, Iterator
+
 import torch
 from torch import nn
+from torch.nn.modules.batchnorm import _NormBase
 
 
 def snapshot_buffers(module: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -17,3 +22,38 @@ def snapshot_buffers(module: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor
 def restore_buffers(snapshot: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
     for buffer, saved in snapshot:
         buffer.copy_(saved)
+
+
+def buffers_kept_on_recompute(owner: nn.Module) -> Callable[[], tuple[contextlib.AbstractContextManager,
+                                                                        contextlib.AbstractContextManager]]:
+    """A ``context_fn`` for torch's non-reentrant activation checkpointing. The recompute in
+    backward runs the forward a second time; in training mode that would update running
+    statistics (BatchNorm's mean, variance and batch count) twice per step, so switching
+    checkpointing on would change the trained model. The buffers of ``owner`` that the first
+    forward changed are put back after the recompute: those whose version counter moved, and
+    the running statistics of normalisation layers in training mode (torch's batch-norm kernel
+    updates them in place without moving the counter). Nothing is copied when there are none."""
+
+    def context_fn() -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
+        changed: list[torch.Tensor] = []
+
+        @contextlib.contextmanager
+        def forward() -> Iterator[None]:
+            before = [(b, b._version) for b in owner.buffers()]
+            yield
+            changed.extend(b for b, version in before if b._version != version)
+            for m in owner.modules():  # their kernels update the statistics without a version bump
+                if isinstance(m, _NormBase) and m.training and m.track_running_stats:
+                    changed.extend(b for b in m.buffers(recurse=False) if all(b is not c for c in changed))
+
+        @contextlib.contextmanager
+        def recompute() -> Iterator[None]:
+            saved = [(b, b.detach().clone()) for b in changed]
+            try:
+                yield
+            finally:
+                restore_buffers(saved)
+
+        return forward(), recompute()
+
+    return context_fn

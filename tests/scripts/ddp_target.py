@@ -169,6 +169,18 @@ class Block(nn.Module):  # a default FSDP shard unit (its class name ends in "Bl
         return torch.tanh(self.lin(x))
 
 
+class NormBlock(Block):
+    """A shard unit with running statistics (checkpointing's recompute must not update them twice)."""
+
+    def __init__(self, width):
+        super().__init__(width)
+        self.norm = nn.BatchNorm1d(width)
+
+    def forward(self, x):
+        Block.calls += self.training
+        return torch.tanh(self.norm(self.lin(x)))
+
+
 class MaybeCheckpointed(Classifier):
     """No shard unit: its own maybe_checkpoint is what checkpoints (calls counted as Block's)."""
 
@@ -185,6 +197,14 @@ class F1Blocks(F1Module):
     def __init__(self, width=16):
         super().__init__(width=width)
         self.net = nn.Sequential(nn.Linear(8, width), Block(width), Block(width), nn.Linear(width, 3))
+
+
+class F1NormBlocks(F1Module):
+    """F1Blocks whose units hold BatchNorm statistics."""
+
+    def __init__(self, width=16):
+        super().__init__(width=width)
+        self.net = nn.Sequential(nn.Linear(8, width), NormBlock(width), NormBlock(width), nn.Linear(width, 3))
 
 
 def main() -> None:
@@ -249,7 +269,7 @@ def main() -> None:
             (out / "eval.json").write_text(json.dumps({"metrics": metrics, "predictions": pred.predictions.tolist(),
                                                        "labels": pred.labels.tolist()}))
         return
-    module_cls = {"token": TokenClassifier, "inttoken": IntTokenClassifier, "blocks": F1Blocks,
+    module_cls = {"token": TokenClassifier, "inttoken": IntTokenClassifier, "blocks": F1Blocks, "norm-blocks": F1NormBlocks,
                   "maybe-checkpointed": MaybeCheckpointed}.get(args.task, Classifier)
     if args.mode == "oom":
         module_cls = OutOfMemoryOnRank1
