@@ -135,7 +135,9 @@ class FitConfig:
     gradient_checkpointing: bool = _f(False, "Ask the module to checkpoint activations.")
     compile: bool = _f(False, "torch.compile the module.")
     auto_find_batch_size: bool = _f(
-        False, "Halve batch_size (doubling grad_accum_steps) on out-of-memory and retry. One process only: "
+        False, "On out-of-memory, about halve batch_size keeping the items per step (16x1 -> 8x2, 12x1 -> 6x2 -> "
+        "3x4 -> 1x12) and retry from the module's initial weights and where the first try started (fresh, or "
+        "the checkpoint it resumed), with a fresh loss scale. One process only: "
         "on several, an out-of-memory error fails fast like any other (the ranks that did not run out "
         "cannot retry with it)."
     )

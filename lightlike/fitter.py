@@ -92,10 +92,12 @@ class Fitter:
         self._phase = "set-up"
         # ---- set up: processes and devices, output dir, data, module, optimizer ----------------
         strategy = self._setup_strategy()
+        strategy.precision.reset()  # an earlier fit's loss scale is not this one's
         check_task_module(module)
         from lightlike.checkpoint.resume import resolve_resume  # chosen once, on the main rank, for all
 
         resume_from = decided_on_main(strategy, resolve_resume, cfg, resume) if resume else None
+        self._resume_choice = resume_from  # an out-of-memory retry starts from the same place
         if resume_from is None:  # a fresh fit must not mix with an old run
             from lightlike.checkpoint.rotation import prepare_output_dir
 

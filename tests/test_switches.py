@@ -40,6 +40,106 @@ def test_auto_find_batch_size_halves_and_restarts_exactly(tmp_path):
     torch.testing.assert_close(flat_params(model), flat_params(ref), rtol=1e-6, atol=1e-7)
 
 
+class OOMAboveFrom(OOMAbove):
+    """Runs out of memory for micro-batches larger than ``limit`` from its ``after``-th forward on
+    (a failed try that trained and saved a few steps first)."""
+
+    def __init__(self, limit, after):
+        super().__init__(limit)
+        self.after = after
+
+    def forward(self, batch):
+        self.sizes.append(len(batch["x"]))
+        if len(self.sizes) > self.after and len(batch["x"]) > self.limit:
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return Classifier.forward(self, batch)
+
+
+def reference_run(tmp_path, name, batch_size, accum, **kw):
+    torch.manual_seed(0)
+    ref = Classifier()
+    result = ll.Fitter(batch_size=batch_size, grad_accum_steps=accum, output_dir=str(tmp_path / name), loggers=[],
+                       **kw).fit(ref, DictDataset(n=48))
+    return ref, result
+
+
+def test_an_out_of_memory_retry_starts_with_a_fresh_loss_scale(tmp_path):
+    """16-mixed: the failed tries' overflow skips had lowered the GradScaler's scale, and the retry
+    started from it (0 skipped steps against the reference's 4, other weights); two fits with one
+    Fitter shared it too."""
+    kw = dict(max_steps=8, shuffle=False, learning_rate=1e-2, seed=0)
+    prec = lambda: ll.precision.MixedPrecision("16", init_scale=2.0**22)  # noqa: E731  overflows a few steps
+    torch.manual_seed(0)
+    model = OOMAboveFrom(limit=8, after=4)
+    fitter = ll.Fitter(batch_size=32, auto_find_batch_size=True, precision=prec(), output_dir=str(tmp_path / "a"),
+                       loggers=[], **kw)
+    result = fitter.fit(model, DictDataset(n=48))
+    assert (fitter.config.batch_size, fitter.config.grad_accum_steps) == (8, 4)
+    ref, ref_result = reference_run(tmp_path, "b", 8, 4, precision=prec(), **kw)
+    assert ref_result.skipped_steps > 0
+    assert result.skipped_steps == ref_result.skipped_steps
+    assert torch.equal(flat_params(model), flat_params(ref))
+    # one Fitter, two fits: the second starts from the initial scale too
+    fitter.config = fitter.config.replace(overwrite_output_dir=True, auto_find_batch_size=False)
+    torch.manual_seed(0)
+    again = Classifier()
+    assert fitter.fit(again, DictDataset(n=48)).skipped_steps == ref_result.skipped_steps
+    assert torch.equal(flat_params(again), flat_params(ref))
+
+
+@pytest.mark.parametrize("resume", ["auto", None])
+def test_an_out_of_memory_retry_does_not_resume_the_failed_try(tmp_path, resume):
+    """resume='auto' on an empty output_dir: the retry found the failed try's own checkpoint-4
+    (batch 32) and resumed it, ending with other weights than a run started at the found size."""
+    kw = dict(max_steps=8, shuffle=False, learning_rate=1e-2, seed=0, save_every=2)
+    torch.manual_seed(0)
+    model = OOMAboveFrom(limit=8, after=4)
+    fitter = ll.Fitter(batch_size=32, auto_find_batch_size=True, output_dir=str(tmp_path / "a"), loggers=[], **kw)
+    fitter.fit(model, DictDataset(n=48), resume=resume)
+    assert fitter.resumed_from is None
+    ref, _ = reference_run(tmp_path, "b", 8, 4, **kw)
+    assert torch.equal(flat_params(model), flat_params(ref))
+
+
+def test_an_out_of_memory_retry_resumes_where_the_first_try_did(tmp_path):
+    """A first try that resumed checkpoint-2 and wrote checkpoint-4 before running out of memory:
+    the retry resumes checkpoint-2 again (the failed try's newer checkpoint is set aside)."""
+    kw = dict(shuffle=False, learning_rate=1e-2, seed=0, save_every=2)
+    out = tmp_path / "a"
+
+    class StopAt2(ll.Callback):
+        def on_step_end(self, fitter, state, control):
+            control.should_training_stop = state.global_step == 2
+
+    torch.manual_seed(0)
+    ll.Fitter(max_steps=8, batch_size=8, grad_accum_steps=4, output_dir=str(out), loggers=[], callbacks=[StopAt2()],
+              **kw).fit(Classifier(), DictDataset(n=48))
+    torch.manual_seed(0)
+    model = OOMAboveFrom(limit=8, after=3)  # 2 steps at batch 32 x 1, then out of memory
+    fitter = ll.Fitter(max_steps=8, batch_size=32, auto_find_batch_size=True, output_dir=str(out), loggers=[], **kw)
+    fitter.fit(model, DictDataset(n=48), resume=True)
+    assert fitter.resumed_from == str(out / "checkpoint-2")
+    ref, _ = reference_run(tmp_path, "b", 8, 4, max_steps=8, **kw)
+    assert torch.equal(flat_params(model), flat_params(ref))
+
+
+@pytest.mark.parametrize(("batch", "limit", "found"), [(12, 4, (3, 4)), (5, 2, (1, 5)), (16, 4, (4, 4))])
+def test_an_out_of_memory_retry_keeps_the_items_per_step(tmp_path, batch, limit, found):
+    """12 was halved to 6, 3, then 1 x 8: 8 items per step instead of 12 (5 -> 2 x 2 = 4)."""
+    from lightlike.utils.oom import smaller_batch
+
+    assert smaller_batch(12, 1) == (6, 2) and smaller_batch(6, 2) == (3, 4) and smaller_batch(3, 4) == (1, 12)
+    kw = dict(max_epochs=2, shuffle=False, learning_rate=1e-2, seed=0)
+    torch.manual_seed(0)
+    model = OOMAbove(limit=limit)
+    fitter = ll.Fitter(batch_size=batch, auto_find_batch_size=True, output_dir=str(tmp_path / "a"), loggers=[], **kw)
+    result = fitter.fit(model, DictDataset(n=48))
+    assert (fitter.config.batch_size, fitter.config.grad_accum_steps) == found
+    ref, ref_result = reference_run(tmp_path, "b", *found, **kw)
+    assert result.global_step == ref_result.global_step == 2 * -(-48 // batch)
+    torch.testing.assert_close(flat_params(model), flat_params(ref), rtol=1e-6, atol=1e-7)
+
+
 def test_auto_find_batch_size_refuses_a_dataloader(tmp_path):
     """A DataLoader's batch size is its own: halving batch_size and doubling the accumulation
     would double the items per step without a word (16 -> 32)."""

@@ -33,6 +33,10 @@ class Precision:
         """Check the device can run this precision; called once the device is known."""
         self.device = device
 
+    def reset(self) -> None:
+        """Start a fit from this plugin's initial state (a loss scale an earlier fit, or an
+        out-of-memory retry's failed try, lowered is not carried into the next)."""
+
     def convert_module(self, module: nn.Module) -> nn.Module:
         """Floating parameters and persistent buffers to ``param_dtype``. Non-persistent buffers
         (derived constants such as a rotary embedding's ``inv_freq``) keep their dtype, as HF

@@ -42,6 +42,10 @@ class MixedPrecision(Precision):
         ``ShardedGradScaler``), built with this plugin's ``init_scale`` and ``growth_interval``."""
         self.scaler = scaler_class(self.device.type, init_scale=self._init_scale, growth_interval=self._growth_interval)
 
+    def reset(self) -> None:
+        if self.scaler is not None:
+            self.use_scaler(type(self.scaler))
+
     def autocast(self) -> contextlib.AbstractContextManager:
         return torch.autocast(self.device.type, dtype=self.compute_dtype)
 

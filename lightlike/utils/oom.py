@@ -19,9 +19,19 @@ def is_out_of_memory(error: BaseException) -> bool:
     return isinstance(error, torch.OutOfMemoryError) or "can't allocate memory" in str(error)
 
 
+def smaller_batch(batch_size: int, accum: int) -> tuple[int, int]:
+    """About half the batch with the same items per step: the largest divisor of
+    ``batch_size * accum`` up to ``batch_size // 2``, and the accumulation that makes it up
+    (16 x 1 -> 8 x 2; 12 x 1 -> 6 x 2 -> 3 x 4 -> 1 x 12; 5 x 1 -> 1 x 5)."""
+    items = batch_size * accum
+    new = next(d for d in range(max(1, batch_size // 2), 0, -1) if items % d == 0)
+    return new, items // new
+
+
 def fit_finding_batch_size(fitter: Fitter, module: Any, train: Any, val: Any, resume: Any) -> FitResult:
-    """On out-of-memory, halve the batch, double the accumulation (the same items per step) and
-    start again from the module's initial weights, down to batch size 1."""
+    """On out-of-memory, about halve the batch with the same items per step (``smaller_batch``)
+    and start again from the module's initial weights and the place the first try started
+    (fresh, or the checkpoint it resumed), down to batch size 1."""
     from torch.utils.data import DataLoader
 
     if isinstance(train, DataLoader):  # its batch size is its own: halving batch_size would change nothing
@@ -30,6 +40,7 @@ def fit_finding_batch_size(fitter: Fitter, module: Any, train: Any, val: Any, re
         raise ConfigError("auto_find_batch_size=True needs the training Dataset, not a DataLoader (the Fitter "
                           "cannot change a DataLoader's batch size): pass the Dataset, or drop auto_find_batch_size")
     snapshot = {k: v.detach().clone() for k, v in module.state_dict().items()}
+    fitter.__dict__.pop("_resume_choice", None)
     while True:
         try:
             return fitter._fit(module, train, val, resume)
@@ -46,10 +57,13 @@ def fit_finding_batch_size(fitter: Fitter, module: Any, train: Any, val: Any, re
             fitter._commit_checkpoint()  # an asynchronous save of the failed try lands before the retry clears it
             fitter._signal_carried = getattr(  # type: ignore[attr-defined]
                 getattr(fitter, "_preemption", None), "received", None)  # not lost
-            new_bs, new_acc = cfg.batch_size // 2, cfg.grad_accum_steps * 2
+            new_bs, new_acc = smaller_batch(cfg.batch_size, cfg.grad_accum_steps)
             log.warning("out of memory at batch_size=%d: retrying from the start with batch_size=%d, "
                         "grad_accum_steps=%d", cfg.batch_size, new_bs, new_acc)
             fitter.config = cfg.replace(batch_size=new_bs, grad_accum_steps=new_acc, overwrite_output_dir=True)
+            if "_resume_choice" in fitter.__dict__:  # where the first try started is where every retry starts:
+                choice = fitter.__dict__.pop("_resume_choice")  # not a checkpoint the failed try wrote
+                resume = None if choice is None else str(choice)  # (newer ones are set aside on resume)
             module.load_state_dict(snapshot)
             module.zero_grad(set_to_none=True)  # the failed step's partial gradients
             if torch.cuda.is_available():
