@@ -179,12 +179,13 @@ class Fitter:
             while state.global_step < max_steps and not control.should_training_stop and epoch < epoch_limit:
                 batches = train_data.epoch_iterator(epoch, state.samples_in_epoch, state.batches_in_epoch)
                 position = train_data.position(state.samples_in_epoch, state.batches_in_epoch, strategy.world_size)
+                batches = position.watch(batches)  # read one batch ahead where the epoch's length is unknown
                 if state.batches_in_epoch == 0:
                     callbacks.call("on_epoch_start", self, state, control)
                 while state.global_step < max_steps:
                     self._phase = "train step"
                     window = list(itertools.islice(batches, accum))  # this step's micro-batches
-                    if agree_on_data and strategy.reduce_flag(not window) and window:
+                    if agree_on_data and not position.follows and strategy.reduce_flag(not window) and window:
                         log.warning("another rank ran out of training data: skipping this rank's last "
                                     "%d batch(es) of epoch %d", len(window), epoch)
                         window = []
@@ -314,14 +315,14 @@ class Fitter:
             if strategy.reduce_flag(not bool(torch.isfinite(window_losses).all())):
                 strategy.zero_grad(optimizer)
                 restore_buffers(buffers)  # type: ignore[arg-type]
+                self._grad_norm = None
                 del self._pending[-len(batches):]
                 self.state.skipped_steps += 1
                 log.warning("non-finite loss at step %d: step skipped (%d skipped so far)", step,
                             self.state.skipped_steps)
                 return False
-        norm = strategy.clip_gradients(model, optimizer, cfg.max_grad_norm, cfg.max_grad_value, want_norm)
-        if norm is not None:
-            self._grad_norm = norm
+        # this step's norm, or None (a step that logs no norm, or is skipped, shows none)
+        self._grad_norm = strategy.clip_gradients(model, optimizer, cfg.max_grad_norm, cfg.max_grad_value, want_norm)
         self.callbacks.call("on_before_optimizer_step", self, self.state, self.control, optimizer)
         stepped = strategy.optimizer_step(optimizer, model)
         strategy.zero_grad(optimizer)

@@ -313,6 +313,36 @@ def test_nonfinite_skip_policy_counts(tmp_path):
     assert logged and logged[-1]["train/skipped_steps"] == 1.0
 
 
+@pytest.mark.parametrize("log_every", [1, 3])
+def test_a_skipped_step_logs_no_gradient_norm(tmp_path, log_every):
+    """With max_grad_norm, the row of a step skipped for a NaN loss carried the previous step's
+    norm when log_every > 1 (and none with log_every=1; a resumed run none either): it has none,
+    and every other row carries its own step's norm (seen in on_before_optimizer_step: a
+    max_grad_norm that clips nothing)."""
+    class NaNAtStep3(Classifier):
+        calls = 0
+
+        def loss(self, outputs, batch):
+            type(self).calls += 1
+            loss = super().loss(outputs, batch)
+            return loss * float("nan") if type(self).calls == 3 else loss
+
+    class Norms(ll.Callback):
+        seen: dict = {}
+
+        def on_before_optimizer_step(self, fitter, state, control, optimizer):
+            grads = [p.grad for p in fitter.module.parameters() if p.grad is not None]
+            Norms.seen[state.global_step + 1] = float(torch.linalg.vector_norm(torch.stack(
+                [torch.linalg.vector_norm(g) for g in grads])))
+
+    result = fitter(tmp_path, max_steps=6, nonfinite_loss="skip", log_every=log_every, max_grad_norm=100.0,
+                    callbacks=[Norms()]).fit(NaNAtStep3(), DictDataset(n=40))
+    rows = {h["step"]: h for h in result.state.log_history if "train/loss" in h}
+    assert "train/grad_norm" not in rows[3]
+    for step in rows.keys() - {3}:
+        assert rows[step]["train/grad_norm"] == pytest.approx(Norms.seen[step], rel=1e-5), step
+
+
 def test_a_skipped_step_leaves_the_buffers_as_they_were(tmp_path):
     """A NaN item at step 2 reaches BatchNorm's running statistics in the forward pass, before the
     loss is seen; the skipped step puts them back (they were NaN for good, and every evaluation

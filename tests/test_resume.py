@@ -393,6 +393,34 @@ def test_an_iterable_dataset_resumes_mid_epoch_bit_identical(tmp_path, caplog, w
         go(tmp_path / "other", resume=True, num_workers=1)
 
 
+def test_an_iterable_epoch_ends_before_its_checkpoint(tmp_path):
+    """Without a length, the epoch's end was found at the next step's empty window, after the
+    step's checkpoint: its evaluation was logged after checkpoint-6, and a run killed before the
+    next checkpoint and resumed evaluated and logged step 6 again (two val rows in metrics.csv
+    and metrics.jsonl). One batch is now read ahead, so the epoch ends at its last step as a sized
+    one does: the logs, the evaluation steps and the weights equal the uninterrupted run's."""
+    from lightlike.loggers.csv import read_csv_metrics, read_jsonl_metrics
+
+    def go(out, stop=None, resume=None):
+        torch.manual_seed(0)
+        model = Dropout()
+        fitter = ll.Fitter(max_steps=12, batch_size=4, save_every=6, log_every=3, eval_on_epoch_end=True,
+                           output_dir=str(out), loggers=["csv", "jsonl"], callbacks=[StopAt(stop)] if stop else [])
+        with contextlib.suppress(KeyboardInterrupt):
+            fitter.fit(model, Stream(24), DictDataset(n=8, seed=1), resume=resume)  # 6 batches an epoch
+        return model, fitter
+
+    reference, ref_fitter = go(tmp_path / "ref")
+    evaluations = [h["step"] for h in ref_fitter.state.log_history if "val/loss" in h]
+    assert evaluations == [6, 12]
+    go(tmp_path / "cut", stop=10)
+    resumed, _ = go(tmp_path / "cut", resume=True)
+    assert torch.equal(flat_params(resumed), flat_params(reference))
+    for name, read in (("metrics.csv", read_csv_metrics), ("metrics.jsonl", read_jsonl_metrics)):
+        want, got = read(tmp_path / "ref" / "logs" / name), read(tmp_path / "cut" / "logs" / name)
+        assert got == want, name
+
+
 def test_a_resumed_run_reports_the_metrics_of_its_last_evaluation(tmp_path):
     """Resumed from its last checkpoint (killed after it, or run again when finished): the
     resumed fit evaluates no more, and its FitResult.metrics are the uninterrupted run's (the

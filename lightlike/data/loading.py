@@ -37,8 +37,10 @@ class TrainData:
     seed: int
     generator: torch.Generator | None
     world_size: int = 1
-    #: set when the ranks' shares may differ (``agree_on_length``): the smallest over the ranks
+    #: set when the ranks' shares may differ (``agree_on_length``): the smallest over the ranks,
+    #: and whether a flag is set on any rank
     min_over_ranks: Callable[[int], int] | None = None
+    any_over_ranks: Callable[[bool], bool] | None = None
 
     @property
     def deals_evenly(self) -> bool:
@@ -51,6 +53,7 @@ class TrainData:
         every rank (one all-reduce per epoch); one without ends when a rank runs out, which the loop
         agrees on every step. Collective."""
         self.min_over_ranks = lambda n: int(strategy.all_reduce(torch.tensor(n, device=strategy.root_device), "min"))
+        self.any_over_ranks = strategy.reduce_flag
 
     def replays(self) -> bool:
         """Whether a mid-epoch resume reaches its position by reading the epoch's first batches
@@ -163,7 +166,7 @@ class EpochPosition:
     uses another batch size or world size. Everything the step needs comes from one call."""
 
     __slots__ = ("_start", "_here", "_batches", "_global_batch", "_end", "_done_below", "_per_epoch",
-                 "_batches_per_epoch", "_agreed_left")
+                 "_batches_per_epoch", "_agreed_left", "_ahead", "_any_rank", "follows")
 
     def __init__(self, data: TrainData, start: int, batches_in_epoch: int, world_size: int):
         self._start, self._here, self._batches = start, 0, batches_in_epoch
@@ -190,6 +193,21 @@ class EpochPosition:
             self._per_epoch = n - n % sampler.world_size if sampler.drop_last else n
         else:
             self._end, self._done_below, self._per_epoch = data.num_samples, 0, 0
+        self._ahead: Lookahead | None = None
+        self._any_rank = data.any_over_ranks
+        #: every rank has another batch (read ahead, agreed): the next window needs no agreement
+        self.follows = False
+
+    def watch(self, batches: Any) -> Any:
+        """The epoch's batches, read one ahead where the epoch's length is unknown (an
+        IterableDataset): ``advance`` then knows that a step took the epoch's last batch, and the
+        epoch ends at that step's boundary, before its checkpoint, as a sized epoch does (else it
+        ended at the next, empty, window: its evaluation came after the checkpoint, so a run
+        resumed from it evaluated and logged that step again)."""
+        if self._per_epoch or self._batches_per_epoch is not None or self._agreed_left is not None:
+            return batches
+        self._ahead = Lookahead(batches)
+        return self._ahead
 
     def advance(self, batches: int) -> tuple[int, float, bool]:
         """After a step that took ``batches`` batches on each rank: (global samples consumed in
@@ -211,7 +229,39 @@ class EpochPosition:
         left = self._agreed_left
         if left is not None:
             done = self._here >= left
+        elif self._ahead is not None:
+            ended = self._ahead.ended()
+            done = self._any_rank(ended) if self._any_rank is not None else ended
+            if done and not ended:
+                log.warning("another rank ran out of training data: skipping the rest of this rank's share "
+                            "of the epoch")
+            self.follows = not done
         return samples, fraction, done
+
+
+class Lookahead:
+    """An iterator that reads one item ahead when asked whether another follows."""
+
+    __slots__ = ("_it", "_next")
+    _EMPTY = object()
+
+    def __init__(self, it: Any):
+        self._it, self._next = iter(it), Lookahead._EMPTY
+
+    def __iter__(self) -> Lookahead:
+        return self
+
+    def __next__(self) -> Any:
+        item = self._next
+        if item is Lookahead._EMPTY:
+            return next(self._it)
+        self._next = Lookahead._EMPTY
+        return item
+
+    def ended(self) -> bool:
+        if self._next is Lookahead._EMPTY:
+            self._next = next(self._it, Lookahead._EMPTY)
+        return self._next is Lookahead._EMPTY
 
 
 def _check_nonempty(data: Any, what: str) -> int | None:
