@@ -154,6 +154,75 @@ def test_world_size_without_ranks_is_an_error(monkeypatch):
     assert detect_environment().kind == "single"
 
 
+@pytest.mark.parametrize("env", [{"RANK": "1"}, {"RANK": "0", "LOCAL_RANK": "0"}, {"LOCAL_RANK": "1"}])
+def test_rank_without_world_size_is_an_error(monkeypatch, env):
+    """Two processes started with RANK=0 and RANK=1 but no WORLD_SIZE each ran a whole
+    single-process fit, writing the same checkpoints over each other."""
+    _slurm(monkeypatch)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(ConfigError, match="is set but WORLD_SIZE is not.*set WORLD_SIZE too"):
+        detect_environment()
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.setenv("LOCAL_RANK", "0")  # set by some tools on their own: says nothing
+    assert detect_environment().kind == "single"
+
+
+@pytest.mark.parametrize(("spec", "counts"), [("2(x2)", [2, 2]), ("3,2", [3, 2]), ("4(x2),1", [4, 4, 1]),
+                                              ("8", [8]), ("", []), ("2(x", [])])
+def test_slurm_tasks_per_node(spec, counts):
+    assert environment.slurm_tasks_per_node(spec) == counts
+
+
+def test_slurm_local_world_size_for_hsdp(monkeypatch):
+    """srun sets no LOCAL_WORLD_SIZE, so hsdp's shard size (processes per node) fell back to the
+    world size: 2 nodes x 2 tasks sharded over all 4 (mesh (1, 4)) instead of within each node
+    (mesh (2, 2)). The step's task counts give it, and it is exported as torchrun would."""
+    step = {"SLURM_NTASKS": "4", "SLURM_STEP_ID": "0", "SLURM_STEP_NUM_TASKS": "4", "SLURM_PROCID": "3",
+            "SLURM_LOCALID": "1", "SLURM_NODEID": "1", "SLURM_STEP_NODELIST": "n[1-2]"}
+    _slurm(monkeypatch, **step, SLURM_STEP_TASKS_PER_NODE="2(x2)")
+    e = detect_environment()
+    assert (e.local_world_size, e.even_nodes) == (2, True)
+    e.export()
+    assert os.environ["LOCAL_WORLD_SIZE"] == "2"
+    _slurm(monkeypatch, **step, SLURM_STEP_TASKS_PER_NODE="1,3")
+    e = detect_environment()
+    assert (e.local_world_size, e.even_nodes) == (3, False)  # node 1's count; hsdp refuses uneven nodes
+    _slurm(monkeypatch, **step, SLURM_TASKS_PER_NODE="4(x2)")  # the job's counts are not this step's
+    assert detect_environment().local_world_size is None
+    _slurm(monkeypatch, **{**step, "SLURM_LOCALID": "2"}, SLURM_STEP_TASKS_PER_NODE="2(x2)")
+    with pytest.raises(ConfigError, match="SLURM_LOCALID=2 but this node's task count is 2"):
+        detect_environment()
+
+
+def test_hsdp_refuses_nodes_it_cannot_count():
+    from lightlike.strategies.environment import ClusterEnvironment
+    from lightlike.strategies.fsdp import FSDPStrategy
+
+    strategy = FSDPStrategy(hybrid=True)
+    strategy.env = ClusterEnvironment("slurm", 0, 4, 0, 0, "h", 1, local_world_size=3, even_nodes=False)
+    with pytest.raises(ConfigError, match="hsdp: the processes per node cannot be told.*shard_size"):
+        strategy._hybrid_shape()
+    strategy.env = ClusterEnvironment("slurm", 0, 4, 0, 0, "h", 1, local_world_size=2)
+    assert strategy._hybrid_shape() == (2, 2)
+    strategy.shard_size = 4  # said by the user: taken as it is
+    strategy.env = ClusterEnvironment("slurm", 0, 4, 0, 0, "h", 1, local_world_size=None)
+    assert strategy._hybrid_shape() == (1, 4)
+
+
+def test_concurrent_srun_steps_of_one_job_rendezvous_apart(monkeypatch):
+    """Two srun steps of one job side by side derived the same port, and their ranks joined each
+    other's process groups (one step's rank 0 with the other's rank 1)."""
+    ports = set()
+    for step in ("0", "1", "2"):
+        _slurm(monkeypatch, **{**SRUN, "SLURM_STEP_ID": step})
+        ports.add(detect_environment().main_port)
+    assert len(ports) == 3
+    _slurm(monkeypatch, **SRUN, MASTER_PORT="abc")
+    with pytest.raises(ConfigError, match="MASTER_PORT='abc' is not an integer"):
+        detect_environment()
+
+
 def test_single_process(monkeypatch):
     for k in list(os.environ):
         if k.startswith(("SLURM_", "RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC")):

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -131,11 +130,7 @@ class FSDPStrategy(DDPStrategy):
                               "is on the CPU already; use strategy='fsdp'")
         world = self.world_size
         if self.hybrid:
-            shard = self.shard_size or int(os.environ.get("LOCAL_WORLD_SIZE", world))
-            if shard < 1 or world % shard:
-                raise ConfigError(f"hsdp: shard_size={shard} must divide the world size {world}; set "
-                                  "FSDPStrategy(hybrid=True, shard_size=...) to the processes per node")
-            self.mesh = init_device_mesh(self.root_device.type, (world // shard, shard),
+            self.mesh = init_device_mesh(self.root_device.type, self._hybrid_shape(),
                                          mesh_dim_names=("replicate", "shard"))
         else:
             self.mesh = init_device_mesh(self.root_device.type, (world,), mesh_dim_names=("shard",))
@@ -162,6 +157,19 @@ class FSDPStrategy(DDPStrategy):
         finally:  # the root is sharded with reshard_after_forward=False and no backward reshards it
             _reshard(model)  # after a forward without gradients: its full parameters stayed the
             # module's, and the optimizer of a fit after validate() was built over them (no training)
+
+    def _hybrid_shape(self) -> tuple[int, int]:
+        """hsdp's mesh: (nodes, processes per node), unless ``shard_size`` says otherwise."""
+        env, world = self.env, self.world_size
+        if not self.shard_size and env is not None and (env.local_world_size is None or not env.even_nodes):
+            raise ConfigError("hsdp: the processes per node cannot be told (the nodes run different numbers "
+                              "of tasks, or Slurm did not say how many): set FSDPStrategy(hybrid=True, "
+                              "shard_size=...) to the processes per node")
+        shard = self.shard_size or (env.local_world_size if env is not None and env.local_world_size else world)
+        if shard < 1 or world % shard:
+            raise ConfigError(f"hsdp: shard_size={shard} must divide the world size {world}; set "
+                              "FSDPStrategy(hybrid=True, shard_size=...) to the processes per node")
+        return world // shard, shard
 
     def setup_module(self, module: nn.Module) -> nn.Module:
         from torch.distributed.fsdp import (

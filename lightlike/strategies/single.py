@@ -31,7 +31,8 @@ class SingleDeviceStrategy(Strategy):
             )
         env = detect_environment()
         if env.world_size > 1:
-            what = "WORLD_SIZE" if env.kind == "torchrun" else "SLURM_STEP_NUM_TASKS"
+            what = "WORLD_SIZE" if env.kind == "torchrun" else next(
+                n for n in ("SLURM_STEP_NUM_TASKS", "SLURM_NTASKS", "SLURM_NPROCS") if n in os.environ)
             raise ConfigError(
                 f"strategy='single' but {what}={env.world_size}: this process was launched as one of "
                 f"{env.world_size}; use strategy='ddp' (or 'auto'), or launch a single process"
