@@ -43,9 +43,12 @@ def save_dcp_state(directory: Path, module: nn.Module, optimizer: torch.optim.Op
         model_sd, optim_sd = get_state_dict(module, optimizer)
         state = {"model": model_sd, "optim": optim_sd}
     writer = dcp.FileSystemWriter(directory, sync_files=True)
+    # a tensor every rank holds (a buffer) is written by the lowest rank holding it: rank 0's, the
+    # copy the checkpoint promises (DCP's default takes whichever rank's plan is smallest)
+    planner = dcp.DefaultSavePlanner(dedup_save_to_lowest_rank=True)
     if async_group is not None:
-        return dcp.async_save(state, storage_writer=writer, process_group=async_group)
-    dcp.save(state, storage_writer=writer)
+        return dcp.async_save(state, storage_writer=writer, planner=planner, process_group=async_group)
+    dcp.save(state, storage_writer=writer, planner=planner)
     return None
 
 

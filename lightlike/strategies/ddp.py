@@ -151,13 +151,17 @@ class DDPStrategy(Strategy):
         # broadcast them at the first forward after a training one, a collective that a rank
         # without evaluation batches never joins (it hung); FSDP and DeepSpeed never sync them,
         # so each rank evaluated with its own BatchNorm statistics.
-        if self.world_size > 1:
-            for buffer in self.unwrap(model).buffers():
-                dist.broadcast(buffer, src=0)
+        self.broadcast_buffers(model)
         inner = getattr(model, "_orig_mod", model)
         if isinstance(inner, DistributedDataParallel):
             inner.require_forward_param_sync = False  # synced just above: its forward must not again
         yield model
+
+    def broadcast_buffers(self, model: nn.Module) -> None:
+        """Every rank takes rank 0's buffers (collective)."""
+        if self.world_size > 1:
+            for buffer in self.unwrap(model).buffers():
+                dist.broadcast(buffer, src=0)
 
     def no_sync(self, module: nn.Module, enabled: bool) -> contextlib.AbstractContextManager:
         inner = getattr(module, "_orig_mod", module)

@@ -307,6 +307,9 @@ class FSDPStrategy(DDPStrategy):
         memory and written in the background; the returned future is waited on before commit."""
         from lightlike.checkpoint.dcp import DCP_DIR, save_dcp_state
 
+        # FSDP leaves buffers (BatchNorm statistics) to each rank: the checkpoint holds rank 0's,
+        # so every rank takes them here, and a run resumed from it goes on as this one does
+        self.broadcast_buffers(module)
         return save_dcp_state(writer.path_for(DCP_DIR), self.unwrap(module), optimizer, self._checkpoint_group)
 
     def load_checkpoint_state(self, path: Path, module: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
