@@ -205,6 +205,25 @@ def test_resume_two_ranks_on_one(runs, tmp_path, strategy):
     verify_checkpoint(out / "checkpoint-4", hashes=True)  # read, not modified
 
 
+@pytest.mark.parametrize("strategy", ["deepspeed_zero2", "deepspeed_zero3"])
+def test_resume_on_another_world_size_keeps_the_buffers(tmp_path, strategy):
+    """DeepSpeed's universal load restores parameters and optimizer state only: BatchNorm's
+    running statistics and batch count came back at their constructor values (0, 1, 0). Resumed
+    on one process with nothing left to train, the module holds exactly what was saved."""
+    args = ["--dtype", "float32", "--items", "24", "--accum", "1", "--steps", "3", "--save-every", "3",
+            "--task", "norm-blocks"]
+    saved = tmp_path / "two"
+    run_ok(2, saved, "--strategy", strategy, "--batch", "4", *args)
+    out = tmp_path / "one"
+    out.mkdir()
+    shutil.copytree(saved / "checkpoint-3", out / "checkpoint-3")
+    run_ok(1, out, "--strategy", strategy, "--batch", "8", *args, "--resume")
+    want, got = weights(saved), weights(out)
+    assert [int(want[k]) for k in want if k.endswith("num_batches_tracked")] == [3, 3]  # trained statistics
+    for k in want:
+        assert torch.equal(got[k], want[k]), k
+
+
 # -- export ----------------------------------------------------------------------------------------
 @pytest.mark.parametrize("strategy", ["deepspeed_zero1", "deepspeed_zero2", "deepspeed_zero3"])
 def test_export_gives_the_final_weights(runs, tmp_path, strategy):

@@ -65,6 +65,11 @@ def consolidated_state_dict(checkpoint_dir: str | Path) -> dict[str, torch.Tenso
     return {k: _materialise(v).clone() for k, v in _lazy_state_dict(checkpoint_dir).items()}
 
 
+def saved_buffers(checkpoint_dir: str | Path, names: set[str]) -> dict[str, torch.Tensor]:
+    """The checkpoint's values of the module buffers ``names`` (parameters are not read)."""
+    return {k: _materialise(v).clone() for k, v in _lazy_state_dict(checkpoint_dir).items() if k in names}
+
+
 _DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
            torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
            torch.bool: "BOOL"}

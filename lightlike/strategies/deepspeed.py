@@ -476,6 +476,7 @@ class DeepSpeedStrategy(DDPStrategy):
                 engine._config.load_universal_checkpoint = False
             if self.stage == 3:
                 ds_fixes.repair_zero3_universal_load(engine.optimizer, Path(tmp) / "state" / "zero" / "optimizer_state.pt")
+            ds_fixes.restore_buffers_after_universal_load(self, engine.module, path)
         finally:
             self.barrier()
             if self.is_global_zero:

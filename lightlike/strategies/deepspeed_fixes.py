@@ -44,6 +44,23 @@ def repair_zero3_universal_load(zero: Any, optimizer_state_file: Path) -> None:
         group.update({k: v for k, v in old.items() if k != "params"})
 
 
+def restore_buffers_after_universal_load(strategy: Any, module: Any, checkpoint_dir: Path) -> None:
+    """DeepSpeed's universal load (``load_universal_checkpoint``) restores parameters and optimizer
+    state but skips ``load_module_state_dict``: buffers (BatchNorm statistics) came back at their
+    constructor values. They are copied from the checkpoint's own model states: rank 0 reads them
+    (only them), every rank receives them. Non-persistent buffers are not saved and stay as built."""
+    from lightlike.checkpoint.zero import saved_buffers
+
+    names = {n for n, _ in module.named_buffers()}
+    saved = saved_buffers(checkpoint_dir, names) if strategy.is_global_zero else None
+    if strategy.world_size > 1:
+        saved = strategy.broadcast_object(saved)
+    with torch.no_grad():
+        for name, buffer in module.named_buffers():
+            if name in saved:
+                buffer.copy_(saved[name].to(buffer.device, buffer.dtype))
+
+
 def set_zero3_master_padded(p: Any, value: torch.Tensor) -> None:
     """``safe_set_full_fp32_param`` for a ZeRO-3 parameter whose size does not divide by the world
     size: DeepSpeed's setter slices the unpadded value at ``rank * partition_size`` (a 3-element
