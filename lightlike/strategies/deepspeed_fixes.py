@@ -52,7 +52,7 @@ def restore_buffers_after_universal_load(strategy: Any, module: Any, checkpoint_
     from lightlike.checkpoint.zero import saved_buffers
 
     names = {n for n, _ in module.named_buffers()}
-    saved = saved_buffers(checkpoint_dir, names) if strategy.is_global_zero else None
+    saved: dict[str, torch.Tensor] = saved_buffers(checkpoint_dir, names) if strategy.is_global_zero else {}
     if strategy.world_size > 1:
         saved = strategy.broadcast_object(saved)
     with torch.no_grad():
