@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from lightlike.callbacks.base import Callback
 from lightlike.config import FitConfig
-from lightlike.errors import ConfigError
+from lightlike.errors import ConfigError, OutputDirError
 
 if TYPE_CHECKING:
     from lightlike.fitter import Fitter
@@ -107,7 +107,12 @@ def search(fitter: Fitter, module_factory: Callable[..., Any], space: Any, n_tri
         tr, va = _data(module, train, val)
         if va is None:
             raise ConfigError("search needs evaluation data for its metric: pass val=... (or define val_data())")
-        result = trial_fitter.fit(module, tr, va)
+        try:
+            result = trial_fitter.fit(module, tr, va)
+        except OutputDirError as e:  # its resume=True hint does not apply: a search cannot resume
+            raise OutputDirError(f"search: {cfg.output_dir!r} already holds a run (an earlier search's trial?); "
+                                 "choose another output_dir, or pass overwrite_output_dir=True to replace the "
+                                 f"trials ({e})", offers=("overwrite_output_dir=True",)) from None
         if metric not in result.metrics:
             raise ConfigError(f"search metric {metric!r} is not among the fit's metrics {sorted(result.metrics)}; "
                               "pass val=... (and eval_every for pruning)")

@@ -260,6 +260,20 @@ def test_search_best_trial_reproduces_its_value(tmp_path):
     assert refit.metrics["val/loss"] == best.value
 
 
+def test_a_second_search_in_the_same_output_dir_says_what_to_do(tmp_path):
+    """The trial's own OutputDirError offered resume=True, which search() cannot take."""
+    pytest.importorskip("optuna")
+    from optuna.distributions import FloatDistribution
+
+    space = {"learning_rate": FloatDistribution(1e-3, 3e-1, log=True)}
+    train, val = DictDataset(16), DictDataset(8, seed=1)
+    search_fitter(tmp_path / "s").search(classifier_factory, space, 1, train=train, val=val)
+    with pytest.raises(ll.OutputDirError, match=r"search: .*trial-0' already holds a run .*overwrite_output_dir=True") as e:
+        search_fitter(tmp_path / "s").search(classifier_factory, space, 1, train=train, val=val)
+    assert e.value.offers == ("overwrite_output_dir=True",)
+    search_fitter(tmp_path / "s", overwrite_output_dir=True).search(classifier_factory, space, 1, train=train, val=val)
+
+
 def test_search_prunes_through_the_eval_metric(tmp_path):
     optuna = pytest.importorskip("optuna")
 
