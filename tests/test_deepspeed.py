@@ -183,6 +183,20 @@ def test_kill_and_resume_is_bit_identical(runs, tmp_path, strategy):
     assert (out / "logs" / "metrics.jsonl").read_text() == (ref / "logs" / "metrics.jsonl").read_text()
 
 
+def test_kill_and_resume_with_buffers_is_bit_identical(runs, tmp_path):
+    """BatchNorm statistics, which DeepSpeed leaves to each rank: the checkpoint holds rank 0's
+    module state, so the resumed rank 1 differed from the uninterrupted one (until an evaluation
+    gave it rank 0's). Every rank takes rank 0's buffers at a save."""
+    args = ["--strategy", "deepspeed_zero2", *COMMON, *SAVES, "--task", "norm-blocks"]
+    ref = runs("deepspeed_zero2", "--task", "norm-blocks")
+    out = tmp_path / "run"
+    assert launch(2, out, *args, "--kill-step", "5").returncode != 0
+    run_ok(2, out, *args, "--resume")
+    for rank in (0, 1):
+        a, b = weights(out, rank), weights(ref, rank)
+        assert [k for k in a if not torch.equal(a[k], b[k])] == [], f"rank {rank} differs"
+
+
 @pytest.mark.parametrize("strategy", ["deepspeed_zero2", "deepspeed_zero3"])
 def test_resume_two_ranks_on_one(runs, tmp_path, strategy):
     """Checkpoint-4 of a 2-rank run, resumed on 1 process with the same global batch (8): the

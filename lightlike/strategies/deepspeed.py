@@ -372,6 +372,7 @@ class DeepSpeedStrategy(DDPStrategy):
                 writer.save_safetensors("model.safetensors", weights)
             return
         engine = self._engine()
+        self.broadcast_buffers(module)  # the checkpoint holds rank 0's (DeepSpeed leaves them to each rank)
         from deepspeed.checkpoint.constants import (
             UNIVERSAL_CHECKPOINT_INFO,
             UNIVERSAL_CHECKPOINT_VERSION_KEY,
