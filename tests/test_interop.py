@@ -146,6 +146,38 @@ def test_hf_step_gradient_is_the_token_mean_over_the_step(tmp_path):
         torch.testing.assert_close(g, expected[name].grad, rtol=1e-10, atol=1e-12, msg=name)
 
 
+@pytest.mark.parametrize("with_labels", [False, True])
+def test_left_padding_counts_and_weighs_each_item_as_alone(with_labels):
+    """Left padding put a pad before each padded row's first real token, which then counted as a
+    target (predicted from the pad): 59 tokens for 8 items that hold 52, so the loss and gradient
+    of an item depended on the batch it was in. With position ids, a left-padded batch now has the
+    item count and the item-weighted loss of its items forwarded one by one, unpadded (float64)."""
+    from lightlike.data import PaddingCollator, count_label_tokens
+    from lightlike.interop.hf import HFCausalLM
+
+    module = HFCausalLM(tiny_gpt2(torch.float64))
+    g = torch.Generator().manual_seed(0)
+    items = []
+    for length in (3, 9, 5, 12, 7, 2, 11, 6):
+        ids = torch.randint(1, 100, (length,), generator=g)
+        item = {"input_ids": ids.tolist(), "attention_mask": [1] * length}
+        if with_labels:
+            item["labels"] = ids.tolist()
+        items.append(item)
+    batch = PaddingCollator(padding_side="left")(items)
+    batch["position_ids"] = (batch["attention_mask"].cumsum(-1) - 1).clamp(min=0)
+    alone = [PaddingCollator()([item]) for item in items]
+    counts = [int(module.num_items(b)) for b in alone]
+    losses = [module.loss(module(b), b) for b in alone]
+    assert int(module.num_items(batch)) == sum(counts)
+    key = "labels" if with_labels else "input_ids"
+    shifted = {**batch, "labels": batch[key].masked_fill(batch["attention_mask"] == 0, -100)}
+    assert int(count_label_tokens(shifted, shift=True)) == sum(counts)
+    batched = module.loss(module(batch), batch)
+    weighted = sum(loss * n for loss, n in zip(losses, counts, strict=True)) / sum(counts)
+    torch.testing.assert_close(batched, weighted, rtol=1e-10, atol=1e-12)
+
+
 def test_hf_example_runs(tmp_path):
     pytest.importorskip("transformers")
     p = subprocess.run([sys.executable, str(ROOT / "examples" / "hf_causal_lm.py"), "--tiny", "--output-dir",

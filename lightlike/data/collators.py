@@ -39,7 +39,8 @@ def count_label_tokens(batch: Any, ignore_index: int = IGNORE_INDEX, *, key: str
 
     ``shift=True`` counts ``labels[..., 1:]``: a causal LM predicts token t+1 from tokens up to t,
     so the first label of each row is never a target (use it when the loss compares
-    ``logits[:, :-1]`` with ``labels[:, 1:]``). ``batch`` is a mapping holding ``key`` or the
+    ``logits[:, :-1]`` with ``labels[:, 1:]``), nor is one predicted from a padding position
+    (left padding; ``mask_padded_context``, when the batch holds an ``attention_mask``). ``batch`` is a mapping holding ``key`` or the
     labels tensor itself. A micro-batch without any label token makes a mean-reduced
     cross-entropy NaN; ``cross_entropy(..., reduction="sum") / count.clamp(min=1)`` is 0 there.
     """
@@ -47,8 +48,20 @@ def count_label_tokens(batch: Any, ignore_index: int = IGNORE_INDEX, *, key: str
     if not isinstance(labels, torch.Tensor):
         raise DataError(f"count_label_tokens needs the labels as a tensor, got {type(labels).__name__}")
     if shift:
-        labels = labels[..., 1:]
+        mask = batch.get("attention_mask") if isinstance(batch, Mapping) else None
+        labels = mask_padded_context(labels[..., 1:], mask, ignore_index)
     return (labels != ignore_index).sum()
+
+
+def mask_padded_context(shifted: torch.Tensor, attention_mask: torch.Tensor | None,
+                        ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
+    """Next-token targets ``labels[..., 1:]`` with those predicted from a padding position
+    (``attention_mask[..., :-1] == 0``) set to ``ignore_index``: under left padding the first
+    real token of a padded row follows a pad, and counting it would make the loss of an item
+    depend on the batch it is in. Right padding is unchanged (its pads predict padding)."""
+    if attention_mask is None or attention_mask.shape[-1] != shifted.shape[-1] + 1:
+        return shifted
+    return shifted.masked_fill(attention_mask[..., :-1] == 0, ignore_index)
 
 
 def _as_tensor(value: Any, field: str, index: int) -> torch.Tensor | None:

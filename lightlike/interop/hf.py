@@ -33,6 +33,7 @@ from typing import Any
 import torch
 from torch.nn import functional as F
 
+from lightlike.data.collators import mask_padded_context
 from lightlike.errors import CheckpointError, DataError, ModuleContractError
 from lightlike.module import TaskModule
 
@@ -85,17 +86,20 @@ class HFCausalLM(TaskModule):
     # -- helpers -------------------------------------------------------------------------------
     def shifted_labels(self, batch: Any) -> torch.Tensor:
         """The next-token targets, ``(batch, seq_len - 1)``: ``labels[:, 1:]``, or without
-        labels ``input_ids[:, 1:]`` with padding (``attention_mask == 0``) set to ``-100``."""
+        labels ``input_ids[:, 1:]`` with padding (``attention_mask == 0``) set to ``-100``. A
+        target predicted from a padding position is not one either: with left padding the first
+        real token of a padded row would otherwise be counted, so the loss and the item count
+        would depend on what else is in the batch (``mask_padded_context``)."""
+        mask = batch.get("attention_mask") if isinstance(batch, Mapping) else None
         if isinstance(batch, Mapping) and batch.get("labels") is not None:
             labels = batch["labels"]
         else:
             labels = self._input_ids(batch)
-            mask = batch.get("attention_mask") if isinstance(batch, Mapping) else None
             if mask is not None:
                 labels = labels.masked_fill(mask == 0, self.ignore_index)
         if labels.ndim != 2:
             raise DataError(f"HFCausalLM expects labels/input_ids of shape (batch, seq_len), got {tuple(labels.shape)}")
-        return labels[:, 1:]
+        return mask_padded_context(labels[:, 1:], mask, self.ignore_index)
 
     def _shifted(self, outputs: torch.Tensor, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
         logits = outputs[:, :-1]
