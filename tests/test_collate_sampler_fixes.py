@@ -169,6 +169,31 @@ def test_grouping_still_saves_padding():
     assert lengths[int(s.global_order()[0])] == max(lengths)  # longest first still
 
 
+@pytest.mark.parametrize(("n", "bs", "world_size"), [(40, 2, 3), (300, 8, 4), (2000, 8, 8)])
+def test_each_rank_takes_a_contiguous_run_of_each_global_batch(n, bs, world_size):
+    """Dealt round-robin, rank r's batch held sorted items r, r+W, r+2W, ... of the global batch,
+    so its longest item was among the W longest: on 3 ranks with one global batch per megabatch
+    it padded more than a random order (0.39 against 0.29), and at 2000 items on 8 ranks 0.145
+    against 0.019 for contiguous runs. Each rank now takes the r-th run of batch_size positions
+    of each global batch (the last, partial one round-robin, so the shares stay as long)."""
+    lengths = small_lengths(n=n, seed=2)
+    span = bs * world_size
+    waste = {"contiguous": 0, "round-robin": 0, "random": 0}
+    for epoch in range(10):
+        order = LengthGroupedSampler(lengths, bs, rank=0, world_size=world_size, seed=0).global_order(epoch)
+        end = n - n % world_size
+        for r in range(world_size):
+            batches = rank_batches(lengths, epoch, rank=r, world_size=world_size, batch_size=bs)
+            whole = end // span
+            assert batches[:whole] == [order[k * span + r * bs: k * span + (r + 1) * bs].tolist() for k in range(whole)]
+            mine = [i for b in batches for i in b]
+            waste["contiguous"] += padding_waste(mine, lengths, bs)
+            waste["round-robin"] += padding_waste(order[r:end:world_size].tolist(), lengths, bs)
+            random = torch.randperm(n, generator=torch.Generator().manual_seed(epoch))[:len(mine)].tolist()
+            waste["random"] += padding_waste(random, lengths, bs)
+    assert waste["contiguous"] < 0.6 * waste["round-robin"] and waste["contiguous"] < 0.6 * waste["random"], waste
+
+
 def test_longest_first_in_one_megabatch_keeps_the_first_batch_homogeneous():
     """One megabatch over all the data: it runs longest first down to the turn, so the first
     batch is still the longest items (unless the turn falls inside it)."""

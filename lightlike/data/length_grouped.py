@@ -6,8 +6,12 @@ indices (``epoch_permutation``, the default sampler's convention), cut the shuff
 megabatches of ``group_size`` indices (by default ``mega * batch_size * world_size``, with
 ``mega`` at most 50 and at most a quarter of the data, as HF's sampler does), and sort each
 megabatch by length, longest first. Consecutive runs of ``batch_size * world_size`` indices (one
-global batch) then hold similar lengths, and since ranks are dealt positions round-robin from the
-global order, each rank's batch of ``batch_size`` is length-homogeneous too. The last megabatch
+global batch) then hold similar lengths, and each rank takes a contiguous run of ``batch_size``
+of each global batch (rank r the r-th), so its batch is as homogeneous as the sorted order
+allows (dealt round-robin, a rank's batch spanned the whole global batch: its longest item was
+among the world_size longest, more padding than a random order when a megabatch is one global
+batch). The last, partial, global batch is dealt round-robin, so every rank's share of the
+epoch is as long as ``ResumableSampler``'s. The last megabatch
 is sorted longest first down to a random rank and then shortest first up to it, so that the end of
 the order (the tail that ``even=True`` leaves out) is of a random length rather than the same
 shortest items every epoch. Seeking to a sample position is slicing that order: O(1) in consumed
@@ -139,6 +143,9 @@ class LengthGroupedSampler(ResumableSampler):
             raise DataError(f"LengthGroupedSampler(world_size={self.world_size}) but torch.distributed runs "
                             f"{dist.get_world_size()} processes: build it with rank=..., world_size=... of this "
                             "job (or leave both out to read them from torchrun/srun)")
-        order = self.global_order()
-        mine = order[self.start + self.rank : self._global_end() : self.world_size]
-        return iter(mine.tolist())
+        order, start, end = self.global_order(), self.start, self._global_end()
+        span = self.batch_size * self.world_size  # one global batch, from where this epoch resumed
+        whole = (end - start) // span
+        runs = order[start : start + whole * span].view(whole, self.world_size, self.batch_size)[:, self.rank]
+        tail = order[start + whole * span : end][self.rank :: self.world_size]
+        return iter(torch.cat([runs.reshape(-1), tail]).tolist())
