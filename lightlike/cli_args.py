@@ -49,7 +49,8 @@ class Option:
 
     def check_choice(self, value: Any) -> Any:
         """``value``, or ``ArgumentTypeError`` when a ``Literal`` annotation does not list it."""
-        if self.choices is None or value in self.choices or (value is None and "none" in self.kinds):
+        if self.choices is None or value in self.choices or (value is None and ("none" in self.kinds
+                                                                                 or self.default is None)):
             return value
         valid = ", ".join(repr(c) for c in self.choices)
         near = difflib.get_close_matches(str(value), [str(c) for c in self.choices], n=1)

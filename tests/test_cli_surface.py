@@ -246,6 +246,17 @@ def test_literal_arguments_take_only_their_values(capsys, tmp_path, monkeypatch,
     assert want in line
 
 
+def test_a_literal_argument_defaulting_to_none_takes_null(capsys, tmp_path, monkeypatch):
+    """``x: Literal["a", "b"] = None`` (an implicit Optional): a config file's null was refused."""
+    monkeypatch.chdir(tmp_path)
+    Path("literal_net.py").write_text(LITERAL_MODULE.replace('norm: Optional[Literal["layer", "batch"]] = None',
+                                                             'norm: Literal["layer", "batch"] = None'))
+    Path("n.json").write_text('{"max_steps": 1, "model": {"norm": null}}')
+    code, out, err = run_cli(capsys, "config", "literal_net.py:Net", "--config", "n.json", "--format", "json")
+    assert code == 0, err
+    assert '"norm": null' in out
+
+
 def test_literal_arguments_accept_their_values(capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     Path("literal_net.py").write_text(LITERAL_MODULE)

@@ -101,10 +101,13 @@ def test_an_out_of_memory_retry_does_not_resume_the_failed_try(tmp_path, resume)
     assert torch.equal(flat_params(model), flat_params(ref))
 
 
-def test_an_out_of_memory_retry_resumes_where_the_first_try_did(tmp_path):
+@pytest.mark.parametrize("limit", [None, 1])
+def test_an_out_of_memory_retry_resumes_where_the_first_try_did(tmp_path, limit):
     """A first try that resumed checkpoint-2 and wrote checkpoint-4 before running out of memory:
-    the retry resumes checkpoint-2 again (the failed try's newer checkpoint is set aside)."""
-    kw = dict(shuffle=False, learning_rate=1e-2, seed=0, save_every=2)
+    the retry resumes checkpoint-2 again (the failed try's newer checkpoint is set aside). With
+    save_total_limit=1 rotation had deleted checkpoint-2 and the retry failed: the checkpoint a
+    fit with auto_find_batch_size resumed from is kept."""
+    kw = dict(shuffle=False, learning_rate=1e-2, seed=0, save_every=2, save_total_limit=limit)
     out = tmp_path / "a"
 
     class StopAt2(ll.Callback):
@@ -212,7 +215,7 @@ def test_gradient_checkpointing_same_gradients(tmp_path):
     assert plain_calls == 3 and ckpt_calls == 6  # recomputed in backward
 
 
-@pytest.mark.parametrize("form", ["function", "module"])
+@pytest.mark.parametrize("form", ["function", "module", "function-after-norm", "method-after-norm"])
 def test_gradient_checkpointing_updates_running_statistics_once(tmp_path, form):
     """The recompute in backward runs BatchNorm's training forward again: its running mean,
     variance and batch count were updated twice per micro-batch, so switching checkpointing on
@@ -225,10 +228,15 @@ def test_gradient_checkpointing_updates_running_statistics_once(tmp_path, form):
             super().__init__()
             self.body = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Dropout(0.1), nn.Linear(16, 3), nn.BatchNorm1d(3))
 
+            self.pre = nn.BatchNorm1d(8)  # outside the checkpoint: its statistics are not the recompute's
+
         def forward(self, batch):
+            x = self.pre(batch["x"]) if form.endswith("after-norm") else batch["x"]
             if form == "module":
-                return self.maybe_checkpoint(self.body, batch["x"])
-            return self.maybe_checkpoint(lambda x: self.body(x), batch["x"])
+                return self.maybe_checkpoint(self.body, x)
+            if form == "method-after-norm":  # as HF passes layer.__call__
+                return self.maybe_checkpoint(self.body.forward, x)
+            return self.maybe_checkpoint(lambda x: self.body(x), x)
 
     def run(flag):
         torch.manual_seed(0)

@@ -169,6 +169,8 @@ def _commit(fitter: Fitter, writer: CheckpointWriter, committing: Any = None) ->
         # The checkpoint this run resumed from needs no protection here: rotation runs only after
         # this run has committed a newer one, so a later resume has that (the newest is kept).
         protect = [state.best_checkpoint] if state.best_checkpoint else []
+        if cfg.auto_find_batch_size and fitter.resumed_from:  # an out-of-memory retry starts from it again
+            protect.append(fitter.resumed_from)
         for p in rotate_checkpoints(out, cfg.save_total_limit, protect=protect):
             log.info("deleted old checkpoint %s (save_total_limit=%s)", p, cfg.save_total_limit)
         log.info("saved checkpoint %s", path)

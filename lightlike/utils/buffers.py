@@ -31,8 +31,11 @@ def buffers_kept_on_recompute(owner: nn.Module) -> Callable[[], tuple[contextlib
     statistics (BatchNorm's mean, variance and batch count) twice per step, so switching
     checkpointing on would change the trained model. The buffers of ``owner`` that the first
     forward changed are put back after the recompute: those whose version counter moved, and
-    the running statistics of normalisation layers in training mode (torch's batch-norm kernel
-    updates them in place without moving the counter). Nothing is copied when there are none."""
+    the running statistics of the normalisation layers whose batch count moved (torch's
+    batch-norm kernel updates them in place without moving their counters). Only layers the
+    checkpointed forward ran: the statistics of one outside it (``owner`` is the whole module
+    when a function is checkpointed) are saved for its own backward and must not be touched.
+    Nothing is copied when there are none."""
 
     def context_fn() -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
         changed: list[torch.Tensor] = []
@@ -41,9 +44,11 @@ def buffers_kept_on_recompute(owner: nn.Module) -> Callable[[], tuple[contextlib
         def forward() -> Iterator[None]:
             before = [(b, b._version) for b in owner.buffers()]
             yield
-            changed.extend(b for b, version in before if b._version != version)
-            for m in owner.modules():  # their kernels update the statistics without a version bump
-                if isinstance(m, _NormBase) and m.training and m.track_running_stats:
+            moved = [b for b, version in before if b._version != version]
+            changed.extend(moved)
+            for m in owner.modules():  # the kernel updates the statistics without a version bump; the
+                counter = getattr(m, "num_batches_tracked", None)  # batch count (Python) marks a run
+                if isinstance(m, _NormBase) and any(counter is b for b in moved):
                     changed.extend(b for b in m.buffers(recurse=False) if all(b is not c for c in changed))
 
         @contextlib.contextmanager
