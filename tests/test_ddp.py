@@ -134,19 +134,25 @@ def test_uneven_iterable_shards_end_the_epoch_on_every_rank(tmp_path):
 
 
 def test_uneven_iterable_shards_resume_mid_epoch_bit_identical(tmp_path):
-    """Accumulating 2: at step 2 rank 0 has taken 4 batches of its stream and rank 1 its 3 (its
-    last window held one). The resume reads each rank's own count again: rank 0's count on
-    every rank ran past the end of rank 1's stream ("does not yield the same items")."""
-    common = ["--data", "uneven-stream", "--batch", "1", "--accum", "2", "--steps", "5", "--save-every", "2"]
+    """Rank 0's stream holds 5 items, rank 1's 3; accumulating 2. At step 2 rank 1's window holds
+    its last batch: the epoch ends there on both ranks (read one batch ahead), before
+    checkpoint-2, so a resume from it starts the next epoch (rank 0's last batch left out, with a
+    warning). From checkpoint-1, mid-epoch, each rank reads its own 2 batches again. Both resumes
+    end with the uninterrupted run's weights on every rank."""
+    common = ["--data", "uneven-stream", "--batch", "1", "--accum", "2", "--steps", "5", "--save-every", "1"]
     assert launch(2, tmp_path / "ref", *common).returncode == 0
-    out = tmp_path / "run"
-    assert launch(2, out, *common, "--stop", "2").returncode == 0
-    resumed = launch(2, out, *common, "--resume")
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "reading the 4 batch(es)" in resumed.stderr and "reading the 3 batch(es)" in resumed.stderr
-    for rank in (0, 1):
-        a, b = weights(out, rank), weights(tmp_path / "ref", rank)
-        assert all(torch.equal(a[k], b[k]) for k in a), f"rank {rank} differs"
+    for stop, replayed in ((2, None), (1, "reading the 2 batch(es)")):
+        out = tmp_path / f"stop{stop}"
+        assert launch(2, out, *common, "--stop", str(stop)).returncode == 0
+        resumed = launch(2, out, *common, "--resume")
+        assert resumed.returncode == 0, resumed.stderr[-3000:]
+        if replayed is None:
+            assert "reading the" not in resumed.stderr
+        else:
+            assert resumed.stderr.count(replayed) == 2, resumed.stderr[-3000:]
+        for rank in (0, 1):
+            a, b = weights(out, rank), weights(tmp_path / "ref", rank)
+            assert all(torch.equal(a[k], b[k]) for k in a), f"stop {stop}: rank {rank} differs"
 
 
 @pytest.mark.parametrize("budget, accum, steps", [(["--steps", "3"], "1", 3), (["--epochs", "2"], "1", 2),
