@@ -305,6 +305,19 @@ def test_float16_on_this_cpu_is_a_config_error(tmp_path):
     assert precision_sections("16-true", fp16_ok=True, device="cuda:0", strategy="s")["fp16"] == {"enabled": True}
 
 
+def test_float16_autocast_is_refused_where_float16_runs():
+    """DeepSpeed 0.19.8's torch_autocast float16 path (where float16 runs: a GPU; shown on this CPU
+    with its accelerator made to claim float16) skipped every step after one overflow (its
+    GradScaler's update() is skipped on overflow) and clipped scaled gradients: refused, naming the
+    precisions that work."""
+    from lightlike.strategies.deepspeed_config import precision_sections
+
+    with pytest.raises(ConfigError, match="precision='16-mixed' with strategy='deepspeed_zero2'.*'16-true'.*'bf16-mixed'"):
+        precision_sections("16-mixed", fp16_ok=True, device="cuda:0", strategy="deepspeed_zero2")
+    assert precision_sections("bf16-mixed", fp16_ok=True, device="cuda:0", strategy="s")["torch_autocast"] == \
+        {"enabled": True, "dtype": "bfloat16"}
+
+
 # -- the generated config ---------------------------------------------------------------------------
 FIT = FitConfig(max_steps=5, batch_size=4, grad_accum_steps=2, max_grad_norm=0.5)
 

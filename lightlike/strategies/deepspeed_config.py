@@ -138,11 +138,15 @@ def precision_sections(precision_name: str, fp16_ok: bool, device: str, strategy
     config that switches one on where lightlike does not is caught):
 
     - ``32-true``: no low precision anywhere.
-    - ``bf16-mixed`` / ``16-mixed``: DeepSpeed's ``torch_autocast`` section: fp32 parameters and
-      fp32 master weights (ZeRO keeps one fp32 copy), forward under ``torch.autocast`` (the
-      plugin's autocast around the loss stays on as well); gradients of autocast-safe layers
-      (Linear, Conv) are reduced in the low dtype, DeepSpeed's choice for this mode. ``16-mixed``
-      then uses DeepSpeed's own gradient scaler inside the ZeRO optimizer.
+    - ``bf16-mixed``: DeepSpeed's ``torch_autocast`` section: fp32 parameters and fp32 master
+      weights (ZeRO keeps one fp32 copy), forward under ``torch.autocast`` (the plugin's autocast
+      around the loss stays on as well); gradients of autocast-safe layers (Linear, Conv) are
+      reduced in the low dtype, DeepSpeed's choice for this mode.
+    - ``16-mixed``: refused. DeepSpeed 0.19.8's ``torch_autocast`` float16 path scales the loss
+      with a ``GradScaler`` whose ``update()`` its ZeRO ``step()`` skips on overflow (the scale
+      never drops: every later step is skipped) and clips the still-scaled gradients (updates
+      ~1e4 times too small); ``16-true`` (DeepSpeed's ``fp16`` section, its own dynamic loss
+      scaler, fp32 master weights) or ``bf16-mixed`` train correctly.
     - ``bf16-true`` / ``16-true``: DeepSpeed's ``bf16`` / ``fp16`` sections: parameters and compute
       in the half dtype, fp32 master weights and optimizer state in the ZeRO partitions (DeepSpeed's
       standard mode; unlike lightlike's own ``*-true`` plugins it keeps an fp32 copy, sharded);
@@ -156,9 +160,13 @@ def precision_sections(precision_name: str, fp16_ok: bool, device: str, strategy
         raise ConfigError(f"precision={precision_name!r} with strategy={strategy!r}: DeepSpeed has no float16 "
                           f"support on this device ({device}); use precision='bf16-mixed', 'bf16-true' or "
                           "'32-true'")
-    if precision_name in ("bf16-mixed", "16-mixed"):
-        dtype = "bfloat16" if precision_name == "bf16-mixed" else "float16"
-        return {**off, "torch_autocast": {"enabled": True, "dtype": dtype}}
+    if precision_name == "16-mixed":
+        raise ConfigError(f"precision='16-mixed' with strategy={strategy!r}: DeepSpeed's float16 autocast path never "
+                          "lowers its loss scale after an overflow and clips scaled gradients (DeepSpeed 0.19.8); "
+                          "use precision='16-true' (DeepSpeed's fp16 mode: fp32 master weights, its own dynamic "
+                          "loss scaling) or 'bf16-mixed'")
+    if precision_name == "bf16-mixed":
+        return {**off, "torch_autocast": {"enabled": True, "dtype": "bfloat16"}}
     if precision_name == "bf16-true":
         return {**off, "bf16": {"enabled": True}}
     if precision_name == "16-true":
