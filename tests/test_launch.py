@@ -183,7 +183,9 @@ def test_slurm_local_world_size_for_hsdp(monkeypatch):
     _slurm(monkeypatch, **step, SLURM_STEP_TASKS_PER_NODE="2(x2)")
     e = detect_environment()
     assert (e.local_world_size, e.even_nodes) == (2, True)
-    e.export()
+    for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.setenv(k, "")  # export() writes them: undone after the test (a later subprocess
+    e.export()  # that inherited RANK and WORLD_SIZE waited for a rendezvous for ever)
     assert os.environ["LOCAL_WORLD_SIZE"] == "2"
     _slurm(monkeypatch, **step, SLURM_STEP_TASKS_PER_NODE="1,3")
     e = detect_environment()
