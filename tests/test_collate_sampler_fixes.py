@@ -194,6 +194,21 @@ def test_each_rank_takes_a_contiguous_run_of_each_global_batch(n, bs, world_size
     assert waste["contiguous"] < 0.6 * waste["round-robin"] and waste["contiguous"] < 0.6 * waste["random"], waste
 
 
+def test_a_dataloader_batch_size_other_than_the_samplers_is_refused(tmp_path):
+    """Each rank's DataLoader batch must be the sampler's run: with batch_size 2 over a sampler of
+    4, a mid-epoch resume served items twice and skipped others (nothing said so)."""
+    from helpers import Classifier, DictDataset
+
+    import lightlike as ll
+    from lightlike.errors import DataError
+
+    data = DictDataset(n=16)
+    sampler = LengthGroupedSampler([1 + i % 5 for i in range(16)], 4, rank=0, world_size=1)
+    loader = torch.utils.data.DataLoader(data, batch_size=2, sampler=sampler)
+    with pytest.raises(DataError, match="batch_size=2 differs from its LengthGroupedSampler's batch_size=4"):
+        ll.Fitter(max_steps=2, output_dir=str(tmp_path), loggers=[]).fit(Classifier(), loader)
+
+
 def test_longest_first_in_one_megabatch_keeps_the_first_batch_homogeneous():
     """One megabatch over all the data: it runs longest first down to the turn, so the first
     batch is still the longest items (unless the turn falls inside it)."""

@@ -178,6 +178,23 @@ def test_left_padding_counts_and_weighs_each_item_as_alone(with_labels):
     torch.testing.assert_close(batched, weighted, rtol=1e-10, atol=1e-12)
 
 
+def test_padded_context_masking_leaves_other_masks_alone():
+    """Only a (batch, seq) padding mask of the labels' shape masks targets: a 4-D packing mask, or
+    labels with more leading dimensions, are left as they were (the loss raised, or the count was
+    41 instead of 10)."""
+    from lightlike.data import count_label_tokens
+    from lightlike.data.collators import mask_padded_context
+
+    labels = torch.arange(12).reshape(1, 12)
+    packing = torch.ones(1, 1, 12, 12, dtype=torch.bool).tril()
+    assert torch.equal(mask_padded_context(labels[:, 1:], packing), labels[:, 1:])
+    assert int(count_label_tokens({"labels": labels, "attention_mask": packing}, shift=True)) == 11
+    three = torch.zeros(2, 3, 6, dtype=torch.long)
+    assert int(count_label_tokens({"labels": three, "attention_mask": torch.ones(2, 6)}, shift=True)) == 30
+    left = torch.tensor([[0, 0, 1, 1]])
+    assert mask_padded_context(torch.tensor([[5, 6, 7]]), left).tolist() == [[-100, -100, 7]]
+
+
 def test_hf_example_runs(tmp_path):
     pytest.importorskip("transformers")
     p = subprocess.run([sys.executable, str(ROOT / "examples" / "hf_causal_lm.py"), "--tiny", "--output-dir",

@@ -295,6 +295,11 @@ def build_train_data(
         if world_size > 1 and not _already_split(data, world_size=world_size):
             data = _split_train_loader(data, shuffle=shuffle, seed=seed, rank=rank, world_size=world_size)
         sampler = data.sampler if isinstance(data.sampler, ResumableSampler) else None
+        grouped = getattr(sampler, "batch_size", None)  # a LengthGroupedSampler's runs are its batches
+        if grouped is not None and data.batch_size != grouped:
+            raise DataError(f"the DataLoader's batch_size={data.batch_size} differs from its LengthGroupedSampler's "
+                            f"batch_size={grouped}: its batches would not line up with the sampler's groups (and a "
+                            "resume would repeat and skip items); build both with the same batch_size")
         n = sampler.n if sampler is not None else None
         return TrainData(data, sampler, n, seed, data.generator, world_size)
     if not isinstance(data, Dataset) and not hasattr(data, "__getitem__"):

@@ -172,7 +172,7 @@ def precision_sections(precision_name: str, fp16_ok: bool, device: str, strategy
     if precision_name == "16-true":
         return {**off, "fp16": {"enabled": True}}
     raise ConfigError(f"precision={precision_name!r} has no DeepSpeed mapping (strategy={strategy!r}); use "
-                      "'32-true', 'bf16-mixed', '16-mixed', 'bf16-true' or '16-true'")
+                      "'32-true', 'bf16-mixed', 'bf16-true' or '16-true'")
 
 
 def generated_config(*, batch_size: int, grad_accum_steps: int, world_size: int, max_grad_norm: float | None,

@@ -31,10 +31,11 @@ def buffers_kept_on_recompute(owner: nn.Module) -> Callable[[], tuple[contextlib
     statistics (BatchNorm's mean, variance and batch count) twice per step, so switching
     checkpointing on would change the trained model. The buffers of ``owner`` that the first
     forward changed are put back after the recompute: those whose version counter moved, and
-    the running statistics of the normalisation layers whose batch count moved (torch's
-    batch-norm kernel updates them in place without moving their counters). Only layers the
-    checkpointed forward ran: the statistics of one outside it (``owner`` is the whole module
-    when a function is checkpointed) are saved for its own backward and must not be touched.
+    the running statistics of the normalisation layers the forward ran in training mode (seen
+    by a forward pre-hook held for that call only: torch's batch-norm kernel updates them in place
+    without moving their counters). Only layers the checkpointed forward ran: the statistics of
+    one outside it (``owner`` is the whole module when a function is checkpointed) are saved for
+    its own backward and must not be touched.
     Nothing is copied when there are none."""
 
     def context_fn() -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
@@ -43,13 +44,17 @@ def buffers_kept_on_recompute(owner: nn.Module) -> Callable[[], tuple[contextlib
         @contextlib.contextmanager
         def forward() -> Iterator[None]:
             before = [(b, b._version) for b in owner.buffers()]
-            yield
-            moved = [b for b, version in before if b._version != version]
-            changed.extend(moved)
-            for m in owner.modules():  # the kernel updates the statistics without a version bump; the
-                counter = getattr(m, "num_batches_tracked", None)  # batch count (Python) marks a run
-                if isinstance(m, _NormBase) and any(counter is b for b in moved):
-                    changed.extend(b for b in m.buffers(recurse=False) if all(b is not c for c in changed))
+            ran: list[nn.Module] = []  # norm layers this forward ran in training mode
+            hooks = [m.register_forward_pre_hook(lambda m, _: ran.append(m) if m.training else None)
+                     for m in owner.modules() if isinstance(m, _NormBase) and m.track_running_stats]
+            try:
+                yield
+            finally:
+                for h in hooks:
+                    h.remove()
+            changed.extend(b for b, version in before if b._version != version)
+            for m in ran:  # the kernel updates the statistics without moving their version counters
+                changed.extend(b for b in m.buffers(recurse=False) if all(b is not c for c in changed))
 
         @contextlib.contextmanager
         def recompute() -> Iterator[None]:

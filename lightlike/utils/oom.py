@@ -28,6 +28,21 @@ def smaller_batch(batch_size: int, accum: int) -> tuple[int, int]:
     return new, items // new
 
 
+def _rotate_resume_source(fitter: Fitter) -> None:
+    """The checkpoint the fit resumed from was kept from rotation for a retry; the fit is done, so
+    rotation counts it like any other again (save_total_limit holds as without the option)."""
+    cfg, strategy, state = fitter.config, fitter.strategy, fitter.state
+    if not (cfg.save_total_limit and fitter.resumed_from and strategy is not None):
+        return
+    if strategy.is_global_zero:
+        from lightlike.checkpoint.rotation import rotate_checkpoints
+
+        protect = [state.best_checkpoint] if state.best_checkpoint else []
+        for p in rotate_checkpoints(cfg.output_dir, cfg.save_total_limit, protect=protect):
+            log.info("deleted old checkpoint %s (save_total_limit=%s)", p, cfg.save_total_limit)
+    strategy.barrier("save")
+
+
 def fit_finding_batch_size(fitter: Fitter, module: Any, train: Any, val: Any, resume: Any) -> FitResult:
     """On out-of-memory, about halve the batch with the same items per step (``smaller_batch``)
     and start again from the module's initial weights and the place the first try started
@@ -43,7 +58,9 @@ def fit_finding_batch_size(fitter: Fitter, module: Any, train: Any, val: Any, re
     fitter.__dict__.pop("_resume_choice", None)
     while True:
         try:
-            return fitter._fit(module, train, val, resume)
+            result = fitter._fit(module, train, val, resume)
+            _rotate_resume_source(fitter)
+            return result
         except RuntimeError as error:  # torch.OutOfMemoryError is one
             cfg = fitter.config
             if not is_out_of_memory(error) or cfg.batch_size == 1:
