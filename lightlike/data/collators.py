@@ -58,7 +58,8 @@ def mask_padded_context(shifted: torch.Tensor, attention_mask: torch.Tensor | No
     """Next-token targets ``labels[..., 1:]`` with those predicted from a padding position
     (``attention_mask[..., :-1] == 0``) set to ``ignore_index``: under left padding the first
     real token of a padded row follows a pad, and counting it would make the loss of an item
-    depend on the batch it is in. Right padding is unchanged (its pads predict padding)."""
+    depend on the batch it is in. Right padding whose pads are labelled -100 is unchanged (labels
+    that keep the pad tokens lose the targets a pad predicts: padding, not data)."""
     if (attention_mask is None or attention_mask.ndim != shifted.ndim
             or attention_mask.shape[:-1] != shifted.shape[:-1] or attention_mask.shape[-1] != shifted.shape[-1] + 1):
         return shifted  # not a padding mask of these labels (a 4-D packing mask, say): as it is
