@@ -154,25 +154,31 @@ def commit_pending_checkpoint(fitter: Fitter) -> Path | None:
     return _commit(fitter, writer, committing)
 
 
+def rotate(fitter: Fitter, keep_resume_source: bool = False) -> None:
+    """Main rank: delete the oldest checkpoints past ``save_total_limit``, never the best one. The
+    checkpoint this run resumed from needs no protection otherwise: rotation runs only after this
+    run has committed a newer one, so a later resume has that (the newest is kept);
+    ``keep_resume_source`` keeps it while an out-of-memory retry may start from it again."""
+    cfg, state = fitter.config, fitter.state
+    protect = [state.best_checkpoint] if state.best_checkpoint else []
+    if keep_resume_source and fitter.resumed_from:
+        protect.append(fitter.resumed_from)
+    for p in rotate_checkpoints(cfg.output_dir, cfg.save_total_limit, protect=protect):
+        log.info("deleted old checkpoint %s (save_total_limit=%s)", p, cfg.save_total_limit)
+
+
 def _commit(fitter: Fitter, writer: CheckpointWriter, committing: Any = None) -> Path:
     """Commit on the main rank (or wait for the background commit), then rotate. Returns the
     committed path on every rank (``on_save`` runs everywhere, as every callback event does)."""
-    cfg, strategy, state = fitter.config, fitter.strategy, fitter.state
+    cfg, strategy = fitter.config, fitter.strategy
     assert strategy is not None
-    out = Path(cfg.output_dir)
     path = writer.final_path
     if strategy.is_global_zero:
         if committing is not None:
             committing.result()  # raises what the commit raised
         else:
             writer.__exit__(None, None, None)  # fsync, hash, manifest, rename
-        # The checkpoint this run resumed from needs no protection here: rotation runs only after
-        # this run has committed a newer one, so a later resume has that (the newest is kept).
-        protect = [state.best_checkpoint] if state.best_checkpoint else []
-        if cfg.auto_find_batch_size and fitter.resumed_from:  # an out-of-memory retry starts from it again
-            protect.append(fitter.resumed_from)
-        for p in rotate_checkpoints(out, cfg.save_total_limit, protect=protect):
-            log.info("deleted old checkpoint %s (save_total_limit=%s)", p, cfg.save_total_limit)
+        rotate(fitter, keep_resume_source=cfg.auto_find_batch_size)  # a retry starts from it again
         log.info("saved checkpoint %s", path)
     strategy.barrier("save")
     return path

@@ -60,14 +60,11 @@ def _materialise(value: Any) -> torch.Tensor:
     return t.detach().to("cpu").contiguous()
 
 
-def consolidated_state_dict(checkpoint_dir: str | Path) -> dict[str, torch.Tensor]:
-    """Full fp32 weights (and buffers) with the user module's keys, on CPU."""
-    return {k: _materialise(v).clone() for k, v in _lazy_state_dict(checkpoint_dir).items()}
-
-
-def saved_buffers(checkpoint_dir: str | Path, names: set[str]) -> dict[str, torch.Tensor]:
-    """The checkpoint's values of the module buffers ``names`` (parameters are not read)."""
-    return {k: _materialise(v).clone() for k, v in _lazy_state_dict(checkpoint_dir).items() if k in names}
+def consolidated_state_dict(checkpoint_dir: str | Path, only: set[str] | None = None) -> dict[str, torch.Tensor]:
+    """Full fp32 weights (and buffers) with the user module's keys, on CPU; with ``only``, just
+    those keys (the others are not read)."""
+    return {k: _materialise(v).clone() for k, v in _lazy_state_dict(checkpoint_dir).items()
+            if only is None or k in only}
 
 
 _DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",

@@ -49,10 +49,10 @@ def restore_buffers_after_universal_load(strategy: Any, module: Any, checkpoint_
     state but skips ``load_module_state_dict``: buffers (BatchNorm statistics) came back at their
     constructor values. They are copied from the checkpoint's own model states: rank 0 reads them
     (only them), every rank receives them. Non-persistent buffers are not saved and stay as built."""
-    from lightlike.checkpoint.zero import saved_buffers
+    from lightlike.checkpoint.zero import consolidated_state_dict
 
     names = {n for n, _ in module.named_buffers()}
-    saved: dict[str, torch.Tensor] = saved_buffers(checkpoint_dir, names) if strategy.is_global_zero else {}
+    saved: dict[str, torch.Tensor] = consolidated_state_dict(checkpoint_dir, only=names) if strategy.is_global_zero else {}
     if strategy.world_size > 1:
         saved = strategy.broadcast_object(saved)
     with torch.no_grad():

@@ -53,8 +53,10 @@ def buffers_kept_on_recompute(owner: nn.Module) -> Callable[[], tuple[contextlib
                 for h in hooks:
                     h.remove()
             changed.extend(b for b, version in before if b._version != version)
+            seen = {id(b) for b in changed}
             for m in ran:  # the kernel updates the statistics without moving their version counters
-                changed.extend(b for b in m.buffers(recurse=False) if all(b is not c for c in changed))
+                changed.extend(b for b in m.buffers(recurse=False) if id(b) not in seen)
+                seen.update(id(b) for b in m.buffers(recurse=False))
 
         @contextlib.contextmanager
         def recompute() -> Iterator[None]:

@@ -31,15 +31,13 @@ def smaller_batch(batch_size: int, accum: int) -> tuple[int, int]:
 def _rotate_resume_source(fitter: Fitter) -> None:
     """The checkpoint the fit resumed from was kept from rotation for a retry; the fit is done, so
     rotation counts it like any other again (save_total_limit holds as without the option)."""
-    cfg, strategy, state = fitter.config, fitter.strategy, fitter.state
-    if not (cfg.save_total_limit and fitter.resumed_from and strategy is not None):
+    strategy = fitter.strategy
+    if not (fitter.config.save_total_limit and fitter.resumed_from and strategy is not None):
         return
     if strategy.is_global_zero:
-        from lightlike.checkpoint.rotation import rotate_checkpoints
+        from lightlike.checkpoint.training import rotate
 
-        protect = [state.best_checkpoint] if state.best_checkpoint else []
-        for p in rotate_checkpoints(cfg.output_dir, cfg.save_total_limit, protect=protect):
-            log.info("deleted old checkpoint %s (save_total_limit=%s)", p, cfg.save_total_limit)
+        rotate(fitter)
     strategy.barrier("save")
 
 
