@@ -17,6 +17,7 @@ import importlib.util
 import inspect
 import json
 import os
+import re
 import sys
 import types
 import typing
@@ -64,6 +65,22 @@ class Option:
     @property
     def is_bool(self) -> bool:
         return "bool" in self.kinds
+
+    def takes_next(self, token: str) -> bool:
+        """Whether the token after this bool option given without ``=`` is its value: a true/false
+        word, or (for ``bool | str``, ``bool | int``, ``Literal[True, "longest"]``) a value of its
+        other kinds; never another flag or the module target (``path.py:Name``)."""
+        low = token.strip().lower()
+        if low in TRUE + FALSE + NONE:
+            return True
+        if token.startswith("-") and not _is_number(token):
+            return False
+        if self.choices is not None:
+            return token in {str(c) for c in self.choices}
+        others = self.kinds - {"bool", "none"}
+        if others & {"str", "any", "list", "dict"}:
+            return re.fullmatch(r".+\.py:[\w.]+", token) is None
+        return bool(others & {"int", "float"}) and _is_number(token)
 
     def metavar(self) -> str:
         for kind, name in (("bool", "BOOL"), ("int", "INT"), ("float", "FLOAT"), ("list", "LIST"),
@@ -306,8 +323,7 @@ def normalise_argv(argv: list[str], options: dict[str, Option], optional_value: 
             tok = f"--{key}{eq}{value}"
             nxt = argv[i + 1] if i + 1 < len(argv) else None
             opt = options.get(key)
-            takes = optional_value.get(key) or (
-                (lambda t, o=opt: t.strip().lower() in TRUE + FALSE + NONE) if opt is not None and opt.is_bool else None)
+            takes = optional_value.get(key) or (opt.takes_next if opt is not None and opt.is_bool else None)
             if not eq and nxt is not None and nxt.startswith("-") and _is_number(nxt):
                 # argparse takes only -1 and -.5 for negative numbers, not -1e-3, -inf or -nan:
                 # --scale -1e-3 is --scale=-1e-3, as the docs promise

@@ -266,6 +266,33 @@ def test_literal_arguments_accept_their_values(capsys, tmp_path, monkeypatch):
     assert '"act": "gelu"' in out and '"depth": 2' in out and '"norm": null' in out
 
 
+MIXED_MODULE = LITERAL_MODULE.replace(
+    'norm: Optional[Literal["layer", "batch"]] = None',
+    'pad: bool | str = False, bucket: bool | int = False, mode: Literal[True, False, "longest"] = False')
+
+
+@pytest.mark.parametrize(("args", "want"), [
+    (["--model.pad", "longest"], ['"pad": "longest"']),  # the space form was read as --model.pad=true
+    (["--model.pad=longest"], ['"pad": "longest"']),
+    (["--model.pad", "--max_steps", "2"], ['"pad": true', '"max_steps": 2']),  # bare: true
+    (["--model.pad"], ['"pad": true']),
+    (["--model.pad", "no"], ['"pad": false']),
+    (["--model.bucket", "8"], ['"bucket": 8']),
+    (["--model.bucket", "--model.pad", "x"], ['"bucket": true', '"pad": "x"']),
+    (["--model.mode", "longest"], ['"mode": "longest"']),
+    (["--model.mode", "--model.pad", "x"], ['"mode": true']),
+])
+def test_a_bool_or_value_argument_takes_the_next_word(capsys, tmp_path, monkeypatch, args, want):
+    """``pad: bool | str``: ``--model.pad longest`` is ``pad="longest"``, as ``--model.pad=longest``;
+    given alone (before another flag or at the end) it is true."""
+    monkeypatch.chdir(tmp_path)
+    Path("mixed_net.py").write_text(MIXED_MODULE)
+    code, out, err = run_cli(capsys, "config", "mixed_net.py:Net", "--max_steps", "1", "--format", "json", *args)
+    assert code == 0, err
+    for w in want:
+        assert w in out, out
+
+
 # -- 9: a bad value from the config file names the file ------------------------------------------
 @pytest.mark.parametrize(("text", "flags", "want"), [
     ("max_steps = -3\n", [], "c.toml: max_steps must be a positive int, got -3"),
