@@ -258,6 +258,9 @@ class FitConfig:
             v = getattr(self, f.name)
             if f.name in ("strategy", "precision") and not isinstance(v, str):
                 v = getattr(v, "name", type(v).__name__)
+            if f.name == "loggers" and v is not None and not isinstance(v, str):  # Logger instances by class
+                items = list(v) if isinstance(v, (list, tuple)) else [v]
+                v = [x if isinstance(x, str) else type(x).__name__ for x in items]
             if isinstance(v, tuple):
                 v = list(v)
             out[f.name] = v

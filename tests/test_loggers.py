@@ -188,6 +188,13 @@ def test_tensorboard_resume_purges_later_steps_across_writers(tmp_path):
     # second writer wrote at step 6: the first file's steps >= 6 are dropped
     assert _scalars(tmp_path)["loss"] == [(1, 1.0), (2, 2.0), (3, 3.0), (4, 4.0), (5, 5.0),
                                          (6, 106.0), (7, 107.0), (8, 108.0)]
+    # and the reader the TensorBoard server runs with --load_fast=false, which took the purge
+    # marker for the run's start and kept steps 6-8 twice
+    from tensorboard.backend.event_processing import plugin_event_accumulator
+
+    acc = plugin_event_accumulator.EventAccumulator(str(tmp_path), size_guidance={"tensors": 0})
+    acc.Reload()
+    assert [e.step for e in acc.Tensors("loss")] == [1, 2, 3, 4, 5, 6, 7, 8]
     texts = _texts(tmp_path, "config")
     assert [s for s, _ in texts] == [0, 6]  # one config per run segment, none duplicated
     first, second = texts[0][1], texts[1][1]
@@ -548,3 +555,48 @@ def test_the_fitter_shows_a_bar_on_a_terminal_and_log_lines_elsewhere(tmp_path):
                            capture_output=True, text=True, timeout=120)
     assert piped.returncode == 0, piped.stderr[-2000:]
     assert "fit:" not in piped.stderr and "step 3/6" in piped.stderr and "step 6/6" in piped.stderr
+
+
+def test_an_application_s_logging_goes_above_the_bar_and_keeps_its_warnings(tmp_path):
+    """With the application's console handler (``logging.basicConfig``), lightlike's lines were
+    printed onto the bar's line (only lightlike's own handler knew of the bar); with
+    ``logging.captureWarnings(True)`` the bar took the warnings the application sends to its log."""
+    import re
+
+    tests = str(Path(__file__).parent)
+    prelude = "import logging; logging.basicConfig(level=logging.INFO, format='APP %(name)s: %(message)s')"
+    on_tty = _on_pty([sys.executable, "-c", _FIT_SCRIPT.format(tests=tests, prelude=prelude, out=str(tmp_path / "a"))])
+    assert "fit: 100%" in on_tty and on_tty.count("APP lightlike: saved checkpoint") == 2, on_tty[-2000:]
+    assert not re.search(r"[^\r\n]APP lightlike", on_tty), on_tty[-2000:]  # each at the start of a line
+    assert "[lightlike" not in on_tty
+
+    log_file = tmp_path / "app.log"
+    prelude = (f"import logging; logging.basicConfig(filename={str(log_file)!r}, level=logging.INFO); "
+               "logging.captureWarnings(True)")
+    on_tty = _on_pty([sys.executable, "-c", _FIT_SCRIPT.format(tests=tests, prelude=prelude, out=str(tmp_path / "b"))])
+    assert "fit: 100%" in on_tty and "a warning during the fit" not in on_tty, on_tty[-2000:]
+    assert "UserWarning: a warning during the fit" in log_file.read_text()
+
+
+def test_logger_instances_in_loggers_are_saved_by_class_name(tmp_path):
+    """``loggers=["jsonl", CSVLogger(...), Mine()]`` is accepted at construction, but the first
+    checkpoint raised 'Object of type CSVLogger is not JSON serializable' (the config is saved)."""
+    from helpers import Classifier, DictDataset
+
+    import lightlike as ll
+
+    class Mine(Logger):
+        def __init__(self):
+            self.rows = []
+
+        def log_metrics(self, metrics, step):
+            self.rows.append(step)
+
+    mine = Mine()
+    out = tmp_path / "run"
+    result = ll.Fitter(max_steps=4, batch_size=4, log_every=2, save_every=2, output_dir=str(out), model_summary=False,
+                       loggers=["jsonl", CSVLogger(tmp_path / "csv"), mine]).fit(Classifier(), DictDataset(n=16))
+    assert result.global_step == 4 and mine.rows == [2, 4]
+    saved = json.loads((out / "checkpoint-4" / "config.json").read_text())
+    assert saved["loggers"] == ["jsonl", "CSVLogger", "Mine"]
+    assert [s for s, name, _ in read_csv_metrics(tmp_path / "csv" / "metrics.csv") if name == "train/loss"] == [2, 4]

@@ -39,6 +39,10 @@ def _fmt(value: Any) -> str:
     return f"{value:.4g}"
 
 
+def _nothing() -> None:
+    pass
+
+
 class ProgressBar(Callback):
     """One bar over optimizer steps. It never reads a tensor: the postfix shows the numbers of
     the last log step, so the bar costs no host-device synchronisation.
@@ -51,6 +55,7 @@ class ProgressBar(Callback):
         self.enabled = enabled
         self.file = file
         self.bar: Any = None
+        self._restore_console = _nothing
 
     @property
     def stream(self) -> Any:
@@ -87,12 +92,16 @@ class ProgressBar(Callback):
         self.bar = tqdm(total=total, initial=min(state.global_step, total or state.global_step),
                         unit="step", desc="fit", file=self.stream, dynamic_ncols=dynamic,
                         ncols=None if dynamic else 100, leave=True)
-        if self.stream is sys.stderr:  # lightlike's log lines and Python warnings go above the bar
-            from lightlike.loggers.console import _StderrHandler
+        if self.stream in (sys.stderr, sys.stdout):  # log lines (the application's console handlers too)
+            from lightlike.loggers.console import _StderrHandler, console_lines_above_bar  # go above the bar
 
-            _StderrHandler.bar = self.bar
-            self._showwarning = warnings.showwarning
-            warnings.showwarning = self._show_warning
+            self._restore_console = console_lines_above_bar(self.bar)
+            if self.stream is sys.stderr:
+                _StderrHandler.bar = self.bar
+                # and Python's warnings, unless the application routed them elsewhere (logging.captureWarnings)
+                if warnings.showwarning is getattr(warnings, "_showwarning_orig", None):
+                    self._showwarning = warnings.showwarning
+                    warnings.showwarning = self._show_warning
 
     def _show_warning(self, message: Any, category: Any, filename: str, lineno: int, file: Any = None,
                       line: str | None = None) -> None:
@@ -123,6 +132,8 @@ class ProgressBar(Callback):
 
             if _StderrHandler.bar is self.bar:
                 _StderrHandler.bar = None
+            self._restore_console()
+            self._restore_console = _nothing
             if getattr(warnings.showwarning, "__self__", None) is self:
                 warnings.showwarning = self._showwarning
             try:

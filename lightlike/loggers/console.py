@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import sys
+from collections.abc import Callable
 from typing import Any
 
 from lightlike.errors import ConfigError
@@ -48,6 +49,41 @@ class _StderrHandler(logging.StreamHandler):  # type: ignore[type-arg]
     @stream.setter
     def stream(self, value: Any) -> None:
         pass
+
+
+class _AboveBar(logging.Handler):
+    """Stands in for an application's console handler while a progress bar is drawn: the
+    record, filtered and formatted by that handler, is written above the bar (tqdm's
+    ``logging_redirect_tqdm`` drops the handler's level and adds a handler to a logger that
+    had none, which printed every line twice through propagation)."""
+
+    def __init__(self, inner: logging.StreamHandler, bar: Any) -> None:  # type: ignore[type-arg]
+        super().__init__(inner.level)
+        self.inner, self.bar = inner, bar
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if not self.inner.filter(record):
+            return
+        try:
+            self.bar.write(self.inner.format(record), file=self.inner.stream)
+        except Exception:  # as StreamHandler.emit does
+            self.handleError(record)
+
+
+def console_lines_above_bar(bar: Any) -> Callable[[], None]:
+    """Swap the console handlers (a ``StreamHandler`` on stdout or stderr) of the root and
+    ``lightlike`` loggers for ones that write above ``bar``; returns what puts them back. An
+    application that configured logging (``basicConfig``) otherwise printed onto the bar's line."""
+    loggers = (logging.getLogger(), logging.getLogger("lightlike"))
+    for logger in loggers:
+        logger.handlers = [_AboveBar(h, bar) if isinstance(h, logging.StreamHandler) and h.stream in (sys.stdout, sys.stderr)
+                           and not getattr(h, "_lightlike", False) else h for h in logger.handlers]
+
+    def restore() -> None:  # handlers the application added or removed meanwhile stay so
+        for logger in loggers:
+            logger.handlers = [h.inner if isinstance(h, _AboveBar) and h.bar is bar else h for h in logger.handlers]
+
+    return restore
 
 
 def _level(name: str, value: Any) -> int:

@@ -77,9 +77,14 @@ class TensorBoardLogger(Logger):
                     continue
             self._records = self._record_writer_cls(self._file)
             self._records.write(event_pb2.Event(wall_time=time.time(), file_version="brain.Event:2").SerializeToString())
-            if self._pending_purge is not None:  # what torch's SummaryWriter(purge_step=...) writes
-                self._records.write(event_pb2.Event(wall_time=time.time(), step=self._pending_purge, session_log=event_pb2.SessionLog(
-                    status=event_pb2.SessionLog.START)).SerializeToString())
+            if self._pending_purge is not None:  # what torch's SummaryWriter(purge_step=...) writes, twice:
+                # the server's Python reader (--load_fast=false, the plugin accumulator) takes the first START
+                # of a run for its beginning and purges only at a later one; the Rust reader and the
+                # EventAccumulator purge at each (a second purge at the same step is a no-op)
+                marker = event_pb2.Event(wall_time=time.time(), step=self._pending_purge, session_log=event_pb2.SessionLog(
+                    status=event_pb2.SessionLog.START)).SerializeToString()
+                self._records.write(marker)
+                self._records.write(marker)
                 self._pending_purge = None  # applied once: a file reopened later must not purge again
             self._last_flush = time.monotonic()
         self._records.write(event_pb2.Event(wall_time=time.time(), step=int(step), **fields).SerializeToString())
