@@ -528,6 +528,12 @@ def _base_module() -> Any:
     return TaskModule
 
 
+def greater_is_better(metric: str, setting: bool | None) -> bool:
+    """The direction of ``metric_for_best``: the ``greater_is_better`` setting, or by default
+    lower for a name ending in 'loss', higher otherwise (as the HF Trainer decides)."""
+    return setting if setting is not None else not metric.endswith("loss")
+
+
 def is_improvement(value: float, best: float | None, greater_is_better: bool, min_delta: float = 0.0) -> bool:
     if math.isnan(value):
         return False

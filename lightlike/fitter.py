@@ -21,7 +21,7 @@ from lightlike.callbacks.base import Callback, CallbackList
 from lightlike.config import FitConfig, check_keys
 from lightlike.data.loading import TrainData, build_eval_loader, build_train_data, normalise_eval_sets
 from lightlike.errors import ConfigError, DataError, NonFiniteLossError
-from lightlike.evaluation import call_loss, call_module, is_improvement, run_evaluation
+from lightlike.evaluation import call_loss, call_module, greater_is_better, is_improvement, run_evaluation
 from lightlike.module import TaskModule, check_task_module
 from lightlike.precision import get_precision
 from lightlike.preemption import PreemptionHandler, save_and_exit
@@ -426,8 +426,7 @@ class Fitter:
         if key is not None:
             if key not in metrics:
                 raise ConfigError(f"metric_for_best={key!r} is not among the evaluation metrics {sorted(metrics)}")
-            greater = cfg.greater_is_better if cfg.greater_is_better is not None else not key.endswith("loss")
-            if is_improvement(metrics[key], state.best_metric, greater):
+            if is_improvement(metrics[key], state.best_metric, greater_is_better(key, cfg.greater_is_better)):
                 state.best_metric, state.best_step = metrics[key], state.global_step
         self._emit("on_evaluate", metrics)
         self.control.should_evaluate = False  # asked for again in on_evaluate: once per step

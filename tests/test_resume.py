@@ -6,6 +6,7 @@ import contextlib
 import json
 import shutil
 import zlib
+from pathlib import Path
 
 import pytest
 import torch
@@ -431,3 +432,52 @@ def test_a_resumed_run_reports_the_metrics_of_its_last_evaluation(tmp_path):
     assert resumed.global_step == 6 and "val/loss" in reference.metrics
     assert {k: v for k, v in resumed.metrics.items() if k != "train/loss"} == \
         {k: v for k, v in reference.metrics.items() if k != "train/loss"}
+
+
+SCORE = {2: 0.5, 4: 0.9, 6: 0.3, 8: 0.4, 10: 0.35}
+FAKE_LOSS = {2: 3.0, 4: 2.5, 6: 2.9, 8: 1.0, 10: 2.0}
+
+
+class Scripted(Classifier):
+    """Evaluation metrics chosen by the step (set by the ``Step`` callback before each evaluation)."""
+
+    step = 0
+
+    def metrics(self, outputs, batch):
+        return {"score": torch.tensor(SCORE[Scripted.step]), "fake_loss": torch.tensor(FAKE_LOSS[Scripted.step])}
+
+
+class Step(ll.Callback):
+    def __init__(self, stop=None):
+        self.stop = stop
+
+    def on_step_end(self, fitter, state, control):
+        Scripted.step = state.global_step
+        if state.global_step == self.stop:
+            raise RuntimeError("killed")
+
+
+def best_run(out, stop=None, resume=None, **kw):
+    torch.manual_seed(0)
+    cfg = dict(max_steps=10, batch_size=4, save_every=2, eval_every=2, save_total_limit=2, output_dir=str(out),
+               loggers=[], model_summary=False, log_level="warning", metric_for_best="val/score",
+               greater_is_better=True, load_best_at_end=True)
+    return ll.Fitter(callbacks=[Step(stop)], **{**cfg, **kw}).fit(Scripted(), DictDataset(n=40),
+                                                                   DictDataset(n=8, seed=9), resume=resume)
+
+
+@pytest.mark.parametrize("changed", [dict(metric_for_best="val/fake_loss", greater_is_better=False),
+                                     dict(greater_is_better=False)])
+def test_a_changed_metric_for_best_chooses_the_best_again(tmp_path, caplog, changed):
+    """A resume with another metric_for_best (or direction) compared the new metric's values with
+    the old metric's best (0.9 of val/score against val/fake_loss): checkpoint-8, the best by the
+    new setting, was not protected and load_best_at_end loaded the old metric's best."""
+    reference = best_run(tmp_path / "ref", **changed)
+    with pytest.raises(RuntimeError, match="killed"):
+        best_run(tmp_path / "cut", stop=7)
+    result = best_run(tmp_path / "cut", resume=True, **changed)
+    assert reference.state.best_step in (8, 6)
+    assert (result.state.best_step, result.state.best_metric) == (reference.state.best_step, reference.state.best_metric)
+    assert Path(result.best_checkpoint).name == Path(reference.best_checkpoint).name == \
+        f"checkpoint-{reference.state.best_step}"
+    assert "the best so far is chosen again" in caplog.text

@@ -150,6 +150,42 @@ def resolve_best(output_dir: str | Path, stored: str | None, best_step: int | No
     return str(path)
 
 
+def choose_best_again(fitter: Fitter, path: Path) -> None:
+    """``metric_for_best`` or its direction changed since ``path`` was saved: the restored best
+    (a value of the old metric, or the old direction's best) would be compared with the new
+    metric's values. The best so far is chosen again from the evaluations in the log history
+    under this run's setting; its checkpoint is the one saved at that step, if it is still there."""
+    from lightlike.evaluation import greater_is_better, is_improvement
+
+    try:
+        old = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return
+    cfg, state = fitter.config, fitter.state
+    old_key, key = old.get("metric_for_best"), cfg.metric_for_best
+    old_way = greater_is_better(old_key, old.get("greater_is_better")) if old_key else None
+    way = greater_is_better(key, cfg.greater_is_better) if key else None
+    if (old_key, old_way) == (key, way):
+        return
+    state.best_metric = state.best_step = state.best_checkpoint = None
+    if key is not None:
+        for row in state.log_history:
+            if key in row and is_improvement(row[key], state.best_metric, bool(way)):
+                state.best_metric, state.best_step = row[key], int(row["step"])
+        if state.best_step is not None:
+            state.best_checkpoint = resolve_best(cfg.output_dir, f"checkpoint-{state.best_step}", state.best_step)
+    def shown(k: str | None, w: bool | None) -> str:
+        return "none" if k is None else f"{k} ({'higher' if w else 'lower'} is better)"
+
+    found = ("no evaluation logged so far has it" if key and state.best_step is None else
+             f"step {state.best_step} ({key}={state.best_metric:.6g}, checkpoint: "
+             f"{Path(state.best_checkpoint).name if state.best_checkpoint else 'none kept at that step'})" if key else
+             "none is tracked")
+    log.warning("metric_for_best changed since %s: %s -> %s; the best so far is chosen again from the logged "
+                "evaluations: %s. Checkpoints the earlier run kept or rotated by its own best stay as they are",
+                path.name, shown(old_key, old_way), shown(key, way), found)
+
+
 # -- settings changed between runs ---------------------------------------------------------------
 def check_optimizer_fits(fitter: Fitter, path: Path) -> None:
     """Before the optimizer state of ``path`` is loaded: a built-in optimizer of another kind, or

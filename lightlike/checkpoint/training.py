@@ -33,6 +33,7 @@ from lightlike.checkpoint.resume import (
     apply_changed_settings,
     best_checkpoint_name,
     check_optimizer_fits,
+    choose_best_again,
     resolve_best,
     resolve_resume,
     tidy_output_dir,
@@ -213,6 +214,7 @@ def load_training_checkpoint(fitter: Fitter, path: Path, verified: bool = False)
     if len(saved.get("batches_in_epoch_per_rank", [])) == strategy.world_size:  # this rank's own count
         state.batches_in_epoch = saved["batches_in_epoch_per_rank"][strategy.global_rank]
     state.best_checkpoint = resolve_best(cfg.output_dir, state.best_checkpoint, state.best_step)
+    choose_best_again(fitter, path)  # metric_for_best or greater_is_better changed
     # mid-epoch, the rest of the epoch must be the same order's: "data_order" (seed, shuffle and
     # the sampler's own key), or in checkpoints of earlier versions "order_key" (the sampler's own)
     saved_order, order = saved.get("data_order"), _order_key(fitter)
