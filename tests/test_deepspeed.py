@@ -434,3 +434,23 @@ def test_resume_one_rank_on_two(runs, tmp_path, strategy):
     p = run_ok(2, out, "--strategy", strategy, *args, "--resume")
     assert "converting it to DeepSpeed's universal checkpoint format" in p.stderr
     assert_close(weights(out), weights(ref), tol=TOL)
+
+
+def test_a_checkpoint_of_another_layout_is_refused_by_name(tmp_path):
+    """A DeepSpeed checkpoint resumed under single/DDP failed on a bare FileNotFoundError
+    (model.safetensors), under FSDP with a message calling it a full-state checkpoint; a
+    single/DDP checkpoint resumed under DeepSpeed dropped the Adam moments with a warning only
+    (FSDP refuses that move). Each one error naming who wrote it and what to do instead."""
+    short = ["--dtype", "float32", "--width", "16", "--items", "32", "--batch", "4", "--steps", "4",
+             "--save-every", "2"]
+    run_ok(1, tmp_path / "z2", "--strategy", "deepspeed_zero2", *short, "--stop", "2")
+    for strategy in ("single", "fsdp"):
+        p = launch(1, tmp_path / "z2", "--strategy", strategy, *short, "--resume")
+        assert p.returncode != 0
+        assert "was written by a DeepSpeed ZeRO strategy, and the " + strategy in p.stderr, p.stderr[-3000:]
+        assert "`lightlike export" in p.stderr and "FileNotFoundError" not in p.stderr, p.stderr[-3000:]
+    run_ok(1, tmp_path / "single", "--strategy", "single", *short, "--stop", "2")
+    p = launch(1, tmp_path / "single", "--strategy", "deepspeed_zero2", *short, "--resume")
+    assert p.returncode != 0
+    assert "was written by a strategy that gathers the full state" in p.stderr, p.stderr[-3000:]
+    assert "module.load_weights(path) before fit()" in p.stderr, p.stderr[-3000:]

@@ -185,6 +185,11 @@ def _commit(fitter: Fitter, writer: CheckpointWriter, committing: Any = None) ->
     return path
 
 
+#: who writes each checkpoint layout (the manifest's ``state_format``)
+LAYOUTS = {"full": "a strategy that gathers the full state (single, ddp: model.safetensors + optimizer.pt)",
+           "dcp": "FSDP (sharded, torch.distributed.checkpoint)", "deepspeed": "a DeepSpeed ZeRO strategy"}
+
+
 def load_training_checkpoint(fitter: Fitter, path: Path, verified: bool = False) -> None:
     """Restore weights, optimizer, scheduler, precision, RNG, FitState, callbacks and the
     data position from ``path``, verified first: in full, or by sizes only when ``verified``
@@ -201,6 +206,13 @@ def load_training_checkpoint(fitter: Fitter, path: Path, verified: bool = False)
             f"{path} holds weights only (saved with save_only_model=True) and cannot be resumed; "
             "load its weights with module.load_weights(path) and start a new fit"
         )
+    layout = manifest.get("meta", {}).get("state_format", "full")
+    if layout not in strategy.resumes_from:  # its optimizer state cannot be restored here
+        raise CheckpointError(
+            f"{path} was written by {LAYOUTS.get(layout, repr(layout))}, and the {strategy.name} strategy cannot "
+            f"restore its optimizer state: resume it with the strategy that wrote it, or start a new fit from its "
+            "weights: " + ("module.load_weights(path) before fit()" if (path / "model.safetensors").is_file() else
+                           f"`lightlike export {path} OUT_DIR`, then module.load_weights(OUT_DIR) before fit()"))
     check_optimizer_fits(fitter, path)
     strategy.load_checkpoint_state(path, fitter.model, fitter.optimizer)
     if fitter.scheduler is not None:

@@ -215,6 +215,9 @@ class Strategy:
     #: how ``save_checkpoint_state`` lays out weights and optimizer state; recorded in the
     #: manifest's meta as ``state_format`` ("full": ``model.safetensors`` + ``optimizer.pt``)
     checkpoint_format: str = "full"
+    #: the layouts a run resumes from under this strategy, optimizer state included (a checkpoint
+    #: of another layout is refused before anything loads; its weights can start a new fit)
+    resumes_from: tuple[str, ...] = ("full", "dcp")
 
     def save_checkpoint_state(self, writer: Any, module: nn.Module, optimizer: torch.optim.Optimizer | None) -> Any:
         """Write the weights, and the optimizer state unless ``optimizer`` is None, into the

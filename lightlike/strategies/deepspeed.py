@@ -69,6 +69,7 @@ class DeepSpeedStrategy(DDPStrategy):
     with the generated config (``lightlike.strategies.deepspeed_config``)."""
 
     checkpoint_format = "deepspeed"
+    resumes_from = ("deepspeed",)
 
     def __init__(
         self,
@@ -401,8 +402,8 @@ class DeepSpeedStrategy(DDPStrategy):
           number of ranks) and the RNG note ``training.py`` logs. The checkpoint is not modified.
         - ``optimizer=None`` (weights only, e.g. ``load_best_at_end``): ``model.safetensors`` if the
           checkpoint has it, else the fp32 weights consolidated from the partitions (zero-to-fp32).
-        - A checkpoint of another strategy (``model.safetensors`` + ``optimizer.pt``): its weights;
-          the optimizer state starts again from zero, with a warning.
+        - A checkpoint of another strategy: refused before this is called (``resumes_from``);
+          its weights (``optimizer=None``) load.
         """
         from lightlike.checkpoint.weights import load_safetensors
 
@@ -411,9 +412,6 @@ class DeepSpeedStrategy(DDPStrategy):
         if meta is None or optimizer is None:
             if (path / "model.safetensors").is_file():
                 self.load_module_state_dict(module, load_safetensors(path / "model.safetensors"))
-                if optimizer is not None:
-                    log.warning("%s was not saved by a DeepSpeed strategy: its weights are loaded, the optimizer "
-                                "state (moments) starts again from zero", path)
                 return
             if meta is None:
                 raise CheckpointError(f"{path} holds neither model.safetensors nor a DeepSpeed checkpoint "

@@ -58,6 +58,7 @@ UnitSpec = str | list[str] | tuple[str, ...] | Callable[[nn.Module], bool] | Non
 class FSDPStrategy(DDPStrategy):
     name = "fsdp"
     checkpoint_format = "dcp"
+    resumes_from = ("dcp",)
     init_seed = 0
 
     def __init__(
@@ -318,12 +319,7 @@ class FSDPStrategy(DDPStrategy):
         if (path / DCP_DIR).is_dir():
             load_dcp_state(path / DCP_DIR, self.unwrap(module), optimizer)
             return
-        if optimizer is not None:
-            from lightlike.errors import CheckpointError
-
-            raise CheckpointError(f"{path} was written by a strategy that gathers the full state (model.safetensors"
-                                  " + optimizer.pt); FSDP resumes from its own sharded checkpoints. To start from "
-                                  "these weights, call module.load_weights(path) before fit()")
+        # weights only: a full resume from another layout was refused (resumes_from)
         from lightlike.checkpoint.weights import load_safetensors
 
         self.load_module_state_dict(module, load_safetensors(path / "model.safetensors"))
