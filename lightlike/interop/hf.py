@@ -60,6 +60,11 @@ class HFCausalLM(TaskModule):
             self.hparams["hf_config"] = json.loads(config.to_json_string(use_diff=False))
             self.hparams["hf_class"] = type(model).__name__
 
+    @property
+    def batch_keys(self) -> tuple[str, ...]:
+        """What this module reads of a batch (``remove_unused_keys`` keeps these)."""
+        return ("input_ids", "labels", *self.model_inputs)
+
     # -- the TaskModule contract ---------------------------------------------------------------
     def forward(self, batch: Any) -> torch.Tensor:
         ids = self._input_ids(batch)
@@ -159,6 +164,12 @@ def export_hf(source: Any, out_dir: str | Path, *, config: Any = None, prefix: s
         if not hasattr(model, "save_pretrained"):
             raise ModuleContractError(f"export_hf takes an HFCausalLM, a transformers model or a checkpoint "
                                       f"folder, got {type(source).__name__}")
+        if any(hasattr(p, "full_tensor") or hasattr(p, "ds_id") for p in model.parameters()):
+            # save_pretrained would write each rank's shard (ZeRO-3: empty tensors) or wait in a collective
+            raise ModuleContractError(
+                "export_hf got a module whose parameters are sharded across processes (trained with FSDP or "
+                "DeepSpeed ZeRO-3): export a checkpoint instead, whose shards are consolidated: "
+                "export_hf('OUTPUT_DIR/checkpoint-N', out_dir), on one process")
     from lightlike.checkpoint.export import fsync_replace
 
     tmp = Path(tempfile.mkdtemp(prefix=".export-hf-", dir=out))
