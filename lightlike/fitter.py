@@ -30,7 +30,7 @@ from lightlike.strategies import Strategy, get_strategy
 from lightlike.utils.buffers import restore_buffers, snapshot_buffers
 from lightlike.utils.failfast import decided_on_main, failing_fast
 from lightlike.utils.memory import peak_memory_bytes
-from lightlike.utils.seed import seed_everything
+from lightlike.utils.seed import rng_kept, seed_everything
 
 log = logging.getLogger("lightlike")
 
@@ -414,8 +414,8 @@ class Fitter:
         metrics: dict[str, float] = {}
         device = self.strategy.root_device  # type: ignore[union-attr]
         # training's random streams continue as if no evaluation ran (a user's DataLoader draws
-        # its workers' base seed from the global generator, the module may sample)
-        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        # its workers' base seed from the global generator; the module or a dataset may sample)
+        with rng_kept(device):
             for name, loader in eval_sets.items():
                 m, _, _ = run_evaluation(self.model, self.module, loader, self.strategy, name,  # type: ignore[arg-type]
                                          streaming=self.config.eval_streaming)

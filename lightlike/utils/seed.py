@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -39,3 +41,16 @@ def set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+@contextlib.contextmanager
+def rng_kept(device: torch.device) -> Iterator[None]:
+    """Every random stream the loop can touch (python, numpy, torch's CPU generator and, on a
+    CUDA ``device``, its generator) is as it was before the block when it ends."""
+    host = random.getstate(), np.random.get_state()
+    try:
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            yield
+    finally:
+        random.setstate(host[0])
+        np.random.set_state(host[1])
