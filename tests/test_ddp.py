@@ -331,3 +331,33 @@ def test_preemption_signal_on_one_rank_stops_every_rank_at_the_same_step(tmp_pat
     for rank in (0, 1):
         a, b = weights(out, rank), weights(tmp_path / "ref", rank)
         assert all(torch.equal(a[k], b[k]) for k in a), f"rank {rank} differs"
+
+
+STREAMS = Path(__file__).parent / "scripts" / "rank_streams_target.py"
+
+
+def test_each_rank_resumes_its_own_random_streams(tmp_path):
+    """Ranks drawing different amounts from torch, numpy and Python's generators (other tests'
+    ranks all draw alike, so restoring rank 0's states everywhere passed them): killed after step
+    5 (checkpoint-4), resumed, each rank ends with the uninterrupted run's weights, bit for bit."""
+    assert launch(2, tmp_path / "ref", "rng", script=STREAMS).returncode == 0
+    assert launch(2, tmp_path / "cut", "rng", "--stop", "5", script=STREAMS).returncode != 0
+    p = launch(2, tmp_path / "cut", "rng", script=STREAMS)
+    assert p.returncode == 0, p.stderr[-3000:]
+    for rank in (0, 1):
+        ref, got = weights(tmp_path / "ref", rank), weights(tmp_path / "cut", rank)
+        assert all(torch.equal(ref[k], got[k]) for k in ref), rank
+
+
+def test_a_nonfinite_loss_on_one_rank_is_skipped_or_raised_on_every_rank(tmp_path):
+    """NaN on rank 1 only: with 'skip' every rank skips the step (rank 0 alone would apply
+    rank 1's NaN gradient after the all-reduce: NaN weights on both); with 'raise' every rank fails."""
+    p = launch(2, tmp_path / "skip", "nan", "skip", script=STREAMS)
+    assert p.returncode == 0, p.stderr[-3000:]
+    for rank in (0, 1):
+        assert json.loads((tmp_path / "skip" / f"result-rank{rank}.json").read_text())["skipped"] == 1
+        assert all(torch.isfinite(v).all() for v in weights(tmp_path / "skip", rank).values())
+    assert_close(weights(tmp_path / "skip", 0), weights(tmp_path / "skip", 1), tol=0)
+    p = launch(2, tmp_path / "raise", "nan", "raise", script=STREAMS)
+    assert p.returncode != 0 and "non-finite" in p.stderr.lower(), p.stderr[-3000:]
+    assert not list((tmp_path / "raise").glob("result-rank*.json"))
