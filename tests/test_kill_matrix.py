@@ -125,16 +125,29 @@ def test_kill_anywhere_resume_is_bit_identical(tmp_path, tmp_path_factory, kill_
     assert weights == ref_weights
 
 
+def newest_step(out):
+    return max((int(p.name.split("-")[1]) for p in list_checkpoints(out)), default=0) if out.is_dir() else 0
+
+
 @pytest.mark.parametrize("seed", [1, 2])
 def test_kill_at_random_wall_clock_moments(tmp_path, tmp_path_factory, seed):
+    """SIGKILL from outside, twice, at a random moment after the run's first checkpoint of its own
+    (timed from the process start, the kills often fell before any checkpoint or after the run had
+    ended: nothing was resumed). Steps take 0.15 s longer, so the kill lands within 3 steps."""
     rng = random.Random(seed)
     out = tmp_path / "run"
     for _ in range(2):
-        proc = subprocess.Popen([sys.executable, str(SCRIPT), str(out)], stdout=subprocess.DEVNULL,
-                                stderr=subprocess.DEVNULL)
-        time.sleep(1.0 + 2.0 * rng.random())
+        before = newest_step(out)
+        proc = subprocess.Popen([sys.executable, str(SCRIPT), str(out), "--step-sleep", "0.15"],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 120
+        while newest_step(out) <= before and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.45 * rng.random())
+        assert proc.poll() is None, "the run ended before it was killed"
         proc.send_signal(signal.SIGKILL)
         proc.wait()
+        assert before < newest_step(out) < 12  # it saved something, and was killed before its end
     proc = run(out, "32-true", 0)
     assert proc.returncode == 0, proc.stderr
     assert outcome(out) == reference(tmp_path_factory, "32-true", 0)

@@ -9,6 +9,7 @@
 ``term:N``, ``usr1:N``  send SIGTERM / SIGUSR1 after step N (preemption: save, exit 75)
 ``termmicro:N``  SIGTERM in the N-th training forward (mid-window): saved after that step
 ``term2:N``  SIGTERM after step N and again in the middle of the preemption save
+``--step-sleep S`` makes each step take S seconds longer (a kill from outside then lands mid-run).
 Without --kill it runs (or resumes) to the end and writes OUT_DIR/final.safetensors.
 """
 
@@ -18,6 +19,7 @@ import argparse
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -56,7 +58,10 @@ class Net(Classifier):
 
 
 class KillAfterStep(ll.Callback):
+    step_sleep = 0.0  # --step-sleep: slow steps, for kills from outside at wall-clock moments
+
     def on_step_end(self, fitter, state, control):
+        time.sleep(self.step_sleep)
         if KILL and KILL[0] == "step" and state.global_step == int(KILL[1]):
             die()
         if KILL and KILL[0] in ("term", "usr1", "term2") and state.global_step == int(KILL[1]):
@@ -95,7 +100,9 @@ def main() -> None:
     p.add_argument("--kill", default="")
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--async-save", action="store_true", help="commit checkpoints in a background thread")
+    p.add_argument("--step-sleep", type=float, default=0.0, help="seconds each step end waits (no effect on numbers)")
     args = p.parse_args()
+    KillAfterStep.step_sleep = args.step_sleep
     KILL.extend(args.kill.split(":") if args.kill else [])
     patch_saves()
     torch.manual_seed(0)
