@@ -21,6 +21,12 @@ from typing import Any
 log = logging.getLogger("lightlike")
 
 EXIT_PREEMPTED = 75
+_WATCHED: tuple[int, ...] = ()  # the signals a running fit acts on (its DataLoader workers ignore them)
+
+
+def watched_signals() -> tuple[int, ...]:
+    """The preemption signals of the fit running in this process (none outside a fit)."""
+    return _WATCHED
 
 
 class Preempted(SystemExit):
@@ -51,17 +57,21 @@ class PreemptionHandler:
         if threading.current_thread() is not threading.main_thread():
             log.warning("fit() is not running in the main thread: preemption signals are not handled")
             return
+        global _WATCHED
         try:
             for sig in self.signals:
                 self._previous[sig] = signal.signal(sig, self._handle)
         except BaseException:  # leave no handler of a fit that never ran
             self.uninstall()
             raise
+        _WATCHED = tuple(self.signals)
 
     def uninstall(self) -> None:
+        global _WATCHED
         for sig, previous in self._previous.items():
             signal.signal(sig, previous)
         self._previous.clear()
+        _WATCHED = ()
 
     def stop_requested(self, strategy: Any, step: int, agreed: Any, log_step: bool) -> bool:
         """At a step boundary, whether every rank stops now. On one process: whether a signal

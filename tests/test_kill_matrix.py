@@ -167,6 +167,20 @@ def test_preemption_signal_saves_exits_and_resumes(tmp_path, tmp_path_factory, s
     assert outcome(out) == reference(tmp_path_factory, "32-true", 0)
 
 
+@pytest.mark.parametrize("workers", [0, 2])
+def test_preemption_signal_to_the_process_group_reaches_workers_harmlessly(tmp_path, tmp_path_factory, workers):
+    """torchrun forwards its SIGTERM to the process group and SLURM signals the job step: the
+    DataLoader workers got it too, torch's handler ended them, and the run failed ('DataLoader
+    worker ... is killed by signal: Terminated', exit 1) instead of saving and exiting 75."""
+    out = tmp_path / "run"
+    proc = run(out, "32-true", workers, "termgroup:5")
+    assert proc.returncode == EXIT_PREEMPTED, proc.stderr[-3000:]
+    assert [p.name for p in list_checkpoints(out)][-1] == "checkpoint-5"
+    proc = run(out, "32-true", workers)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert outcome(out) == reference(tmp_path_factory, "32-true", workers)
+
+
 def test_preemption_mid_window_saves_at_the_step_boundary(tmp_path, tmp_path_factory):
     """A checkpoint requested mid-accumulation is taken when the window's step completes: micro-
     batch 8 is the first of step 5's two-batch window, so the checkpoint is checkpoint-5."""

@@ -12,6 +12,12 @@ to split them) therefore start their workers through ``EndWithParent``: on Linux
 the worker SIGKILL when its parent dies (``PR_SET_PDEATHSIG``), and a worker whose parent is
 already gone when it starts exits at once. A DataLoader of the user's that is used as it is
 keeps its own ``worker_init_fn``.
+
+``EndWithParent`` also has the worker ignore the fit's preemption signals: a scheduler signals
+every process of the job (torchrun forwards its SIGTERM to the process group, SLURM signals the
+job step), and torch's worker handler ends a worker on a SIGTERM its parent did not send; the
+training process then failed at the next batch ("DataLoader worker ... is killed by signal:
+Terminated") instead of saving. The training process acts on the signal and ends its workers.
 """
 
 from __future__ import annotations
@@ -33,7 +39,18 @@ class EndWithParent:
         self.init_fn = init_fn
         self.parent_pid = parent_pid
 
+    def __getstate__(self) -> dict[str, Any]:
+        # pickled for a spawned (or forkserver) worker, which starts without the parent's module
+        # state: the signals to ignore go with it (a forked worker reads the inherited state)
+        from lightlike.preemption import watched_signals
+
+        return {**self.__dict__, "signals": watched_signals()}
+
     def __call__(self, worker_id: int) -> None:
+        from lightlike.preemption import watched_signals
+
+        for sig in self.__dict__.get("signals") or watched_signals():
+            signal.signal(sig, signal.SIG_IGN)  # the training process acts on it (above)
         if sys.platform.startswith("linux"):
             try:
                 ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)

@@ -7,6 +7,7 @@
 ``save:N:K`` kill in the N-th checkpoint save after it has written K files
 ``step:N``   kill right after optimizer step N (before its log/eval/save)
 ``term:N``, ``usr1:N``  send SIGTERM / SIGUSR1 after step N (preemption: save, exit 75)
+``termgroup:N``  SIGTERM to the whole process group (DataLoader workers too) after step N
 ``termmicro:N``  SIGTERM in the N-th training forward (mid-window): saved after that step
 ``term2:N``  SIGTERM after step N and again in the middle of the preemption save
 ``--step-sleep S`` makes each step take S seconds longer (a kill from outside then lands mid-run).
@@ -18,6 +19,7 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -67,6 +69,11 @@ class KillAfterStep(ll.Callback):
         if KILL and KILL[0] in ("term", "usr1", "term2") and state.global_step == int(KILL[1]):
             COUNTS["signalled"] = 1
             os.kill(os.getpid(), signal.SIGUSR1 if KILL[0] == "usr1" else signal.SIGTERM)
+        if KILL and KILL[0] == "termgroup" and state.global_step == int(KILL[1]):
+            # from another process, as torchrun and SLURM send it (torch's worker handler ignores
+            # only a SIGTERM of the worker's parent), to every process of the group: workers too
+            subprocess.run([sys.executable, "-c", f"import os, signal; os.killpg({os.getpgid(0)}, signal.SIGTERM)"],
+                           check=False)
 
 
 def patch_saves() -> None:
