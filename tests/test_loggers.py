@@ -600,3 +600,56 @@ def test_logger_instances_in_loggers_are_saved_by_class_name(tmp_path):
     saved = json.loads((out / "checkpoint-4" / "config.json").read_text())
     assert saved["loggers"] == ["jsonl", "CSVLogger", "Mine"]
     assert [s for s, name, _ in read_csv_metrics(tmp_path / "csv" / "metrics.csv") if name == "train/loss"] == [2, 4]
+
+
+def test_a_bar_leaves_recorded_warnings_to_the_recorder(tmp_path):
+    """``pytest.warns`` / ``catch_warnings(record=True)`` around a fit with a bar: the bar printed
+    the warning above itself and the recorder saw nothing ('DID NOT WARN')."""
+    import warnings
+
+    from helpers import Classifier, DictDataset
+
+    import lightlike as ll
+
+    class Warn(ll.Callback):
+        def on_step_end(self, fitter, state, control):
+            if state.global_step == 2:
+                warnings.warn("from a callback", UserWarning, stacklevel=1)
+
+    with pytest.warns(UserWarning, match="from a callback"):
+        ll.Fitter(max_steps=3, batch_size=4, output_dir=str(tmp_path / "o"), loggers=[], progress_bar=True,
+                  save_strategy="no", model_summary=False, callbacks=[Warn()]).fit(Classifier(), DictDataset(n=32))
+
+
+def test_an_application_s_handler_stays_its_own_while_the_bar_shows(tmp_path):
+    """The bar's writer stands in for the handler's stream, not for the handler: a handler the
+    application removes or quietens during the fit is removed or quiet (swapping the handler
+    object for a wrapper kept printing through it, and put a removed one back after the fit)."""
+    code = f"""
+import logging, sys
+sys.path.insert(0, {str(Path(__file__).parent)!r})
+import lightlike as ll
+from helpers import Classifier, DictDataset
+logging.basicConfig(level=logging.INFO, format="APP %(message)s", stream=sys.stderr)
+app = logging.getLogger("app")
+handler = logging.getLogger().handlers[0]
+
+class Change(ll.Callback):
+    def on_step_end(self, fitter, state, control):
+        if state.global_step == 1:
+            app.info("shown above the bar")
+            handler.setLevel(logging.ERROR)
+            app.info("quietened: not shown")
+            handler.setLevel(logging.INFO)
+            logging.getLogger().removeHandler(handler)
+            app.info("removed: not shown")
+
+ll.Fitter(max_steps=2, batch_size=4, output_dir={str(tmp_path / "o")!r}, loggers=[], progress_bar=True,
+          save_strategy="no", model_summary=False, callbacks=[Change()]).fit(Classifier(), DictDataset(n=16))
+app.info("after the fit: not shown either")  # (lastResort prints warnings only)
+print(handler.stream is sys.stderr, handler in logging.getLogger().handlers)
+"""
+    p = run_python(code)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "APP shown above the bar" in p.stderr and "not shown" not in p.stderr, p.stderr[-3000:]
+    assert p.stdout.split() == ["True", "False"]  # its own stream back, and still removed

@@ -87,3 +87,38 @@ def test_a_worker_whose_parent_died_before_it_started_exits(parent_alive):
             os._exit(9)
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == (7 if parent_alive else 0)
+
+
+STUCK = textwrap.dedent("""
+    import sys, time
+    sys.path.insert(0, {tests!r})
+    import lightlike as ll
+    from helpers import Classifier, DictDataset
+
+    class Stuck(DictDataset):
+        def __getitem__(self, i):
+            if i >= 12:
+                time.sleep(3600)  # a worker wedged (a hung network read, a deadlock)
+            return super().__getitem__(i)
+
+    ll.Fitter(max_steps=2, batch_size=4, num_workers=2, shuffle=False, output_dir=sys.argv[1], loggers=[],
+              save_strategy="no", model_summary=False, log_level="error").fit(Classifier(), Stuck(64))
+    print("fit returned", flush=True)
+""")
+
+
+def test_a_process_whose_worker_is_stuck_still_exits(tmp_path):
+    """The workers ignore the fit's preemption signals (SIGTERM by default), so torch's SIGTERM to
+    a worker that does not stop, and multiprocessing's at exit, no longer end it: the process
+    waited for it in multiprocessing's exit hook for ever. The exit hook SIGKILLs it after a grace."""
+    script = tmp_path / "stuck.py"
+    script.write_text(STUCK.format(tests=str(Path(__file__).parent)))
+    with open(tmp_path / "stderr.txt", "w") as err:
+        proc = subprocess.Popen([sys.executable, str(script), str(tmp_path / "run")], start_new_session=True,
+                                stdout=subprocess.PIPE, stderr=err, text=True)
+    try:
+        out, _ = proc.communicate(timeout=150)  # a bound on a hang, not a speed claim
+        assert proc.returncode == 0 and "fit returned" in out, (tmp_path / "stderr.txt").read_text()[-3000:]
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)

@@ -98,8 +98,10 @@ class ProgressBar(Callback):
             self._restore_console = console_lines_above_bar(self.bar)
             if self.stream is sys.stderr:
                 _StderrHandler.bar = self.bar
-                # and Python's warnings, unless the application routed them elsewhere (logging.captureWarnings)
-                if warnings.showwarning is getattr(warnings, "_showwarning_orig", None):
+                # and Python's warnings, unless the application routed them elsewhere (logging.captureWarnings,
+                # or records them: warnings.catch_warnings(record=True), pytest.warns)
+                if warnings.showwarning is getattr(warnings, "_showwarning_orig", None) and \
+                        getattr(getattr(warnings, "_showwarnmsg_impl", None), "__module__", None) == "warnings":
                     self._showwarning = warnings.showwarning
                     warnings.showwarning = self._show_warning
 

@@ -18,18 +18,26 @@ every process of the job (torchrun forwards its SIGTERM to the process group, SL
 job step), and torch's worker handler ends a worker on a SIGTERM its parent did not send; the
 training process then failed at the next batch ("DataLoader worker ... is killed by signal:
 Terminated") instead of saving. The training process acts on the signal and ends its workers.
+torch ends a worker that does not stop when asked (stuck in a ``__getitem__``) with SIGTERM too,
+which such a worker now ignores: it lives on until the process exits, where ``multiprocessing``
+would SIGTERM its daemonic children and join them for ever. ``_end_daemonic_children`` runs
+before that: SIGTERM, a grace period of ``EXIT_GRACE`` seconds, then SIGKILL for the survivors.
 """
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import os
 import signal
 import sys
+import time
 from collections.abc import Callable
 from typing import Any
 
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+_AT_EXIT = False  # whether _end_daemonic_children is registered
+EXIT_GRACE = 2.0  # seconds a daemonic child has to end after its SIGTERM at exit
 
 
 class EndWithParent:
@@ -38,6 +46,10 @@ class EndWithParent:
     def __init__(self, init_fn: Callable[[int], Any] | None, parent_pid: int | None):
         self.init_fn = init_fn
         self.parent_pid = parent_pid
+        global _AT_EXIT
+        if not _AT_EXIT:  # registered after multiprocessing's own exit hook, so it runs before it
+            atexit.register(_end_daemonic_children)
+            _AT_EXIT = True
 
     def __getstate__(self) -> dict[str, Any]:
         # pickled for a spawned (or forkserver) worker, which starts without the parent's module
@@ -60,6 +72,24 @@ class EndWithParent:
             os._exit(0)  # the parent died before this worker started: nobody will read its batches
         if self.init_fn is not None:
             self.init_fn(worker_id)
+
+
+def _end_daemonic_children() -> None:
+    """At exit, before ``multiprocessing``'s own hook (which SIGTERMs the daemonic children, then
+    joins them without a limit): the same SIGTERM, then SIGKILL for a child still alive after
+    ``EXIT_GRACE`` seconds (a worker of lightlike's loaders ignores SIGTERM, above)."""
+    import multiprocessing
+
+    children = [c for c in multiprocessing.active_children() if c.daemon]
+    for child in children:
+        child.terminate()
+    deadline = time.monotonic() + EXIT_GRACE
+    for child in children:
+        child.join(max(0.0, deadline - time.monotonic()))
+    for child in children:
+        if child.is_alive():
+            child.kill()
+            child.join(1.0)
 
 
 def end_with_parent(init_fn: Callable[[int], Any] | None, num_workers: int,

@@ -51,37 +51,43 @@ class _StderrHandler(logging.StreamHandler):  # type: ignore[type-arg]
         pass
 
 
-class _AboveBar(logging.Handler):
-    """Stands in for an application's console handler while a progress bar is drawn: the
-    record, filtered and formatted by that handler, is written above the bar (tqdm's
-    ``logging_redirect_tqdm`` drops the handler's level and adds a handler to a logger that
-    had none, which printed every line twice through propagation)."""
+class _AboveBar:
+    """The stream an application's console handler writes to while a progress bar is drawn:
+    what the handler formats (its level, filters and formatter stay the application's) is
+    written above the bar instead of onto its line."""
 
-    def __init__(self, inner: logging.StreamHandler, bar: Any) -> None:  # type: ignore[type-arg]
-        super().__init__(inner.level)
-        self.inner, self.bar = inner, bar
+    def __init__(self, stream: Any, bar: Any) -> None:
+        self.stream, self.bar = stream, bar
 
-    def emit(self, record: logging.LogRecord) -> None:
-        if not self.inner.filter(record):
-            return
-        try:
-            self.bar.write(self.inner.format(record), file=self.inner.stream)
-        except Exception:  # as StreamHandler.emit does
-            self.handleError(record)
+    def write(self, text: str) -> None:
+        self.bar.write(text.rstrip("\n"), file=self.stream)
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+    def __getattr__(self, name: str) -> Any:  # isatty, fileno, encoding, ...
+        return getattr(self.stream, name)
 
 
 def console_lines_above_bar(bar: Any) -> Callable[[], None]:
-    """Swap the console handlers (a ``StreamHandler`` on stdout or stderr) of the root and
-    ``lightlike`` loggers for ones that write above ``bar``; returns what puts them back. An
-    application that configured logging (``basicConfig``) otherwise printed onto the bar's line."""
-    loggers = (logging.getLogger(), logging.getLogger("lightlike"))
-    for logger in loggers:
-        logger.handlers = [_AboveBar(h, bar) if isinstance(h, logging.StreamHandler) and h.stream in (sys.stdout, sys.stderr)
-                           and not getattr(h, "_lightlike", False) else h for h in logger.handlers]
+    """Point the console handlers (a ``StreamHandler`` on stdout or stderr) of the root and
+    ``lightlike`` loggers at ``bar``'s writer (``setStream``); returns what points them back. An
+    application that configured logging (``basicConfig``) otherwise printed onto the bar's line.
+    The handlers stay the application's own objects: removing one or changing its level during
+    the fit works as without a bar (tqdm's ``logging_redirect_tqdm`` swaps them for its own)."""
+    swapped: list[tuple[logging.StreamHandler, _AboveBar]] = []  # type: ignore[type-arg]
+    for logger in (logging.getLogger(), logging.getLogger("lightlike")):
+        for h in logger.handlers:
+            if isinstance(h, logging.StreamHandler) and not getattr(h, "_lightlike", False) \
+                    and h.stream in (sys.stdout, sys.stderr):
+                proxy = _AboveBar(h.stream, bar)
+                h.setStream(proxy)
+                swapped.append((h, proxy))
 
-    def restore() -> None:  # handlers the application added or removed meanwhile stay so
-        for logger in loggers:
-            logger.handlers = [h.inner if isinstance(h, _AboveBar) and h.bar is bar else h for h in logger.handlers]
+    def restore() -> None:
+        for h, proxy in swapped:
+            if h.stream is proxy:  # unless the application pointed it elsewhere meanwhile
+                h.setStream(proxy.stream)
 
     return restore
 
