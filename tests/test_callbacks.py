@@ -299,3 +299,37 @@ def test_a_reused_early_stopping_counts_afresh_on_a_checkpoint_without_its_state
     run(tmp_path / "b", [], max_steps=4)
     assert run(tmp_path / "b", [es], resume=True).global_step == 8  # two more evaluations, not 0 steps
     assert es.stopped_step == 8
+
+
+def test_callbacks_are_called_in_the_order_given(tmp_path):
+    """Every event calls the callbacks in the order passed (calling them reversed passed the suite:
+    the order test used a single callback)."""
+    calls = []
+
+    class Named(ll.Callback):
+        def __init__(self, name):
+            self.name = name
+
+        def on_fit_start(self, fitter, state, control):
+            calls.append(("fit_start", self.name))
+
+        def on_step_end(self, fitter, state, control):
+            calls.append(("step_end", self.name))
+
+    ll.Fitter(max_steps=2, batch_size=4, output_dir=str(tmp_path), loggers=[], model_summary=False,
+              callbacks=[Named("a"), Named("b"), Named("c")]).fit(Classifier(), DictDataset(n=8))
+    assert calls == [("fit_start", n) for n in "abc"] + [("step_end", n) for n in "abc"] * 2
+
+
+def test_a_nan_metric_never_counts_as_an_improvement():
+    """NaN at the first evaluation became the best (no best yet), and nothing beats NaN:
+    EarlyStopping then stopped after `patience` evaluations that were all improvements."""
+    from lightlike.evaluation import is_improvement
+
+    assert not is_improvement(float("nan"), None, greater_is_better=False)
+    stopper, control = ll.EarlyStopping(monitor="val/loss", patience=2), ll.Control()
+    state = ll.FitState()
+    for step, value in enumerate([float("nan"), 0.9, 0.8, 0.7], start=1):
+        state.global_step = step
+        stopper.on_evaluate(None, state, control, {"val/loss": value})
+    assert not control.should_training_stop and stopper.best == 0.7

@@ -4,6 +4,7 @@ evaluation on 1/2/3 processes, resume across world sizes, failing fast."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import socket
 import subprocess
@@ -361,3 +362,26 @@ def test_a_nonfinite_loss_on_one_rank_is_skipped_or_raised_on_every_rank(tmp_pat
     p = launch(2, tmp_path / "raise", "nan", "raise", script=STREAMS)
     assert p.returncode != 0 and "non-finite" in p.stderr.lower(), p.stderr[-3000:]
     assert not list((tmp_path / "raise").glob("result-rank*.json"))
+
+
+def test_preemption_with_token_counts_stops_at_the_next_step_and_requeues_once(tmp_path):
+    """With per-item counts the stop flag rides the step's item-count all-reduce (no 10-step vote):
+    SIGTERM on rank 1 after step 3 stops both ranks after step 4 (dropping the flag from that
+    all-reduce passed every test: the run trained to its end). Under SLURM the job is requeued
+    once, by rank 0 (on every rank passed the single-process requeue tests)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    record = tmp_path / "scontrol.log"
+    (bin_dir / "scontrol").write_text(f"#!/bin/sh\necho \"$@\" >> {record}\n")
+    (bin_dir / "scontrol").chmod(0o755)
+    out = tmp_path / "run"
+    out.mkdir()
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+           "--master_port", str(free_port()), str(SCRIPT), str(out), "--task", "token", "--steps", "30", "--items", "48",
+           "--batch", "4", "--signal-step", "3", "--fail-rank", "1"]
+    env = {**os.environ, "SLURM_JOB_ID": "4242", "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
+    assert p.returncode != 0
+    assert "SIGTERM received: saving a checkpoint at step 4" in p.stderr, p.stderr[-3000:]
+    assert sorted(c.name for c in out.glob("checkpoint-*")) == ["checkpoint-4"]
+    assert record.read_text().splitlines() == ["requeue 4242"]

@@ -184,6 +184,48 @@ def test_meta_device_init_materialises_shards(tmp_path, how):
         assert torch.equal(w0[k], w1[k]) and torch.equal(w0[k], eager[k]), k
 
 
+def test_meta_device_init_leaves_training_s_random_stream_alone(tmp_path):
+    """Materialising a meta-built module draws its initial values in a forked generator: the
+    dropout masks after it are an eager build's (without the fork the run differed by 4e-3; the
+    test above trains no random layer). One process, in a subprocess (FSDP keeps its group)."""
+    import subprocess
+    import sys
+
+    code = f"""
+import sys, torch
+from torch import nn
+sys.path.insert(0, {str(Path(__file__).parent)!r})
+import lightlike as ll
+from helpers import Classifier, DictDataset
+
+class Dropped(Classifier):
+    def __init__(self):
+        super().__init__()
+        self.drop = nn.Dropout(0.5)
+
+    def forward(self, batch):
+        return self.net(self.drop(batch["x"]))
+
+def run(meta, out):
+    torch.manual_seed(0)
+    if meta:
+        with torch.device("meta"):
+            module = Dropped()
+    else:
+        module = Dropped()
+    fitter = ll.Fitter(strategy="fsdp", max_steps=3, batch_size=4, seed=0, output_dir=out, loggers=[],
+                       model_summary=False, save_strategy="no")
+    fitter.fit(module, DictDataset(n=16))
+    return fitter.strategy.module_state_dict(fitter.model)
+
+eager, meta = run(False, {str(tmp_path / "eager")!r}), run(True, {str(tmp_path / "meta")!r})
+print(all(torch.equal(eager[k], meta[k]) for k in eager))
+"""
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert p.stdout.split()[-1] == "True"
+
+
 @pytest.mark.parametrize("task", ["blocks", "maybe-checkpointed", "norm-blocks"])
 def test_activation_checkpointing_gives_the_same_weights(tmp_path, task):
     """Activation checkpointing recomputes the forward in backward (counted: twice the forwards)

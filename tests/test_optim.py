@@ -210,6 +210,15 @@ def test_param_groups_exact_split():
     assert [g["weight_decay"] for g in groups] == [0.1, 0.0]
 
 
+def test_a_norm_layer_s_matrix_weight_does_not_decay():
+    """``LayerNorm([4, 8])`` has a 2-D weight: the fewer-than-2-dims rule alone would decay it
+    (ignoring NORM_TYPES passed the suite: every norm weight in it was 1-D)."""
+    net = nn.Sequential(nn.Linear(8, 32), nn.LayerNorm([4, 8]))
+    decay, no_decay = param_groups(net, 0.1)
+    assert [tuple(p.shape) for p in decay["params"]] == [(32, 8)]
+    assert [tuple(p.shape) for p in no_decay["params"]] == [(32,), (4, 8), (4, 8)]
+
+
 def test_param_groups_without_weight_decay_is_one_group_in_named_order():
     net = Net()
     groups = param_groups(net, 0.0)

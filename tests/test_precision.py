@@ -176,3 +176,29 @@ def test_true_half_precisions_keep_non_persistent_buffers():
         m = get_precision(name).convert_module(Rotary())
         assert m.lin.weight.dtype == dtype and m.running.dtype == dtype
         assert m.inv_freq.dtype == torch.float32 and m.steps.dtype == torch.long
+
+
+def test_a_resumed_16_mixed_run_keeps_its_loss_scale(tmp_path):
+    """The GradScaler's state goes into the checkpoint and comes back (not restoring it passed the
+    suite): from init_scale 2**19 the run skips overflowing steps while the scale falls; a run
+    stopped at step 4 and resumed skips as many, ends at the same scale and with the same weights."""
+    class StopAt(ll.Callback):
+        def on_step_end(self, fitter, state, control):
+            if state.global_step == 4:
+                control.should_training_stop = True
+
+    def fit(out, callbacks=(), resume=None):
+        torch.manual_seed(0)
+        module = Classifier()
+        precision = MixedPrecision("16", init_scale=2.0 ** 19, growth_interval=1000)
+        result = ll.Fitter(precision=precision, max_steps=8, batch_size=8, learning_rate=1e-2, save_every=4,
+                           output_dir=str(out), loggers=[], model_summary=False, callbacks=list(callbacks),
+                           ).fit(module, DictDataset(n=64), resume=resume)
+        return result.skipped_steps, precision.scaler.get_scale(), torch.cat([p.detach().flatten() for p in module.parameters()])
+
+    skipped, scale, weights = fit(tmp_path / "ref")
+    assert skipped >= 2  # the scale fell on overflowing steps
+    fit(tmp_path / "cut", [StopAt()])
+    resumed_skipped, resumed_scale, resumed_weights = fit(tmp_path / "cut", resume=True)
+    assert (resumed_skipped, resumed_scale) == (skipped, scale)
+    assert torch.equal(resumed_weights, weights)
