@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from lightlike.data.workers import start_workers
 from lightlike.errors import ConfigError, DataError, LightlikeError, ModuleContractError, on_every_rank
 from lightlike.utils.batches import map_tensors
 
@@ -228,7 +229,7 @@ def _in_lockstep(loader: Any, strategy: Strategy) -> Iterator[tuple[Any, bool]]:
     last batch, or, for a rank whose share is empty, the first batch of the lowest rank that has
     one (sent once). One small all-gather per batch: only for strategies whose forward is
     collective, where each forward gathers parameters anyway."""
-    batches = iter(loader)
+    batches = start_workers(loader)
     stand_in: Any = _END
     while True:
         batch = next(batches, _END)
@@ -418,7 +419,8 @@ def run_evaluation(
     with strategy.evaluating(model) as model:
         model.eval()
         try:
-            for i, (batch, real) in enumerate(_in_lockstep(loader, strategy) if lockstep else ((b, True) for b in loader)):
+            for i, (batch, real) in enumerate(_in_lockstep(loader, strategy) if lockstep
+                                              else ((b, True) for b in start_workers(loader))):
                 where = f"in {prefix} batch {i}"
                 batch = strategy.batch_to_device(batch)
                 if not real:  # this rank's share is done: a forward whose output is dropped keeps the

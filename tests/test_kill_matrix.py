@@ -35,7 +35,7 @@ AGAIN = {"micro": (1, 3), "eval": (1, 2), "save": (1, 1), "step": (11, 12)}
 FILES_PER_SAVE = 9
 
 
-def run(out, precision, workers, kill="", async_save=False):
+def run(out, precision, workers, kill="", async_save=False, start_method=None):
     """Run the script to its end (or its kill) and return its exit code and output.
 
     Waits for the script's own process only, then kills what it left: a DataLoader worker forked
@@ -49,6 +49,8 @@ def run(out, precision, workers, kill="", async_save=False):
         cmd += ["--kill", kill]
     if async_save:
         cmd += ["--async-save"]
+    if start_method:
+        cmd += ["--start-method", start_method]
     with tempfile.TemporaryFile("w+") as stdout, tempfile.TemporaryFile("w+") as stderr:
         proc = subprocess.Popen(cmd, stdout=stdout, stderr=stderr, text=True, start_new_session=True)
         try:
@@ -167,18 +169,32 @@ def test_preemption_signal_saves_exits_and_resumes(tmp_path, tmp_path_factory, s
     assert outcome(out) == reference(tmp_path_factory, "32-true", 0)
 
 
-@pytest.mark.parametrize("workers", [0, 2])
-def test_preemption_signal_to_the_process_group_reaches_workers_harmlessly(tmp_path, tmp_path_factory, workers):
+@pytest.mark.parametrize("workers,start_method", [(0, None), (2, None), (2, "forkserver")])
+def test_preemption_signal_to_the_process_group_reaches_workers_harmlessly(tmp_path, tmp_path_factory, workers,
+                                                                           start_method):
     """torchrun forwards its SIGTERM to the process group and SLURM signals the job step: the
     DataLoader workers got it too, torch's handler ended them, and the run failed ('DataLoader
-    worker ... is killed by signal: Terminated', exit 1) instead of saving and exiting 75."""
+    worker ... is killed by signal: Terminated', exit 1) instead of saving and exiting 75. Under
+    forkserver (Python 3.14's default) the signal ended the fork server, and its workers with it."""
     out = tmp_path / "run"
-    proc = run(out, "32-true", workers, "termgroup:5")
+    proc = run(out, "32-true", workers, "termgroup:5", start_method=start_method)
     assert proc.returncode == EXIT_PREEMPTED, proc.stderr[-3000:]
     assert [p.name for p in list_checkpoints(out)][-1] == "checkpoint-5"
     proc = run(out, "32-true", workers)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert outcome(out) == reference(tmp_path_factory, "32-true", workers)
+
+
+def test_preemption_signal_while_workers_start_reaches_them_harmlessly(tmp_path, tmp_path_factory):
+    """The signal lands while the evaluation after step 6 starts its workers, before they can
+    ignore it (torch's handler is installed first): it ended them. Workers start with the signal
+    blocked, so it waits for them to ignore it; the run saves and exits 75."""
+    out = tmp_path / "run"
+    proc = run(out, "32-true", 2, "termgroupstart:6")
+    assert proc.returncode == EXIT_PREEMPTED, proc.stderr[-3000:]
+    assert [p.name for p in list_checkpoints(out)][-1] == "checkpoint-6"
+    assert run(out, "32-true", 2).returncode == 0
+    assert outcome(out) == reference(tmp_path_factory, "32-true", 2)
 
 
 def test_preemption_mid_window_saves_at_the_step_boundary(tmp_path, tmp_path_factory):

@@ -21,7 +21,7 @@ from torch.utils.data import (
 
 from lightlike.data.iterable import ShardedIterable
 from lightlike.data.sampler import ResumableSampler
-from lightlike.data.workers import end_with_parent
+from lightlike.data.workers import end_with_parent, start_workers
 from lightlike.errors import ConfigError, DataError
 
 log = logging.getLogger("lightlike")
@@ -147,13 +147,13 @@ class TrainData:
     def _fresh_iterator(self, epoch: int) -> Any:
         if self.generator is not None:
             self.generator.manual_seed(self.seed + epoch)  # DataLoader worker seeds
-            return iter(self.loader)
+            return start_workers(self.loader)
         # a DataLoader of the user's without generator= draws its workers' base seed from the
         # global generator as its iterator starts: at the epoch's start in one run, at the resume
         # point in a resumed one. Drawn here from (seed, epoch), outside training's random streams
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(self.seed + epoch)
-            return iter(self.loader)
+            return start_workers(self.loader)
 
 
 class EpochPosition:

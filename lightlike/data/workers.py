@@ -31,6 +31,7 @@ import ctypes
 import os
 import signal
 import sys
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -61,8 +62,11 @@ class EndWithParent:
     def __call__(self, worker_id: int) -> None:
         from lightlike.preemption import watched_signals
 
-        for sig in self.__dict__.get("signals") or watched_signals():
+        ignored = self.__dict__.get("signals") or watched_signals()
+        for sig in ignored:
             signal.signal(sig, signal.SIG_IGN)  # the training process acts on it (above)
+        if ignored:  # blocked while this worker started (start_workers): a signal pending now is dropped
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, ignored)
         if sys.platform.startswith("linux"):
             try:
                 ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
@@ -98,11 +102,40 @@ def end_with_parent(init_fn: Callable[[int], Any] | None, num_workers: int,
     parent is this process, except under ``forkserver``, whose server starts the workers."""
     if not num_workers or isinstance(init_fn, EndWithParent):
         return init_fn
-    method = multiprocessing_context
-    if method is not None and not isinstance(method, str):
-        method = method.get_start_method()
-    if method is None:  # the start method in force, or the platform's default (the list's first)
-        import multiprocessing
+    return EndWithParent(init_fn, None if _start_method(multiprocessing_context) == "forkserver" else os.getpid())
 
-        method = multiprocessing.get_start_method(allow_none=True) or multiprocessing.get_all_start_methods()[0]
-    return EndWithParent(init_fn, None if method == "forkserver" else os.getpid())
+
+def _start_method(context: Any) -> str:
+    """The start method of a DataLoader's ``multiprocessing_context``: its own, the one in force,
+    or the platform's default (the list's first)."""
+    if context is not None:
+        return context if isinstance(context, str) else str(context.get_start_method())
+    import multiprocessing
+
+    return multiprocessing.get_start_method(allow_none=True) or multiprocessing.get_all_start_methods()[0]
+
+
+def start_workers(loader: Any) -> Any:
+    """``iter(loader)``, with the fit's preemption signals blocked in this thread while the
+    loader starts its workers: the mask is inherited through fork (and by a fork server started
+    now), so a signal sent to the whole job while a worker starts up, before ``EndWithParent``
+    makes it ignore the signal, stays pending there instead of ending it through torch's handler;
+    ``EndWithParent`` unblocks it (discarded, being ignored). Here it is delivered when the block
+    ends. A worker without ``EndWithParent`` keeps it blocked: it never acts on it."""
+    from lightlike.preemption import watched_signals
+
+    signals = watched_signals()
+    if not signals or not getattr(loader, "num_workers", 0) or threading.current_thread() is not threading.main_thread():
+        return iter(loader)
+    if _start_method(getattr(loader, "multiprocessing_context", None)) != "fork":
+        # started on the first spawn, the resource tracker unblocks SIGTERM in this thread when it
+        # is up (it blocks it for its own start): start it first, so the fork server (whose
+        # death ends its workers) and spawned workers start with the signals still blocked
+        from multiprocessing import resource_tracker
+
+        resource_tracker.ensure_running()
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, signals)
+    try:
+        return iter(loader)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)

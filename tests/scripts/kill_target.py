@@ -8,6 +8,7 @@
 ``step:N``   kill right after optimizer step N (before its log/eval/save)
 ``term:N``, ``usr1:N``  send SIGTERM / SIGUSR1 after step N (preemption: save, exit 75)
 ``termgroup:N``  SIGTERM to the whole process group (DataLoader workers too) after step N
+``termgroupstart:N``  the same, 0.5 s after step N, while the evaluation's workers start (slowly)
 ``termmicro:N``  SIGTERM in the N-th training forward (mid-window): saved after that step
 ``term2:N``  SIGTERM after step N and again in the middle of the preemption save
 ``--step-sleep S`` makes each step take S seconds longer (a kill from outside then lands mid-run).
@@ -69,6 +70,10 @@ class KillAfterStep(ll.Callback):
         if KILL and KILL[0] in ("term", "usr1", "term2") and state.global_step == int(KILL[1]):
             COUNTS["signalled"] = 1
             os.kill(os.getpid(), signal.SIGUSR1 if KILL[0] == "usr1" else signal.SIGTERM)
+        if KILL and KILL[0] == "termgroupstart" and state.global_step == int(KILL[1]):
+            # while the evaluation that follows this step starts its workers (each slowed down, below)
+            subprocess.Popen([sys.executable, "-c", f"import os, signal, time; time.sleep(0.5); "
+                              f"os.killpg({os.getpgid(0)}, signal.SIGTERM)"])
         if KILL and KILL[0] == "termgroup" and state.global_step == int(KILL[1]):
             # from another process, as torchrun and SLURM send it (torch's worker handler ignores
             # only a SIGTERM of the worker's parent), to every process of the group: workers too
@@ -107,10 +112,24 @@ def main() -> None:
     p.add_argument("--kill", default="")
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--async-save", action="store_true", help="commit checkpoints in a background thread")
+    p.add_argument("--start-method", help="multiprocessing start method of the DataLoader workers")
     p.add_argument("--step-sleep", type=float, default=0.0, help="seconds each step end waits (no effect on numbers)")
     args = p.parse_args()
     KillAfterStep.step_sleep = args.step_sleep
+    if args.start_method:
+        import multiprocessing
+
+        multiprocessing.set_start_method(args.start_method)
     KILL.extend(args.kill.split(":") if args.kill else [])
+    if KILL and KILL[0] == "termgroupstart":  # a worker takes 2 s to start (a loaded machine, a slow import)
+        main_pid, set_num_threads = os.getpid(), torch.set_num_threads
+
+        def slow_in_a_worker(n):
+            if os.getpid() != main_pid:
+                time.sleep(2.0)
+            set_num_threads(n)
+
+        torch.set_num_threads = slow_in_a_worker
     patch_saves()
     torch.manual_seed(0)
     model = Net()
