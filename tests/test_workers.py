@@ -122,3 +122,48 @@ def test_a_process_whose_worker_is_stuck_still_exits(tmp_path):
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
+
+
+ENDINGS = textwrap.dedent("""
+    import sys
+    sys.path.insert(0, {tests!r})
+    import torch
+    import lightlike as ll
+    from helpers import Classifier, DictDataset
+
+    class Boom(ll.Callback):
+        def on_step_end(self, fitter, state, control):
+            if state.global_step == 3:
+                raise RuntimeError("boom")
+
+    how, out = sys.argv[1], sys.argv[2]
+    if how == "user-loader":  # the user's own loader, used as it is, alive until the interpreter exits
+        loader = torch.utils.data.DataLoader(DictDataset(n=32), batch_size=4, num_workers=2, persistent_workers=True)
+        ll.Fitter(max_steps=4, output_dir=out, loggers=[], model_summary=False).fit(Classifier(), loader)
+        print("fit returned", flush=True)
+    else:  # lightlike's loader, its iterator alive in the traceback at exit
+        ll.Fitter(max_steps=8, batch_size=4, num_workers=2, output_dir=out, loggers=[], model_summary=False,
+                  callbacks=[Boom()]).fit(Classifier(), DictDataset(n=64))
+""")
+
+
+@pytest.mark.parametrize("how", ["user-loader", "exception"])
+def test_the_process_ends_after_a_fit_with_workers(tmp_path, how):
+    """Workers of a user's loader started with the preemption signals blocked kept them blocked
+    for life: multiprocessing's exit hook SIGTERMed and joined them for ever. After an exception,
+    torch's SIGCHLD handler (its iterator still alive) raised out of the exit hook at the first
+    SIGKILLed worker, leaving the next one to that join."""
+    script = tmp_path / "endings.py"
+    script.write_text(ENDINGS.format(tests=str(Path(__file__).parent)))
+    proc = subprocess.Popen([sys.executable, str(script), how, str(tmp_path / "run")], start_new_session=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = proc.communicate(timeout=120)  # a bound on a hang, not a speed claim
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    if how == "user-loader":
+        assert proc.returncode == 0 and "fit returned" in out, err[-3000:]
+    else:
+        assert proc.returncode == 1 and "RuntimeError: boom" in err, err[-3000:]
+    assert "Exception ignored in atexit" not in err, err[-3000:]

@@ -80,20 +80,25 @@ class EndWithParent:
 
 def _end_daemonic_children() -> None:
     """At exit, before ``multiprocessing``'s own hook (which SIGTERMs the daemonic children, then
-    joins them without a limit): the same SIGTERM, then SIGKILL for a child still alive after
-    ``EXIT_GRACE`` seconds (a worker of lightlike's loaders ignores SIGTERM, above)."""
+    joins them without a limit): the same SIGTERM, then SIGKILL for every child still alive after
+    ``EXIT_GRACE`` seconds (a worker of lightlike's loaders ignores SIGTERM, above). torch's
+    SIGCHLD handler, still installed while an iterator lives, would raise out of this hook at the
+    first killed worker and leave the others to that join: it is reset first."""
     import multiprocessing
 
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     children = [c for c in multiprocessing.active_children() if c.daemon]
     for child in children:
         child.terminate()
     deadline = time.monotonic() + EXIT_GRACE
     for child in children:
         child.join(max(0.0, deadline - time.monotonic()))
-    for child in children:
-        if child.is_alive():
-            child.kill()
-            child.join(1.0)
+    left = [c for c in children if c.is_alive()]
+    for child in left:
+        child.kill()
+    for child in left:
+        child.join(1.0)
 
 
 def end_with_parent(init_fn: Callable[[int], Any] | None, num_workers: int,
@@ -116,21 +121,26 @@ def _start_method(context: Any) -> str:
 
 
 def start_workers(loader: Any) -> Any:
-    """``iter(loader)``, with the fit's preemption signals blocked in this thread while the
-    loader starts its workers: the mask is inherited through fork (and by a fork server started
-    now), so a signal sent to the whole job while a worker starts up, before ``EndWithParent``
-    makes it ignore the signal, stays pending there instead of ending it through torch's handler;
-    ``EndWithParent`` unblocks it (discarded, being ignored). Here it is delivered when the block
-    ends. A worker without ``EndWithParent`` keeps it blocked: it never acts on it."""
+    """``iter(loader)``; for a loader lightlike built (its workers start through ``EndWithParent``),
+    with the fit's preemption signals blocked in this thread while the workers start: the mask
+    is inherited through fork and spawn, so a signal sent to the whole job while a worker starts
+    up, before ``EndWithParent`` makes it ignore the signal, stays pending there instead of ending
+    it through torch's handler; ``EndWithParent`` unblocks it (discarded, being ignored). Here it
+    is delivered when the block ends. Not for a DataLoader of the user's used as it is (its
+    workers would keep the signals blocked, and never end on a SIGTERM), nor under forkserver
+    (the fork server would keep them blocked for every process it forks later)."""
     from lightlike.preemption import watched_signals
 
     signals = watched_signals()
-    if not signals or not getattr(loader, "num_workers", 0) or threading.current_thread() is not threading.main_thread():
+    method = _start_method(getattr(loader, "multiprocessing_context", None))
+    if not signals or not getattr(loader, "num_workers", 0) or method == "forkserver" \
+            or not isinstance(getattr(loader, "worker_init_fn", None), EndWithParent) \
+            or threading.current_thread() is not threading.main_thread():
         return iter(loader)
-    if _start_method(getattr(loader, "multiprocessing_context", None)) != "fork":
+    if method != "fork":
         # started on the first spawn, the resource tracker unblocks SIGTERM in this thread when it
-        # is up (it blocks it for its own start): start it first, so the fork server (whose
-        # death ends its workers) and spawned workers start with the signals still blocked
+        # is up (it blocks it for its own start): start it first, so that spawned workers start
+        # with the signals still blocked
         from multiprocessing import resource_tracker
 
         resource_tracker.ensure_running()
