@@ -412,10 +412,9 @@ class Fitter:
         self._phase = "evaluation"
         self._read_pending()  # raises now if a pending loss is non-finite
         metrics: dict[str, float] = {}
-        device = self.strategy.root_device  # type: ignore[union-attr]
         # training's random streams continue as if no evaluation ran (a user's DataLoader draws
         # its workers' base seed from the global generator; the module or a dataset may sample)
-        with rng_kept(device):
+        with rng_kept():
             for name, loader in eval_sets.items():
                 m, _, _ = run_evaluation(self.model, self.module, loader, self.strategy, name,  # type: ignore[arg-type]
                                          streaming=self.config.eval_streaming)

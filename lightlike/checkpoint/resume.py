@@ -150,6 +150,14 @@ def resolve_best(output_dir: str | Path, stored: str | None, best_step: int | No
     return str(path)
 
 
+def saved_config(path: Path) -> dict[str, Any] | None:
+    """The FitConfig a checkpoint was saved with (its ``config.json``), or None if unreadable."""
+    try:
+        return json.loads((path / "config.json").read_text())  # type: ignore[no-any-return]
+    except (OSError, ValueError):
+        return None
+
+
 def choose_best_again(fitter: Fitter, path: Path) -> None:
     """``metric_for_best`` or its direction changed since ``path`` was saved: the restored best
     (a value of the old metric, or the old direction's best) would be compared with the new
@@ -157,9 +165,8 @@ def choose_best_again(fitter: Fitter, path: Path) -> None:
     under this run's setting; its checkpoint is the one saved at that step, if it is still there."""
     from lightlike.evaluation import greater_is_better, is_improvement
 
-    try:
-        old = json.loads((path / "config.json").read_text())
-    except (OSError, ValueError):
+    old = saved_config(path)
+    if old is None:
         return
     cfg, state = fitter.config, fitter.state
     old_key, key = old.get("metric_for_best"), cfg.metric_for_best
@@ -174,16 +181,20 @@ def choose_best_again(fitter: Fitter, path: Path) -> None:
                 state.best_metric, state.best_step = row[key], int(row["step"])
         if state.best_step is not None:
             state.best_checkpoint = resolve_best(cfg.output_dir, f"checkpoint-{state.best_step}", state.best_step)
-    def shown(k: str | None, w: bool | None) -> str:
-        return "none" if k is None else f"{k} ({'higher' if w else 'lower'} is better)"
-
-    found = ("no evaluation logged so far has it" if key and state.best_step is None else
-             f"step {state.best_step} ({key}={state.best_metric:.6g}, checkpoint: "
-             f"{Path(state.best_checkpoint).name if state.best_checkpoint else 'none kept at that step'})" if key else
-             "none is tracked")
+    if key is None:
+        found = "none is tracked"
+    elif state.best_step is None:
+        found = "no evaluation logged so far has it"
+    else:
+        kept = Path(state.best_checkpoint).name if state.best_checkpoint else "none kept at that step"
+        found = f"step {state.best_step} ({key}={state.best_metric:.6g}, checkpoint: {kept})"
     log.warning("metric_for_best changed since %s: %s -> %s; the best so far is chosen again from the logged "
                 "evaluations: %s. Checkpoints the earlier run kept or rotated by its own best stay as they are",
-                path.name, shown(old_key, old_way), shown(key, way), found)
+                path.name, _direction(old_key, old_way), _direction(key, way), found)
+
+
+def _direction(key: str | None, greater: bool | None) -> str:
+    return "none" if key is None else f"{key} ({'higher' if greater else 'lower'} is better)"
 
 
 # -- settings changed between runs ---------------------------------------------------------------
@@ -195,9 +206,8 @@ def check_optimizer_fits(fitter: Fitter, path: Path) -> None:
 
     if getattr(type(fitter.module), "configure_optimizers", None) is not TaskModule.configure_optimizers:
         return  # the module's own optimizer: its shape is the module's business
-    try:
-        old = json.loads((path / "config.json").read_text())
-    except (OSError, ValueError):
+    old = saved_config(path)
+    if old is None:
         return
     now = fitter.config
     fix = (f"resume with the checkpoint's setting, or start a new fit from its weights (module.load_weights('{path}') "
@@ -215,9 +225,8 @@ def check_optimizer_fits(fitter: Fitter, path: Path) -> None:
 def apply_changed_settings(fitter: Fitter, path: Path) -> None:
     """After the optimizer and scheduler state are loaded from ``path``: apply changed optimizer
     settings to them (built-in optimizers) and warn, listing every changed setting."""
-    try:
-        old = json.loads((path / "config.json").read_text())
-    except (OSError, ValueError):
+    old = saved_config(path)
+    if old is None:
         return
     now = fitter.config.to_dict()
     changed = [k for k in CONTINUATION_KEYS if k in old and old.get(k) != now.get(k)]

@@ -44,13 +44,10 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 @contextlib.contextmanager
-def rng_kept(device: torch.device) -> Iterator[None]:
-    """Every random stream the loop can touch (python, numpy, torch's CPU generator and, on a
-    CUDA ``device``, its generator) is as it was before the block when it ends."""
-    host = random.getstate(), np.random.get_state()
+def rng_kept() -> Iterator[None]:
+    """Every random stream ``rng_state`` captures is as it was before the block when it ends."""
+    state = rng_state()
     try:
-        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-            yield
+        yield
     finally:
-        random.setstate(host[0])
-        np.random.set_state(host[1])
+        set_rng_state(state)
