@@ -384,6 +384,7 @@ def _free_port() -> int:
 def two_processes(tmp_path_factory):
     pytest.importorskip("torchmetrics")
     pytest.importorskip("optuna")
+    pytest.importorskip("transformers")
     out = tmp_path_factory.mktemp("ddp")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
            "--master_port", str(_free_port()), str(Path(__file__).resolve()), str(out)]
@@ -424,6 +425,15 @@ def test_search_on_two_processes_equals_one_process(two_processes, tmp_path):
                 assert a["steps"][k] == pytest.approx(b["steps"][k], rel=1e-10)
 
 
+def test_export_hf_writes_on_rank_zero_only(two_processes):
+    """transformers' save_pretrained writes on rank 0 only: the other ranks used to leave an
+    empty folder behind (on a node-local disk: an export that looks failed) and return it."""
+    assert sorted(p.name for p in (two_processes / "hf-rank0").iterdir()) == [
+        "config.json", "generation_config.json", "model.safetensors"]
+    assert not (two_processes / "hf-rank1").exists()
+    assert (two_processes / "hf-returned-rank1.txt").read_text() == str(two_processes / "hf-rank1")
+
+
 def test_plain_streaming_metrics_stay_refused_on_two_processes(two_processes):
     """A streaming object that does not reduce across ranks would give each rank its own share's
     value: refused, by name of the fix (torchmetrics objects, as above, are accepted)."""
@@ -439,6 +449,11 @@ def _two_process_target(out: Path) -> None:
     (out / f"metrics-tiny-rank{rank}.json").write_text(json.dumps(eval_with_torchmetrics(out / "tiny", n=1)))
     trials = small_search(out / "search", batch_size=4)
     (out / f"search-rank{rank}.json").write_text(json.dumps(trials))
+    from lightlike.interop.hf import HFCausalLM, export_hf
+
+    # called on every rank, as after a DDP fit; no barrier inside (rank 0 alone may call it)
+    returned = export_hf(HFCausalLM(tiny_gpt2()), out / f"hf-rank{rank}")
+    (out / f"hf-returned-rank{rank}.txt").write_text(str(returned))
 
     class PlainStream(Classifier):
         def streaming_metrics(self):

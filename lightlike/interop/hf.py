@@ -154,12 +154,14 @@ def export_hf(source: Any, out_dir: str | Path, *, config: Any = None, prefix: s
     model is rebuilt from ``hparams["hf_config"]`` (recorded by ``HFCausalLM``) or from
     ``config`` (a ``PretrainedConfig``, a dict, or a folder/file with a ``config.json``); its
     weights are the checkpoint's keys under ``prefix``. Files land atomically, one by one;
-    other files in ``out_dir`` are left alone. Returns ``out_dir``."""
+    other files in ``out_dir`` are left alone. Returns ``out_dir``.
+
+    Under ``torch.distributed`` only rank 0 writes (as ``save_pretrained`` does); the other ranks
+    return at once, creating nothing and waiting for nobody, so it may be called on every rank or
+    on rank 0 alone (put a barrier after it before another rank reads the folder)."""
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    if isinstance(source, (str, os.PathLike)):
-        model = _model_from_checkpoint(Path(source), config, prefix, hashes, out)
-    else:
+    checkpoint = isinstance(source, (str, os.PathLike))
+    if not checkpoint:
         model = source.model if isinstance(source, HFCausalLM) else source
         if not hasattr(model, "save_pretrained"):
             raise ModuleContractError(f"export_hf takes an HFCausalLM, a transformers model or a checkpoint "
@@ -170,6 +172,11 @@ def export_hf(source: Any, out_dir: str | Path, *, config: Any = None, prefix: s
                 "export_hf got a module whose parameters are sharded across processes (trained with FSDP or "
                 "DeepSpeed ZeRO-3): export a checkpoint instead, whose shards are consolidated: "
                 "export_hf('OUTPUT_DIR/checkpoint-N', out_dir), on one process")
+    if torch.distributed.is_available() and torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
+        return out  # transformers writes on rank 0 only: an empty folder here would look like a failed export
+    out.mkdir(parents=True, exist_ok=True)
+    if checkpoint:
+        model = _model_from_checkpoint(Path(source), config, prefix, hashes, out)
     from lightlike.checkpoint.export import fsync_replace
 
     tmp = Path(tempfile.mkdtemp(prefix=".export-hf-", dir=out))
