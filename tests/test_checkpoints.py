@@ -516,6 +516,30 @@ def test_preemption_with_save_only_model_resumes(tmp_path):
     assert result.global_step == 6
 
 
+def test_preemption_at_a_weights_only_save_step_commits_twice_full_last(tmp_path):
+    """Signal at a step that writes a weights-only checkpoint: the folder is replaced by a full
+    one, and on_save sees both commits in that order (documented in docs/checkpoints.md)."""
+    import signal
+
+    from lightlike.preemption import Preempted
+
+    seen = []
+
+    class TermAndRecord(ll.Callback):
+        def on_step_end(self, fitter, state, control):
+            if state.global_step == 3:
+                os.kill(os.getpid(), signal.SIGTERM)
+
+        def on_save(self, fitter, state, control, path):
+            seen.append((os.path.basename(path), verify_checkpoint(path)["meta"]["kind"]))
+
+    torch.manual_seed(0)
+    with pytest.raises(Preempted):
+        ll.Fitter(max_steps=6, batch_size=4, save_every=3, save_only_model=True, output_dir=str(tmp_path / "run"),
+                  loggers=[], callbacks=[TermAndRecord()]).fit(Classifier(), DictDataset(n=40))
+    assert seen == [("checkpoint-3", "model"), ("checkpoint-3", "full")]
+
+
 # -- the best checkpoint ------------------------------------------------------------------------------
 class Scored(Classifier):
     """val/score is SCORES[step of the evaluation]."""
