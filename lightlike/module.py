@@ -95,6 +95,8 @@ class TaskModule(nn.Module):
             from lightlike.utils.buffers import buffers_kept_on_recompute
 
             self.__dict__["_checkpointed"] = True  # seen by the Fitter's check (no Module __setattr__)
+            if torch.compiler.is_compiling():  # dynamo takes no context_fn of this kind; a compiled
+                return checkpoint(fn, *args, use_reentrant=False, **kwargs)  # graph updates buffers once anyway
             owner = fn if isinstance(fn, nn.Module) else self  # running statistics updated once, not twice
             return checkpoint(fn, *args, use_reentrant=False, context_fn=buffers_kept_on_recompute(owner), **kwargs)
         return fn(*args, **kwargs)

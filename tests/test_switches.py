@@ -261,6 +261,33 @@ def test_gradient_checkpointing_updates_running_statistics_once(tmp_path, form):
         assert torch.equal(plain[k], ckpt[k]), k
 
 
+def test_gradient_checkpointing_under_compile(tmp_path):
+    """compile=True with gradient_checkpointing=True crashed at the first step for every module
+    using maybe_checkpoint (dynamo cannot trace its buffer-keeping context_fn). Under compile
+    the checkpoint goes without it; the compiled graph updates BatchNorm's statistics once."""
+    from torch import nn
+
+    class WithNorm(Classifier):
+        def __init__(self):
+            super().__init__()
+            self.body = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 3), nn.BatchNorm1d(3))
+
+        def forward(self, batch):
+            return self.maybe_checkpoint(self.body, batch["x"])
+
+    def run(flag):
+        torch.manual_seed(0)
+        m = WithNorm()
+        ll.Fitter(max_steps=3, batch_size=4, compile=True, gradient_checkpointing=flag, save_strategy="no",
+                  output_dir=str(tmp_path / str(flag)), loggers=[], seed=0).fit(m, DictDataset(n=12))
+        return m.state_dict()
+
+    plain, ckpt = run(False), run(True)
+    assert int(ckpt["body.3.num_batches_tracked"]) == int(plain["body.3.num_batches_tracked"]) == 3
+    for k in plain:
+        torch.testing.assert_close(ckpt[k], plain[k], rtol=1e-5, atol=1e-6, msg=k)
+
+
 def test_gradient_checkpointing_that_does_nothing_is_reported(tmp_path, caplog):
     """A module whose forward never calls maybe_checkpoint gets a warning (the switch would do
     nothing); one that calls it does not."""
