@@ -25,6 +25,7 @@ import linecache
 import logging
 import math
 import numbers
+from collections import defaultdict
 from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -320,7 +321,7 @@ def _spec(x: Any) -> Any:
     if isinstance(x, torch.Tensor):
         return ("tensor", x.dtype, tuple(x.shape[1:]))
     if isinstance(x, Mapping):
-        return ("dict", {k: _spec(v) for k, v in x.items()})
+        return ("dict", {k: _spec(v) for k, v in x.items()}, type(x))
     if isinstance(x, tuple):
         return ("tuple", [_spec(v) for v in x])
     return None if x is None else ("list",)
@@ -336,7 +337,7 @@ def _merge_specs(specs: list[Any], what: str) -> Any:
         return ("tensor", known[0][1], _max_shape([s[2] for s in known], what))
     if known[0][0] == "dict":
         keys = [k for k in known[0][1]]
-        return ("dict", {k: _merge_specs([s[1].get(k) for s in known], f"{what}[{k!r}]") for k in keys})
+        return ("dict", {k: _merge_specs([s[1].get(k) for s in known], f"{what}[{k!r}]") for k in keys}, known[0][2])
     if known[0][0] == "tuple":
         if len({len(s[1]) for s in known}) > 1:
             raise ModuleContractError(f"{what} are tuples of different lengths on different ranks")
@@ -356,6 +357,29 @@ def _conform(x: Any, spec: Any) -> Any:
         fields = [_conform(None if x is None else x[j], sub) for j, sub in enumerate(spec[1])]
         return tuple(fields) if x is None else _tuple_like(x, fields)
     return [] if x is None else x
+
+
+def _rows_only(pred: Any) -> Any:
+    """A mapping's fields that hold one row per item: a 0-d tensor beside batched fields is a
+    per-batch value (a Hugging Face ModelOutput's ``loss``), which has no place in dataset order
+    and is left out, as the HF Trainer leaves it out."""
+    if not isinstance(pred, Mapping):
+        return pred
+    scalar = {k for k, v in pred.items() if isinstance(v, torch.Tensor) and v.ndim == 0}
+    if not scalar or len(scalar) == len(pred):
+        return pred
+    return {k: v for k, v in pred.items() if k not in scalar}
+
+
+def _as_mapping_type(cls: Any, joined: Any) -> Any:
+    """Joined mapping predictions rebuilt as the module's own mapping type (a ModelOutput stays
+    one, so ``predictions.logits`` works); a plain dict when that type cannot be built so."""
+    if cls is None or type(joined) is not dict or cls in (dict, defaultdict):
+        return joined
+    try:
+        return cls(joined)
+    except TypeError:
+        return joined
 
 
 def _detach_cpu(x: Any) -> Any:
@@ -406,6 +430,8 @@ def run_evaluation(
     items = torch.zeros((), dtype=torch.float64, device=device)
     keys: set[str] | None = None
     preds: list[Any] = []
+    pred_type: Any = None  # a mapping's own type, rebuilt at the end
+    pred_spec: Any = None
     labels: list[Any] = []
     n_batches = 0
     labelled: bool | None = None  # whether this rank's batches carry labels (all or none)
@@ -462,7 +488,9 @@ def run_evaluation(
                         for s in streams.values():
                             s.update(outputs, batch)
                 if collect:
-                    preds.append(_detach_cpu(call_hook(module.predictions, "predictions", batch, where, outputs, batch)))
+                    pred = call_hook(module.predictions, "predictions", batch, where, outputs, batch)
+                    pred_type = pred_type or (type(pred) if isinstance(pred, Mapping) else None)
+                    preds.append(_detach_cpu(_rows_only(pred)))
                     if label is not None:
                         labels.append(_detach_cpu(label))
                 n_batches += 1
@@ -472,7 +500,7 @@ def run_evaluation(
                 if m.training != mode:  # a submodule in another mode than its parent (a frozen norm)
                     m.training = mode
     names = sorted(sums)
-    pred_local = _concat(preds, "predictions") if collect else None
+    pred_local = _as_mapping_type(pred_type, _concat(preds, "predictions")) if collect else None
     label_local = _concat(labels, "labels")
     if strategy.world_size > 1:
         # the ranks agree on what each holds, so that a rank whose share is empty (a set smaller
@@ -495,6 +523,9 @@ def run_evaluation(
     # a dataset that shards itself deals its own way: its ranks' outputs are joined rank by rank
     dealt = not getattr(getattr(loader, "dataset", None), "shards_itself", False)
     predictions = strategy.gather_in_order(pred_local, dealt) if collect else None
+    if strategy.world_size > 1 and pred_spec is not None and pred_spec[0] == "dict":
+        pred_type = pred_spec[2]  # the same on every rank, also one whose share was empty
+    predictions = _as_mapping_type(pred_type, predictions)
     label_set = strategy.gather_in_order(label_local, dealt) if label_local is not None else None
     if labelled and wants_whole_set and not streaming:
         extra = module.compute_metrics(predictions, label_set) or {}

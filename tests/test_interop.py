@@ -54,6 +54,54 @@ def tiny_gpt2(dtype=torch.float32):
     return transformers.AutoModelForCausalLM.from_config(config).to(dtype)
 
 
+class BertClassifier(ll.TaskModule):
+    """A module returning transformers' own ModelOutput (a scalar loss beside per-item logits)
+    from batches that carry token_type_ids and attention_mask."""
+
+    def __init__(self):
+        super().__init__()
+        transformers = pytest.importorskip("transformers")
+        torch.manual_seed(0)
+        self.model = transformers.BertForSequenceClassification(transformers.BertConfig(
+            vocab_size=30, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=16,
+            num_labels=3, max_position_embeddings=32))
+
+    def forward(self, batch):
+        return self.model(**batch)
+
+    def loss(self, outputs, batch):
+        return outputs.loss
+
+
+def bert_items(n=11, length=10):
+    g = torch.Generator().manual_seed(3)
+    ids, lengths, y = torch.randint(1, 30, (n, length), generator=g), torch.randint(3, length + 1, (n,), generator=g), \
+        torch.randint(0, 3, (n,), generator=g)
+    mask = (torch.arange(length) < lengths[:, None]).long()
+    types = (torch.arange(length) >= lengths[:, None] // 2).long() * mask
+    return [{"input_ids": ids[i] * mask[i], "attention_mask": mask[i], "token_type_ids": types[i], "labels": y[i]}
+            for i in range(n)]
+
+
+def bert_predictions(out):
+    """predict() over 11 items in batches of 4: (type name, fields, logits)."""
+    result = ll.Fitter(max_steps=1, eval_batch_size=4, output_dir=str(out), **QUIET).predict(BertClassifier(), bert_items())
+    p = result.predictions
+    return type(p).__name__, list(p.keys()), p.logits
+
+
+def test_predict_keeps_a_model_output_and_leaves_out_its_per_batch_loss(tmp_path):
+    """A ModelOutput came back as a plain dict, and its scalar loss as one row per batch, which
+    on several processes was interleaved as if it belonged to items. Now: the ModelOutput type,
+    per-item fields only (as the HF Trainer leaves out the loss), logits of the whole set."""
+    name, keys, logits = bert_predictions(tmp_path)
+    module, items = BertClassifier().eval(), bert_items()
+    with torch.no_grad():
+        reference = module.model(**torch.utils.data.default_collate(items)).logits
+    assert (name, keys) == ("SequenceClassifierOutput", ["logits"])
+    torch.testing.assert_close(logits, reference, rtol=0, atol=1e-6)
+
+
 class TokenData(torch.utils.data.Dataset):
     """Learnable sequences (arithmetic progressions mod 100), right-padded by 0-9 tokens; the
     first ``prompt`` tokens and the padding are labelled -100, so items count unevenly."""
@@ -434,6 +482,14 @@ def test_export_hf_writes_on_rank_zero_only(two_processes):
     assert (two_processes / "hf-returned-rank1.txt").read_text() == str(two_processes / "hf-rank1")
 
 
+def test_predict_of_a_model_output_on_two_processes_equals_one_process(two_processes, tmp_path):
+    name, keys, logits = bert_predictions(tmp_path)
+    for rank in (0, 1):
+        two = json.loads((two_processes / f"bert-rank{rank}.json").read_text())
+        assert two[:2] == [name, keys] == ["SequenceClassifierOutput", ["logits"]]
+        torch.testing.assert_close(torch.tensor(two[2]), logits, rtol=0, atol=1e-6)
+
+
 def test_plain_streaming_metrics_stay_refused_on_two_processes(two_processes):
     """A streaming object that does not reduce across ranks would give each rank its own share's
     value: refused, by name of the fix (torchmetrics objects, as above, are accepted)."""
@@ -454,6 +510,8 @@ def _two_process_target(out: Path) -> None:
     # called on every rank, as after a DDP fit; no barrier inside (rank 0 alone may call it)
     returned = export_hf(HFCausalLM(tiny_gpt2()), out / f"hf-rank{rank}")
     (out / f"hf-returned-rank{rank}.txt").write_text(str(returned))
+    name, keys, logits = bert_predictions(out / "bert")
+    (out / f"bert-rank{rank}.json").write_text(json.dumps([name, keys, logits.tolist()]))
 
     class PlainStream(Classifier):
         def streaming_metrics(self):
