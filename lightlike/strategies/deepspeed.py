@@ -204,6 +204,11 @@ class DeepSpeedStrategy(DDPStrategy):
         if self.ds_config is None:
             raise ConfigError(f"strategy={self.name!r} needs the run's settings before set-up: the Fitter calls "
                               "strategy.configure(config) before setup_environment()")
+        wide = sorted({str(p.dtype) for p in model.parameters() if p.requires_grad and p.dtype == torch.float64})
+        if wide:  # its master partitions are float32: every update would round through them
+            raise ConfigError(f"strategy={self.name!r} trains {wide[0]} parameters in float32 (DeepSpeed keeps float32 "
+                              "master weights), so the run would not be the float64 run it looks like: use "
+                              "strategy='fsdp' or 'ddp' for float64, or convert the module to float32")
         groups = list(optimizer.param_groups)
         engine, ds_optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer,
                                                           config=copy.deepcopy(self.ds_config),
