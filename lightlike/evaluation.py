@@ -359,15 +359,22 @@ def _conform(x: Any, spec: Any) -> Any:
     return [] if x is None else x
 
 
-def _rows_only(pred: Any) -> Any:
+def _rows_only(pred: Any, where: str) -> Any:
     """A mapping's fields that hold one row per item: a 0-d tensor beside batched fields is a
     per-batch value (a Hugging Face ModelOutput's ``loss``), which has no place in dataset order
-    and is left out, as the HF Trainer leaves it out."""
-    if not isinstance(pred, Mapping):
+    and is left out, as the HF Trainer leaves it out. In a tuple, leaving it out would move the
+    other fields' positions: refused instead."""
+    if not isinstance(pred, (Mapping, tuple)):
         return pred
-    scalar = {k for k, v in pred.items() if isinstance(v, torch.Tensor) and v.ndim == 0}
+    fields = pred.items() if isinstance(pred, Mapping) else enumerate(pred)
+    scalar = {k for k, v in fields if isinstance(v, torch.Tensor) and v.ndim == 0}
     if not scalar or len(scalar) == len(pred):
         return pred
+    if isinstance(pred, tuple):
+        raise ModuleContractError(
+            f"predictions() returned a tuple whose field {min(scalar)} is a 0-d tensor beside per-item fields {where}: "
+            "a per-batch value (such as a loss) has no place in dataset order; return the per-item fields "
+            "(for a Hugging Face (loss, logits) tuple, override predictions() to return outputs[1:])")
     return {k: v for k, v in pred.items() if k not in scalar}
 
 
@@ -490,7 +497,7 @@ def run_evaluation(
                 if collect:
                     pred = call_hook(module.predictions, "predictions", batch, where, outputs, batch)
                     pred_type = pred_type or (type(pred) if isinstance(pred, Mapping) else None)
-                    preds.append(_detach_cpu(_rows_only(pred)))
+                    preds.append(_detach_cpu(_rows_only(pred, where)))
                     if label is not None:
                         labels.append(_detach_cpu(label))
                 n_batches += 1

@@ -421,6 +421,22 @@ def test_tuple_predictions_are_joined_field_by_field(tmp_path):
         assert torch.equal(got[0], want) and torch.equal(got[1], want * 10)
 
 
+def test_a_per_batch_scalar_in_a_tuple_prediction_is_refused(tmp_path):
+    """A Hugging Face (loss, logits) tuple (return_dict=False): the loss is one value per batch,
+    which was joined as if it were one row per item (interleaved with items on several
+    processes). A mapping leaves such a field out (test_interop); in a tuple that would move the
+    logits to position 0, so it is refused, naming the fix."""
+    from lightlike.errors import ModuleContractError
+
+    class LossAndLogits(Classifier):
+        def predictions(self, outputs, batch):
+            return (nn.functional.cross_entropy(outputs, batch["y"]), outputs)
+
+    fitter = ll.Fitter(max_steps=1, eval_batch_size=2, output_dir=str(tmp_path), loggers=[])
+    with pytest.raises(ModuleContractError, match=r"field 0 is a 0-d tensor .*outputs\[1:\]"):
+        fitter.predict(LossAndLogits(), DictDataset(n=5))
+
+
 def test_evaluation_gives_the_module_back_through_its_own_train(tmp_path):
     """A module whose train() override switches training-only behaviour: after an evaluation
     its train(True) runs again (setting the flags back only skipped it, and the run trained on
