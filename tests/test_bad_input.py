@@ -70,6 +70,16 @@ def test_unknown_keyword_to_fit_config_itself_names_closest():
     ("log_level", "loud", r"log_level='loud' is not valid; choose one of: debug, info"),
     ("adam_beta2", 1.0, r"adam_beta2 must be in \[0, 1\), got 1.0"),
     ("learning_rate", float("nan"), r"learning_rate must be finite, got nan"),
+    ("max_grad_norm", 0, r"max_grad_norm must be a finite number > 0 or None, got 0"),
+    ("max_grad_norm", 0.0, r"max_grad_norm must be a finite number > 0 or None, got 0.0"),
+    ("max_grad_value", 0, r"max_grad_value must be a finite number > 0 or None, got 0"),
+    ("max_grad_value", -1.0, r"max_grad_value must be a finite number > 0 or None, got -1.0"),
+    ("momentum", -0.1, r"momentum must be >= 0, got -0.1"),
+    ("num_workers", -1, r"num_workers must be >= 0, got -1"),
+    ("max_steps", 0, r"max_steps must be a positive int, got 0"),
+    ("max_epochs", 0, r"max_epochs must be a positive int, got 0"),
+    ("warmup_ratio", 1.0, r"warmup_ratio must be in \[0, 1\), got 1.0"),
+    ("warmup_ratio", -0.1, r"warmup_ratio must be in \[0, 1\), got -0.1"),
 ])
 def test_wrong_type_or_value_is_one_config_error(field, value, message):
     with pytest.raises(ll.ConfigError, match=message):
@@ -117,6 +127,16 @@ def test_load_best_at_end_needs_a_checkpoint_at_every_evaluation(kw, message):
                                 dict(save_strategy="best", eval_every=3)])
 def test_load_best_at_end_consistent_settings(kw):
     ll.FitConfig(**BEST, **kw)
+
+
+@pytest.mark.parametrize("kw", [dict(load_best_at_end=True, save_every=2, eval_every=2),
+                                dict(load_best_at_end=True, save_strategy="best", eval_every=2),
+                                dict(save_strategy="best", eval_every=2)])
+def test_best_checkpoints_need_metric_for_best(kw):
+    with pytest.raises(ll.ConfigError, match=r"save_strategy='best' and load_best_at_end need metric_for_best") as e:
+        ll.FitConfig(max_steps=10, **kw)
+    assert "metric_for_best" in e.value.settings
+    ll.FitConfig(max_steps=10, metric_for_best="val/loss", **kw)  # with it, the same settings are fine
 
 
 def test_no_stopping_criterion():

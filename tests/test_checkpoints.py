@@ -669,3 +669,64 @@ def test_rewriting_a_checkpoint_swaps_it_in_one_step(tmp_path, monkeypatch):
     verify_checkpoint(tmp_path / "checkpoint-5")
     assert load_file(str(tmp_path / "checkpoint-5" / "model.safetensors"))["w"].tolist() == [2.0] * 4
     assert [p.name for p in tmp_path.iterdir()] == ["checkpoint-5"]  # the old one removed, nothing left over
+
+
+def test_export_verifies_checksums_unless_told_not_to(tmp_path, capsys):
+    """A same-size bit flip in the weights' tensor data: export (API and command line) refuses
+    it naming the file and writes nothing; with hashes=False / --no-verify-hashes it checks sizes
+    only and copies the file as it is."""
+    from lightlike.checkpoint.export import export_weights
+
+    train(tmp_path, steps=2)
+    ckpt = tmp_path / "run" / "checkpoint-2"
+    target = ckpt / "model.safetensors"
+    data = bytearray(target.read_bytes())
+    data[-1] ^= 0x01  # the last tensor's last byte: the header still parses, the size is the same
+    target.write_bytes(bytes(data))
+    load_file(str(target))  # still a readable safetensors file
+    with pytest.raises(ll.CheckpointError, match=r"model\.safetensors has changed contents"):
+        export_weights(ckpt, tmp_path / "api")
+    assert not (tmp_path / "api").exists()
+    assert export_weights(ckpt, tmp_path / "api", hashes=False) == tmp_path / "api" / "model.safetensors"
+    assert (tmp_path / "api" / "model.safetensors").read_bytes() == bytes(data)
+
+    capsys.readouterr()
+    assert cli_main(["export", str(ckpt), str(tmp_path / "cli")]) != 0
+    err = capsys.readouterr().err
+    assert "model.safetensors has changed contents" in err and "mismatch" in err
+    assert not (tmp_path / "cli" / "model.safetensors").exists()
+    assert cli_main(["export", str(ckpt), str(tmp_path / "cli"), "--no-verify-hashes"]) == 0
+    assert (tmp_path / "cli" / "model.safetensors").read_bytes() == bytes(data)
+
+
+def test_output_dir_of_weights_only_checkpoints_offers_resume_auto_not_resume_true(tmp_path):
+    """save_only_model checkpoints cannot be resumed: a fresh fit into their output_dir is refused
+    with resume='auto' (which moves them aside) as the advice, and that advice works."""
+    train(tmp_path, steps=2, save_only_model=True)
+    assert [p.name for p in list_checkpoints(tmp_path / "run")] == ["checkpoint-2"]
+    with pytest.raises(ll.OutputDirError, match="already holds a run") as caught:
+        train(tmp_path, steps=2)
+    message = str(caught.value)
+    assert "resume=True" not in message and "it holds no resumable checkpoint: pass resume='auto'" in message
+    assert caught.value.offers == ("resume='auto'", "overwrite_output_dir=True")
+    _, result = train(tmp_path, steps=2, resume="auto")
+    assert result.global_step == 2 and verify_checkpoint(tmp_path / "run" / "checkpoint-2")["step"] == 2
+    assert any(p.name.startswith("abandoned-") for p in (tmp_path / "run").iterdir())
+
+
+def test_a_leftover_temp_file_of_an_interrupted_export_does_not_block_a_new_one(tmp_path):
+    from lightlike.checkpoint.export import export_weights
+
+    train(tmp_path, steps=2)
+    ckpt, out = tmp_path / "run" / "checkpoint-2", tmp_path / "export"
+    out.mkdir()
+    (out / ".model.safetensors.tmp-123").write_bytes(b"half a file")  # a killed export's
+    (out / ".config.json.tmp-7").write_text("{")
+    export_weights(ckpt, out)
+    assert (out / "model.safetensors").read_bytes() == (ckpt / "model.safetensors").read_bytes()
+    export_weights(ckpt, out)  # again, over the earlier export and the leftovers
+    assert {p.name for p in out.iterdir()} >= {"model.safetensors", "hparams.json", "config.json"}
+    # a file no export writes is still refused
+    (out / "notes.txt").write_text("mine")
+    with pytest.raises(ll.CheckpointError, match=r"holds files that no export wrote \(notes\.txt\)"):
+        export_weights(ckpt, out)

@@ -4,6 +4,7 @@ line on stderr and exit code 2, never a traceback."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -312,3 +313,65 @@ def test_a_bad_value_from_the_config_file_names_the_file(capsys, tmp_path, monke
     assert want in line
     if not flags:
         assert line.startswith(f"lightlike config: error: {want}")
+
+
+# -- 10: comma lists, targets without :Class, **kwargs ------------------------------------------
+LIST_MODULE = '''
+from torch import nn
+import lightlike as ll
+
+class Base(ll.TaskModule):
+    def __init__(self, width: int = 4, **kwargs):
+        super().__init__()
+        self.net = nn.Linear(4, width)
+
+    def forward(self, batch):
+        return self.net(batch["x"])
+
+    def loss(self, outputs, batch):
+        return outputs.pow(2).mean()
+'''
+
+
+def test_comma_separated_lists(capsys, tmp_path, monkeypatch):
+    """A list-typed setting or constructor argument takes ``a,b``; each item is read as JSON
+    (numbers stay numbers) or else kept as a string."""
+    monkeypatch.chdir(tmp_path)
+    Path("list_net.py").write_text(LIST_MODULE + '''
+
+class Net(Base):
+    def __init__(self, sizes: list[int] = (4,), names: list[str] | None = None, mix: list = ()):
+        super().__init__()
+''')
+    code, out, err = run_cli(capsys, "config", "list_net.py:Net", "--max_steps", "1", "--format", "json",
+                             "--preemption_signals", "SIGTERM,SIGUSR1", "--model.sizes", "1, 2,3",
+                             "--model.names", "a,b", "--model.mix", "1,x,0.5,true")
+    assert code == 0, err
+    resolved = json.loads(out)
+    assert resolved["preemption_signals"] == ["SIGTERM", "SIGUSR1"]
+    assert resolved["model"] == {"sizes": [1, 2, 3], "names": ["a", "b"], "mix": [1, "x", 0.5, True]}
+
+
+def test_a_target_file_without_a_class_name_takes_the_class_defined_there(capsys, tmp_path, monkeypatch):
+    """The file imports one TaskModule subclass and defines another: the defined one is the target."""
+    monkeypatch.chdir(tmp_path)
+    Path("imported_base_x.py").write_text(LIST_MODULE)
+    Path("defines_net_x.py").write_text("from imported_base_x import Base\n\n\nclass Net(Base):\n"
+                                        "    def __init__(self, depth: int = 2, width: int = 4):\n"
+                                        "        super().__init__(width=width)\n")
+    code, out, err = run_cli(capsys, "config", "defines_net_x.py", "--max_steps", "1", "--format", "json")
+    assert code == 0, err
+    assert json.loads(out)["model"] == {"depth": 2, "width": 4}  # Net's arguments, not Base's
+
+
+def test_a_module_taking_kwargs_accepts_any_key_in_the_model_table(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    Path("kw_net.py").write_text(LIST_MODULE)
+    Path("k.toml").write_text('max_steps = 1\n[model]\nwidth = 3\nextra = 5\nname = "x"\n')
+    code, out, err = run_cli(capsys, "config", "kw_net.py:Base", "--config", "k.toml", "--format", "json")
+    assert code == 0, err
+    assert json.loads(out)["model"] == {"width": 3, "extra": 5, "name": "x"}
+    # without **kwargs the same table is refused, naming the key
+    Path("nokw_net.py").write_text(LIST_MODULE.replace(", **kwargs", ""))
+    line = one_line_error(capsys, "config", "nokw_net.py:Base", "--config", "k.toml")
+    assert "k.toml: unknown key 'model.extra'" in line

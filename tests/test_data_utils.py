@@ -62,6 +62,17 @@ def test_padding_left_multiple_and_own_lengths():
     torch.testing.assert_close(b["labels"], T([[-100, -100, -100, 7], [-100, 8, 9, 10]]))
 
 
+@pytest.mark.parametrize(("lengths", "multiple", "width"), [((8, 5), 8, 8), ((9, 5), 8, 16), ((3, 1), 4, 4),
+                                                         ((4, 4), 4, 4), ((5, 2), 1, 5), ((5, 2), None, 5)])
+def test_pad_to_multiple_of_rounds_the_longest_up(lengths, multiple, width):
+    """The width is the smallest multiple at or above the longest: a longest that is already a
+    multiple stays as it is."""
+    items = [{"input_ids": list(range(1, n + 1))} for n in lengths]
+    b = PaddingCollator(pad_token_id=0, pad_to_multiple_of=multiple)(items)
+    assert b["input_ids"].shape == (2, width) and b["attention_mask"].shape == (2, width)
+    assert b["attention_mask"].sum(1).tolist() == list(lengths)
+
+
 def test_padding_given_mask_keys_and_pad_values():
     items = [{"input_ids": [1, 2], "attention_mask": [1, 0], "special_tokens_mask": [1, 0], "x": [0.5, 1.5]},
              {"input_ids": [3], "attention_mask": [1], "special_tokens_mask": [1], "x": [2.5, 3.5]}]
@@ -201,6 +212,38 @@ def test_mlm_masks_are_a_function_of_seed_epoch_and_tokens():
     assert rows(mlm(mlm_probability=0.5, seed=6)([a]), [40]) != ab[:1]
     col.set_epoch(1)
     assert rows(col([a]), [40]) != ab[:1]  # a new epoch masks anew (dynamic masking)
+
+
+def test_mlm_epoch_from_the_epoch_source():
+    """With ``epoch_source`` the masks follow its ``epoch`` (read at each call) and equal those of
+    a collator told the same epoch by ``set_epoch``; its own ``set_epoch`` is then ignored."""
+    from types import SimpleNamespace
+
+    g = torch.Generator().manual_seed(2)
+    seqs = [torch.randint(4, 1000, (n,), generator=g).tolist() for n in (40, 25)]
+    source = SimpleNamespace(epoch=0)
+    col = mlm(mlm_probability=0.5, epoch_source=source)
+    plain = mlm(mlm_probability=0.5)
+    by_epoch = {}
+    for epoch in (0, 1, 3):
+        source.epoch = epoch
+        plain.set_epoch(epoch)
+        by_epoch[epoch] = rows(col(seqs), [40, 25])
+        assert by_epoch[epoch] == rows(plain(seqs), [40, 25])
+        col.set_epoch(7)  # ignored: the source says
+        assert rows(col(seqs), [40, 25]) == by_epoch[epoch]
+    assert by_epoch[0] != by_epoch[1] != by_epoch[3] != by_epoch[0]
+
+
+def test_mlm_replace_probabilities_must_sum_to_at_most_one():
+    for mask_p, random_p in ((0.6, 0.5), (1.0, 0.01), (-0.1, 0.1), (0.5, -0.1)):
+        with pytest.raises(ValueError, match="sum to at most 1"):
+            mlm(mask_replace_prob=mask_p, random_replace_prob=random_p)
+    c = mlm(mlm_probability=1.0, mask_replace_prob=0.5, random_replace_prob=0.5)  # exactly 1: no token kept
+    seqs = torch.randint(4, 1000, (50, 20), generator=torch.Generator().manual_seed(0))
+    out = c(list(seqs))["input_ids"]
+    assert 0.4 < float((out == 1).float().mean()) < 0.6
+    assert float((out == seqs).float().mean()) < 0.01  # kept only where a random token hit the original
 
 
 class Tokens(Dataset):
