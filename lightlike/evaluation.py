@@ -25,6 +25,7 @@ import linecache
 import logging
 import math
 import numbers
+import pickle
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
@@ -321,7 +322,7 @@ def _spec(x: Any) -> Any:
     if isinstance(x, torch.Tensor):
         return ("tensor", x.dtype, tuple(x.shape[1:]))
     if isinstance(x, Mapping):
-        return ("dict", {k: _spec(v) for k, v in x.items()}, type(x))
+        return ("dict", {k: _spec(v) for k, v in x.items()}, _type_to_share(x))
     if isinstance(x, tuple):
         return ("tuple", [_spec(v) for v in x])
     return None if x is None else ("list",)
@@ -360,22 +361,34 @@ def _conform(x: Any, spec: Any) -> Any:
 
 
 def _rows_only(pred: Any, where: str) -> Any:
-    """A mapping's fields that hold one row per item: a 0-d tensor beside batched fields is a
-    per-batch value (a Hugging Face ModelOutput's ``loss``), which has no place in dataset order
-    and is left out, as the HF Trainer leaves it out. In a tuple, leaving it out would move the
-    other fields' positions: refused instead."""
+    """Predictions hold one row per item. A Hugging Face ModelOutput's ``loss`` is the batch's
+    loss, not a row: it is left out, as the HF Trainer leaves it out (by name, so every batch
+    keeps the same fields). Any other 0-d tensor beside a field of two or more rows is a
+    per-batch value too, with no place in dataset order: refused, naming the fix. (A 0-d field
+    beside one-row fields, such as ``squeeze()`` on a batch of one item, stays that item's row.)"""
+    if isinstance(pred, Mapping) and "loss" in pred and type(pred).__module__.startswith("transformers."):
+        return {k: v for k, v in pred.items() if k != "loss"}
     if not isinstance(pred, (Mapping, tuple)):
         return pred
-    fields = pred.items() if isinstance(pred, Mapping) else enumerate(pred)
-    scalar = {k for k, v in fields if isinstance(v, torch.Tensor) and v.ndim == 0}
-    if not scalar or len(scalar) == len(pred):
-        return pred
-    if isinstance(pred, tuple):
-        raise ModuleContractError(
-            f"predictions() returned a tuple whose field {min(scalar)} is a 0-d tensor beside per-item fields {where}: "
-            "a per-batch value (such as a loss) has no place in dataset order; return the per-item fields "
-            "(for a Hugging Face (loss, logits) tuple, override predictions() to return outputs[1:])")
-    return {k: v for k, v in pred.items() if k not in scalar}
+    fields = list(pred.items() if isinstance(pred, Mapping) else enumerate(pred))
+    tensors = [(k, v) for k, v in fields if isinstance(v, torch.Tensor)]
+    if any(v.ndim > 0 and len(v) > 1 for _, v in tensors):
+        scalar = [k for k, v in tensors if v.ndim == 0]
+        if scalar:
+            raise ModuleContractError(
+                f"predictions()[{scalar[0]!r}] is a 0-d tensor beside fields of one row per item {where}: a "
+                "per-batch value (such as a loss) has no place in dataset order; return only the per-item "
+                "fields from predictions() (for a Hugging Face (loss, logits) tuple: outputs[1:])")
+    return pred
+
+
+def _type_to_share(x: Any) -> Any:
+    """A mapping's type, for other ranks to rebuild it; None (a plain dict) if it cannot travel."""
+    try:
+        pickle.dumps(type(x))
+    except Exception:
+        return None
+    return type(x)
 
 
 def _as_mapping_type(cls: Any, joined: Any) -> Any:
@@ -385,7 +398,7 @@ def _as_mapping_type(cls: Any, joined: Any) -> Any:
         return joined
     try:
         return cls(joined)
-    except TypeError:
+    except Exception:  # a constructor that wants other arguments: the joined dict as it is
         return joined
 
 

@@ -433,8 +433,38 @@ def test_a_per_batch_scalar_in_a_tuple_prediction_is_refused(tmp_path):
             return (nn.functional.cross_entropy(outputs, batch["y"]), outputs)
 
     fitter = ll.Fitter(max_steps=1, eval_batch_size=2, output_dir=str(tmp_path), loggers=[])
-    with pytest.raises(ModuleContractError, match=r"field 0 is a 0-d tensor .*outputs\[1:\]"):
+    with pytest.raises(ModuleContractError, match=r"predictions\(\)\[0\] is a 0-d tensor .*outputs\[1:\]"):
         fitter.predict(LossAndLogits(), DictDataset(n=5))
+
+
+def test_mapping_predictions_keep_every_field_and_their_type(tmp_path):
+    """A field squeezed to 0-d on a batch of one item is that item's row (a first version of the
+    per-batch-loss rule dropped it from that batch: KeyError, or the field gone); a mapping type
+    the module returns comes back; a user's own {"loss": scalar, ...} is refused, naming it."""
+    import collections
+
+    from lightlike.errors import ModuleContractError
+
+    class Squeezed(Classifier):
+        def predictions(self, outputs, batch):
+            return collections.OrderedDict(pred=outputs[:, 0:1].squeeze(), emb=outputs)
+
+    class WithLoss(Classifier):
+        def predictions(self, outputs, batch):
+            return {"loss": nn.functional.cross_entropy(outputs, batch["y"]), "logits": outputs}
+
+    data = DictDataset(n=5)
+    module = Squeezed()
+    with torch.no_grad():
+        reference = module({"x": data.x})
+    for batch_size in (1, 2, 4):  # a last batch of one item; every batch one item
+        fitter = ll.Fitter(max_steps=1, eval_batch_size=batch_size, output_dir=str(tmp_path / str(batch_size)), loggers=[])
+        got = fitter.predict(module, data).predictions
+        assert type(got) is collections.OrderedDict and list(got) == ["pred", "emb"]
+        torch.testing.assert_close(got["emb"], reference, rtol=0, atol=1e-6)
+        torch.testing.assert_close(got["pred"], reference[:, 0], rtol=0, atol=1e-6)
+    with pytest.raises(ModuleContractError, match=r"predictions\(\)\['loss'\] is a 0-d tensor"):
+        ll.Fitter(max_steps=1, eval_batch_size=2, output_dir=str(tmp_path / "loss"), loggers=[]).predict(WithLoss(), data)
 
 
 def test_evaluation_gives_the_module_back_through_its_own_train(tmp_path):

@@ -490,6 +490,34 @@ def test_predict_of_a_model_output_on_two_processes_equals_one_process(two_proce
         torch.testing.assert_close(torch.tensor(two[2]), logits, rtol=0, atol=1e-6)
 
 
+def local_mapping_predictions(out, n):
+    """Predictions of a dict subclass defined in a function (it cannot be pickled), one field
+    squeezed to 0-d on a batch of one item: (type name, fields)."""
+    class Local(dict):
+        pass
+
+    class Squeezed(Classifier):
+        def predictions(self, outputs, batch):
+            return Local(pred=outputs[:, 0:1].squeeze(), emb=outputs)
+
+    torch.manual_seed(0)
+    p = ll.Fitter(max_steps=1, eval_batch_size=2, output_dir=str(out), **QUIET).predict(Squeezed(), DictDataset(n)).predictions
+    return type(p).__name__, dict(p)
+
+
+def test_mapping_predictions_of_any_type_on_two_processes_equal_one_process(two_processes, tmp_path):
+    """Sending the mapping's type to the other ranks failed for a type that cannot be pickled
+    (a first version of keeping the type); n=3 on 2 ranks leaves rank 1 a batch of one item."""
+    for n in (5, 3):
+        kind, fields = local_mapping_predictions(tmp_path / str(n), n)
+        assert kind == "Local" and fields["pred"].shape == (n,) and fields["emb"].shape == (n, 3)
+        for rank in (0, 1):
+            two_kind, two = json.loads((two_processes / f"local{n}-rank{rank}.json").read_text())
+            assert two_kind == "dict" and sorted(two) == ["emb", "pred"]  # a type that cannot travel: a dict
+            for k, v in fields.items():
+                torch.testing.assert_close(torch.tensor(two[k]), v, rtol=0, atol=1e-6)
+
+
 def test_plain_streaming_metrics_stay_refused_on_two_processes(two_processes):
     """A streaming object that does not reduce across ranks would give each rank its own share's
     value: refused, by name of the fix (torchmetrics objects, as above, are accepted)."""
@@ -512,6 +540,9 @@ def _two_process_target(out: Path) -> None:
     (out / f"hf-returned-rank{rank}.txt").write_text(str(returned))
     name, keys, logits = bert_predictions(out / "bert")
     (out / f"bert-rank{rank}.json").write_text(json.dumps([name, keys, logits.tolist()]))
+    for n in (5, 3):
+        kind, fields = local_mapping_predictions(out / f"local{n}", n)
+        (out / f"local{n}-rank{rank}.json").write_text(json.dumps([kind, {k: v.tolist() for k, v in fields.items()}]))
 
     class PlainStream(Classifier):
         def streaming_metrics(self):
