@@ -261,6 +261,27 @@ def test_export_gives_the_final_weights(runs, tmp_path, strategy):
     assert all(torch.equal(fresh.state_dict()[k], final[k]) for k in final)
 
 
+@pytest.mark.parametrize("strategy", ["deepspeed_zero1", "deepspeed_zero3"])
+def test_export_keeps_frozen_parameters(runs, tmp_path, strategy):
+    """A frozen layer (requires_grad False) was left out of a ZeRO-1 checkpoint's export and of
+    its weights-only load (load_best_at_end then failed on every rank at the end of the fit):
+    DeepSpeed records frozen parameters for its zero-to-fp32 reader only at stage 2 and up; they
+    are whole in the module states file."""
+    from safetensors.torch import load_file
+
+    from lightlike.checkpoint.export import export_weights
+    from lightlike.checkpoint.zero import consolidated_state_dict
+
+    out = runs(strategy, "--task", "frozen-first")
+    final, ckpt = weights(out), out / "checkpoint-7"
+    assert "net.0.weight" in final
+    exported = load_file(str(export_weights(ckpt, tmp_path / "export")))
+    loaded = consolidated_state_dict(ckpt)
+    for got in (exported, loaded):
+        assert sorted(got) == sorted(final)
+        assert all(torch.equal(got[k], final[k]) for k in final)
+
+
 # -- precision -------------------------------------------------------------------------------------
 def test_bf16_mixed_with_each_stage(runs, tmp_path):
     """bf16-mixed (DeepSpeed's torch_autocast section) with ZeRO-1, 2, 3: the first loss is the

@@ -181,6 +181,14 @@ class NormBlock(Block):
         return torch.tanh(self.norm(self.lin(x)))
 
 
+class FrozenFirst(Classifier):
+    """The first layer frozen (requires_grad False): not in the optimizer, still in the weights."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.net[0].requires_grad_(False)
+
+
 class MaybeCheckpointed(Classifier):
     """No shard unit: its own maybe_checkpoint is what checkpoints (calls counted as Block's)."""
 
@@ -270,7 +278,7 @@ def main() -> None:
                                                        "labels": pred.labels.tolist()}))
         return
     module_cls = {"token": TokenClassifier, "inttoken": IntTokenClassifier, "blocks": F1Blocks, "norm-blocks": F1NormBlocks,
-                  "maybe-checkpointed": MaybeCheckpointed}.get(args.task, Classifier)
+                  "maybe-checkpointed": MaybeCheckpointed, "frozen-first": FrozenFirst}.get(args.task, Classifier)
     if args.mode == "oom":
         module_cls = OutOfMemoryOnRank1
     dtype = getattr(torch, args.dtype)
