@@ -80,12 +80,19 @@ class Fitter:
         """Train ``module`` on ``train``; evaluate on ``val`` (a Dataset/DataLoader or a dict of
         them). ``resume=True`` continues from the newest valid checkpoint in ``output_dir``,
         ``resume="path"`` from that checkpoint."""
-        with failing_fast(self):
-            if not self.config.auto_find_batch_size:
-                return self._fit(module, train, val, resume)
-            from lightlike.utils.oom import fit_finding_batch_size
+        # handled from before set-up: a signal during a long set-up (a checkpoint load) is acted on
+        # at the first step boundary, not by its default action (ending the job, no requeue)
+        self._preemption = PreemptionHandler(self.config.preemption_signals)
+        self._preemption.install()
+        try:
+            with failing_fast(self):
+                if not self.config.auto_find_batch_size:
+                    return self._fit(module, train, val, resume)
+                from lightlike.utils.oom import fit_finding_batch_size
 
-            return fit_finding_batch_size(self, module, train, val, resume)
+                return fit_finding_batch_size(self, module, train, val, resume)
+        finally:
+            self._preemption.uninstall()
 
     def _fit(self, module: TaskModule, train: Any, val: Any, resume: bool | str | None) -> FitResult:
         cfg = self.config
@@ -166,10 +173,9 @@ class Fitter:
             torch.cuda.reset_peak_memory_stats(strategy.root_device)
 
         self._uniform_counts = train_data.deals_evenly and type(module).num_items is TaskModule.num_items
-        # a signal an out-of-memory retry's failed try received is kept (auto_find_batch_size)
-        self._preemption = preemption = PreemptionHandler(cfg.preemption_signals, self.__dict__.pop("_signal_carried", None))
+        preemption = self._preemption  # installed by fit(); an out-of-memory retry keeps what it received
+        preemption.vote = None
         self._stop_agreed: Any = False  # the stop flag agreed in this step's item-count reduction
-        preemption.install()
         try:
             callbacks.call("on_fit_start", self, state, control)
             self._bar_active = any(bar.bar is not None for bar in bars)  # a bar drawn replaces log lines
@@ -258,7 +264,6 @@ class Fitter:
                 load_weights_from(self, Path(state.best_checkpoint))
             callbacks.call("on_fit_end", self, state, control)
         finally:
-            preemption.uninstall()
             for lg in self.loggers:
                 lg.finalize()
 

@@ -44,9 +44,9 @@ class Preempted(SystemExit):
 class PreemptionHandler:
     """Installs flag-only handlers for the given signals while a fit runs."""
 
-    def __init__(self, signals: list[str] | tuple[str, ...], received: int | None = None):
+    def __init__(self, signals: list[str] | tuple[str, ...]):
         self.signals = [_signal(name) for name in signals]
-        self.received: int | None = received  # a signal an earlier try of this fit got (auto_find_batch_size)
+        self.received: int | None = None  # kept over an out-of-memory retry (auto_find_batch_size)
         self.vote: Any = None  # the every-10-steps vote in flight (several processes, equal shares)
         self._previous: dict[int, Any] = {}
 

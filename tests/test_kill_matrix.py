@@ -197,6 +197,21 @@ def test_preemption_signal_while_workers_start_reaches_them_harmlessly(tmp_path,
     assert outcome(out) == reference(tmp_path_factory, "32-true", 2)
 
 
+def test_preemption_signal_during_set_up_is_acted_on_at_the_first_step(tmp_path, tmp_path_factory):
+    """A signal while a resume loads its checkpoint (set-up can take minutes on a large run:
+    verification, a distributed load, DeepSpeed's conversion) took its default action: the job
+    died (exit -15), unrequeued. The handler is installed before set-up, so the flag waits for the
+    first step boundary: saved there, exit 75, and the run resumes to the uninterrupted result."""
+    out = tmp_path / "run"
+    assert run(out, "32-true", 0, "term:4").returncode == EXIT_PREEMPTED
+    proc = run(out, "32-true", 0, "termload")
+    assert proc.returncode == EXIT_PREEMPTED, proc.stderr[-3000:]
+    assert "saving a checkpoint at step 5" in proc.stderr
+    assert [p.name for p in list_checkpoints(out)][-1] == "checkpoint-5"
+    assert run(out, "32-true", 0).returncode == 0
+    assert outcome(out) == reference(tmp_path_factory, "32-true", 0)
+
+
 def test_preemption_mid_window_saves_at_the_step_boundary(tmp_path, tmp_path_factory):
     """A checkpoint requested mid-accumulation is taken when the window's step completes: micro-
     batch 8 is the first of step 5's two-batch window, so the checkpoint is checkpoint-5."""

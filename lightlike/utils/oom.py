@@ -70,8 +70,6 @@ def fit_finding_batch_size(fitter: Fitter, module: Any, train: Any, val: Any, re
                           "process only; set a smaller batch_size", cfg.batch_size, fitter.strategy.global_rank)
                 raise
             fitter._commit_checkpoint()  # an asynchronous save of the failed try lands before the retry clears it
-            fitter._signal_carried = getattr(  # type: ignore[attr-defined]
-                getattr(fitter, "_preemption", None), "received", None)  # not lost
             new_bs, new_acc = smaller_batch(cfg.batch_size, cfg.grad_accum_steps)
             log.warning("out of memory at batch_size=%d: retrying from the start with batch_size=%d, "
                         "grad_accum_steps=%d", cfg.batch_size, new_bs, new_acc)

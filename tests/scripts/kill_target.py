@@ -11,6 +11,7 @@
 ``termgroupstart:N``  the same, 0.5 s after step N, while the evaluation's workers start (slowly)
 ``termmicro:N``  SIGTERM in the N-th training forward (mid-window): saved after that step
 ``term2:N``  SIGTERM after step N and again in the middle of the preemption save
+``termload``  SIGTERM while the resumed checkpoint is being loaded (set-up, before the loop)
 ``--step-sleep S`` makes each step take S seconds longer (a kill from outside then lands mid-run).
 Without --kill it runs (or resumes) to the end and writes OUT_DIR/final.safetensors.
 """
@@ -131,6 +132,16 @@ def main() -> None:
 
         torch.set_num_threads = slow_in_a_worker
     patch_saves()
+    if KILL and KILL[0] == "termload":
+        from lightlike.checkpoint import training
+
+        load = training.load_training_checkpoint
+
+        def signalled_load(*a, **kw):
+            os.kill(os.getpid(), signal.SIGTERM)
+            return load(*a, **kw)
+
+        training.load_training_checkpoint = signalled_load
     torch.manual_seed(0)
     model = Net()
     resume = find_latest_valid(args.out) is not None
