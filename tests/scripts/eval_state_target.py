@@ -39,9 +39,12 @@ def fitter(out, strategy, **kw):
     return ll.Fitter(**{**cfg, **kw})
 
 
+DTYPE = torch.float64  # float32 under DeepSpeed, which refuses float64 (its masters are float32)
+
+
 def fresh():
     torch.manual_seed(0)
-    return Normed().double()
+    return Normed().to(DTYPE)
 
 
 class Contiguous(torch.utils.data.IterableDataset):
@@ -76,7 +79,9 @@ def main():
         result = {n: f.predict(Identity().double(), Contiguous(n)).predictions.tolist() for n in (4, 10)}
         torch.save(result, out / f"rank{rank}.pt")
         return
-    train, val, tiny = (DictDataset(n=n, dtype=torch.float64, seed=s) for n, s in ((24, 0), (7, 1), (1, 2)))
+    global DTYPE
+    DTYPE = torch.float32 if strategy.startswith("deepspeed") else torch.float64
+    train, val, tiny = (DictDataset(n=n, dtype=DTYPE, seed=s) for n, s in ((24, 0), (7, 1), (1, 2)))
     result = {}
 
     # modes: each submodule comes back as it went in, also a frozen norm in a training module
