@@ -367,7 +367,7 @@ def _rows_only(pred: Any, where: str) -> Any:
     per-batch value too, with no place in dataset order: refused, naming the fix. (A 0-d field
     beside one-row fields, such as ``squeeze()`` on a batch of one item, stays that item's row.)"""
     if isinstance(pred, Mapping) and "loss" in pred and type(pred).__module__.startswith("transformers."):
-        return {k: v for k, v in pred.items() if k != "loss"}
+        pred = {k: v for k, v in pred.items() if k != "loss"}  # the rest is checked as any mapping
     if not isinstance(pred, (Mapping, tuple)):
         return pred
     fields = list(pred.items() if isinstance(pred, Mapping) else enumerate(pred))

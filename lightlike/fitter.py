@@ -80,10 +80,7 @@ class Fitter:
         """Train ``module`` on ``train``; evaluate on ``val`` (a Dataset/DataLoader or a dict of
         them). ``resume=True`` continues from the newest valid checkpoint in ``output_dir``,
         ``resume="path"`` from that checkpoint."""
-        # handled from before set-up: a signal during a long set-up (a checkpoint load) is acted on
-        # at the first step boundary, not by its default action (ending the job, no requeue)
-        self._preemption = PreemptionHandler(self.config.preemption_signals)
-        self._preemption.install()
+        self._preemption = PreemptionHandler(self.config.preemption_signals)  # one per fit(): kept over retries
         try:
             with failing_fast(self):
                 if not self.config.auto_find_batch_size:
@@ -99,6 +96,11 @@ class Fitter:
         self._phase = "set-up"
         # ---- set up: processes and devices, output dir, data, module, optimizer ----------------
         strategy = self._setup_strategy()
+        # handled from here on: a signal during the rest of set-up (a checkpoint load, DeepSpeed's
+        # conversion) is acted on at the first step boundary, not by its default action (the job
+        # ended unrequeued). Not before: a rank waiting for the process group must still end at the
+        # launcher's SIGTERM when a peer fails to start
+        self._preemption.install()
         strategy.precision.reset()  # an earlier fit's loss scale is not this one's
         check_task_module(module)
         from lightlike.checkpoint.resume import resolve_resume  # chosen once, on the main rank, for all

@@ -54,6 +54,8 @@ class PreemptionHandler:
         self.received = signum
 
     def install(self) -> None:
+        if self._previous:  # installed already (an out-of-memory retry of the same fit)
+            return
         if threading.current_thread() is not threading.main_thread():
             log.warning("fit() is not running in the main thread: preemption signals are not handled")
             return

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 from lightlike.callbacks.base import Callback
 from lightlike.config import FitConfig
 from lightlike.errors import ConfigError, OutputDirError
+from lightlike.preemption import EXIT_PREEMPTED, Preempted, PreemptionHandler
 
 if TYPE_CHECKING:
     from lightlike.fitter import Fitter
@@ -77,7 +78,7 @@ def search(fitter: Fitter, module_factory: Callable[..., Any], space: Any, n_tri
     to ``optuna.create_study``; an existing ``study`` (e.g. with storage, to continue it) is used
     as it is, with its own direction, sampler and pruner. ``timeout`` (seconds) as in
     ``study.optimize``."""
-    import optuna
+    import optuna  # noqa: F401 (here: a missing optuna fails before any process group)
 
     base = fitter.config
     metric = metric or base.metric_for_best or "val/loss"
@@ -95,6 +96,32 @@ def search(fitter: Fitter, module_factory: Callable[..., Any], space: Any, n_tri
     strategy = fitter._setup_strategy()
     config_keys = {f.name for f in fields(FitConfig)}
     _check_space_names(space, module_factory, config_keys)
+    between = PreemptionHandler(base.preemption_signals)  # a signal between trials (each fit has its own)
+    between.install()
+    try:
+        return _search(fitter, strategy, between, module_factory, space, n_trials, train, val, metric, direction,
+                       sampler_seed, sampler, pruner, study, timeout, config_keys)
+    finally:
+        between.uninstall()
+
+
+def _stop_if_preempted(strategy: Any, handlers: list[Any], after: str) -> None:
+    """Every rank agrees whether a preemption signal came (one may end a trial before its fit
+    acts on it): the search stops with exit 75. It is not requeued: a search does not resume
+    (pass ``study=`` with a storage to continue one)."""
+    names = [h.signal_name for h in handlers if h.received is not None]
+    if strategy.reduce_flag(bool(names)) if strategy.world_size > 1 else names:
+        log.warning("%s received %s: the search stops (exit %d; a search does not resume, pass study= with a "
+                    "storage to continue it)", names[0] if names else "a signal on another rank", after, EXIT_PREEMPTED)
+        raise Preempted(names[0] if names else "a signal on another rank", None)
+
+
+def _search(fitter: Fitter, strategy: Any, between: Any, module_factory: Callable[..., Any], space: Any,
+            n_trials: int, train: Any, val: Any, metric: str, direction: str, sampler_seed: int | None,
+            sampler: Any, pruner: Any, study: Any, timeout: float | None, config_keys: set[str]) -> Any:
+    import optuna
+
+    base = fitter.config
 
     def run_trial(number: int, params: Mapping[str, Any], trial: Any) -> tuple[float | None, Any]:
         overrides = {k: v for k, v in params.items() if k in config_keys}
@@ -107,12 +134,14 @@ def search(fitter: Fitter, module_factory: Callable[..., Any], space: Any, n_tri
         tr, va = _data(module, train, val)
         if va is None:
             raise ConfigError("search needs evaluation data for its metric: pass val=... (or define val_data())")
+        _stop_if_preempted(strategy, [between], f"before trial {number}")
         try:
             result = trial_fitter.fit(module, tr, va)
         except OutputDirError as e:  # its resume=True hint does not apply: a search cannot resume
             raise OutputDirError(f"search: {cfg.output_dir!r} already holds a run (an earlier search's trial?); "
                                  "choose another output_dir, or pass overwrite_output_dir=True to replace the "
                                  f"trials ({e})", offers=("overwrite_output_dir=True",)) from None
+        _stop_if_preempted(strategy, [between, trial_fitter._preemption], f"during trial {number}")
         if metric not in result.metrics:
             raise ConfigError(f"search metric {metric!r} is not among the fit's metrics {sorted(result.metrics)}; "
                               "pass val=... (and eval_every for pruning)")

@@ -282,6 +282,18 @@ def test_export_keeps_frozen_parameters(runs, tmp_path, strategy):
         assert all(torch.equal(got[k], final[k]) for k in final)
 
 
+def test_a_submodule_named_module_keeps_its_name():
+    """Consolidation stripped "module." from every key, so a user's own submodule named `module`
+    lost its name (export keys wrong, load_best_at_end failed on every rank): a prefix is a
+    wrapper's only when every key carries it."""
+    from lightlike.checkpoint.zero import _wrapper_prefix
+
+    assert _wrapper_prefix(["module.weight", "module.bias", "head.weight"]) == ""
+    assert _wrapper_prefix(["module.net.weight", "module.head.weight"]) == "module."
+    assert _wrapper_prefix(["_orig_mod.a", "_orig_mod.b"]) == "_orig_mod."
+    assert _wrapper_prefix([]) == ""
+
+
 # -- precision -------------------------------------------------------------------------------------
 def test_bf16_mixed_with_each_stage(runs, tmp_path):
     """bf16-mixed (DeepSpeed's torch_autocast section) with ZeRO-1, 2, 3: the first loss is the

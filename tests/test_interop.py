@@ -90,6 +90,22 @@ def bert_predictions(out):
     return type(p).__name__, list(p.keys()), p.logits
 
 
+def test_other_per_batch_fields_of_a_model_output_are_refused(tmp_path):
+    """Only a ModelOutput's loss is left out by name; another per-batch scalar (a mixture of
+    experts' aux_loss) beside per-item logits became one row per batch: refused, by name."""
+    transformers = pytest.importorskip("transformers")
+    from lightlike.errors import ModuleContractError
+
+    class WithAuxLoss(Classifier):
+        def predictions(self, outputs, batch):
+            return transformers.modeling_outputs.MoeCausalLMOutputWithPast(
+                loss=outputs.sum(), aux_loss=outputs.mean(), logits=outputs)
+
+    fitter = ll.Fitter(max_steps=1, eval_batch_size=2, output_dir=str(tmp_path), **QUIET)
+    with pytest.raises(ModuleContractError, match=r"predictions\(\)\['aux_loss'\] is a 0-d tensor"):
+        fitter.predict(WithAuxLoss(), DictDataset(n=5))
+
+
 def test_predict_keeps_a_model_output_and_leaves_out_its_per_batch_loss(tmp_path):
     """A ModelOutput came back as a plain dict, and its scalar loss as one row per batch, which
     on several processes was interleaved as if it belonged to items. Now: the ModelOutput type,

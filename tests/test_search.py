@@ -122,3 +122,31 @@ def test_every_trial_gets_fresh_copies_of_the_callbacks(tmp_path, monkeypatch):
     # the user's objects were not used
     assert counter.evaluations == 0
     assert (stopper.best, stopper.wait, stopper.stopped_step) == (None, 0, None)
+
+
+def test_a_signal_that_a_trial_ends_before_acting_on_stops_the_search(tmp_path):
+    """SIGTERM at a trial's last step: that fit ends normally (no preemption at a run's last
+    step), and the search went on with every later trial until the scheduler killed the job.
+    Now the search stops after that trial with exit 75 (Preempted), and the handler is restored."""
+    import os
+    import signal
+
+    from lightlike.preemption import EXIT_PREEMPTED, Preempted
+
+    class SignalAtTheEnd(ll.Callback):
+        trials = 0  # on the class: each trial gets its own copy of the callback
+
+        def on_fit_start(self, fitter, state, control):
+            type(self).trials += 1
+
+        def on_step_end(self, fitter, state, control):
+            if state.global_step == state.max_steps:
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    before = signal.getsignal(signal.SIGTERM)
+    fitter = tiny_fitter(tmp_path, callbacks=[SignalAtTheEnd()])
+    with pytest.raises(Preempted) as stopped:
+        tiny_search(fitter, LR, n_trials=3, study=optuna.create_study())
+    assert stopped.value.code == EXIT_PREEMPTED
+    assert SignalAtTheEnd.trials == 1
+    assert signal.getsignal(signal.SIGTERM) == before

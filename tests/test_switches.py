@@ -176,6 +176,31 @@ def test_a_preemption_signal_before_an_out_of_memory_retry_is_kept(tmp_path):
     assert fitter.state.global_step == 1 and (tmp_path / "checkpoint-1").is_dir()
 
 
+def test_preemption_handlers_cover_set_up_after_the_process_group(tmp_path):
+    """Installed once the process group is up (a signal during a resume's checkpoint load is
+    acted on at the first step), not before: a rank waiting to meet a peer that failed to start
+    must still end at the launcher's SIGTERM (it ignored it and hung for torchrun's 30 s grace)."""
+    import signal
+
+    seen = {}
+
+    class Probe(ll.Fitter):
+        def _setup_strategy(self):
+            seen["meeting"] = signal.getsignal(signal.SIGTERM)
+            return super()._setup_strategy()
+
+        def _configure_optimizers(self, module, max_steps):
+            seen["set-up"] = signal.getsignal(signal.SIGTERM)
+            return super()._configure_optimizers(module, max_steps)
+
+    before = signal.getsignal(signal.SIGTERM)
+    fitter = Probe(max_steps=1, batch_size=4, output_dir=str(tmp_path), loggers=[])
+    fitter.fit(Classifier(), DictDataset(n=8))
+    assert seen["meeting"] == before
+    assert seen["set-up"] == fitter._preemption._handle
+    assert signal.getsignal(signal.SIGTERM) == before
+
+
 def test_uncatchable_preemption_signals_are_refused_up_front():
     """SIGKILL in preemption_signals raised a raw OSError inside fit and left SIGTERM's handler
     installed (every later SIGTERM swallowed): a ConfigError when the Fitter is built."""

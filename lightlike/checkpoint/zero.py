@@ -38,11 +38,11 @@ def _location(checkpoint_dir: Path) -> tuple[Path, str]:
     raise CheckpointError(f"{checkpoint_dir} is not a DeepSpeed checkpoint written by lightlike ({META} is missing)")
 
 
-def _strip(key: str) -> str:
-    for prefix in _PREFIXES:
-        if key.startswith(prefix):
-            return key[len(prefix):]
-    return key
+def _wrapper_prefix(keys: Any) -> str:
+    """The prefix a wrapper put on every key (``module.``, ``_orig_mod.``), or "": a submodule
+    of the user's own that is named ``module`` keeps its name."""
+    keys = list(keys)
+    return next((p for p in _PREFIXES if keys and all(k.startswith(p) for k in keys)), "")
 
 
 def _lazy_state_dict(checkpoint_dir: str | Path) -> dict[str, Any]:
@@ -51,17 +51,17 @@ def _lazy_state_dict(checkpoint_dir: str | Path) -> dict[str, Any]:
     ds_dir, tag = _location(Path(checkpoint_dir))
     if not (ds_dir / tag).is_dir():
         raise CheckpointError(f"{ds_dir / tag} does not exist: not a complete DeepSpeed checkpoint")
-    state = {_strip(k): v for k, v in
-             get_fp32_state_dict_from_zero_checkpoint(str(ds_dir), tag=tag, lazy_mode=True).items()}
+    state = dict(get_fp32_state_dict_from_zero_checkpoint(str(ds_dir), tag=tag, lazy_mode=True))
     # frozen parameters: DeepSpeed (0.19.8) records them for zero-to-fp32 only at stage 2 and up;
     # under ZeRO-1 they are whole in the module states file (ZeRO-3 keeps empty placeholders there)
     states = sorted((ds_dir / tag).glob("*model_states.pt"))
     if states:
         module = torch.load(states[0], map_location="cpu", weights_only=False, mmap=True).get("module") or {}
         for key, value in module.items():
-            if _strip(key) not in state and isinstance(value, torch.Tensor) and value.numel() > 0:
-                state[_strip(key)] = value
-    return state
+            if key not in state and isinstance(value, torch.Tensor) and value.numel() > 0:
+                state[key] = value
+    cut = len(_wrapper_prefix(state))
+    return {k[cut:]: v for k, v in state.items()}
 
 
 def _materialise(value: Any) -> torch.Tensor:
