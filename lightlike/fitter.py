@@ -96,10 +96,8 @@ class Fitter:
         self._phase = "set-up"
         # ---- set up: processes and devices, output dir, data, module, optimizer ----------------
         strategy = self._setup_strategy()
-        # handled from here on: a signal during the rest of set-up (a checkpoint load, DeepSpeed's
-        # conversion) is acted on at the first step boundary, not by its default action (the job
-        # ended unrequeued). Not before: a rank waiting for the process group must still end at the
-        # launcher's SIGTERM when a peer fails to start
+        # from here a signal (during a checkpoint load, say) waits for the first step boundary; not
+        # before: a rank meeting a peer that failed to start must end at the launcher's SIGTERM
         self._preemption.install()
         strategy.precision.reset()  # an earlier fit's loss scale is not this one's
         check_task_module(module)
