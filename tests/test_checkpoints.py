@@ -244,6 +244,61 @@ def test_resume_checksums_each_file_once(tmp_path, monkeypatch):
         assert set(calls) == names and set(calls.values()) == {1}, (resume, calls)
 
 
+def test_a_live_writers_temp_folder_is_named_by_its_pid_and_survives_cleanup(tmp_path):
+    """cleanup_stale_temps (run at every fit start) keeps the temp folder of a save in progress:
+    it is named after this process, which is alive."""
+    with CheckpointWriter(tmp_path, 5) as w:
+        w.write_json("a.json", {"x": 1})
+        assert w.tmp.name.startswith(f".checkpoint-5.tmp-{os.getpid()}-")
+        assert cleanup_stale_temps(tmp_path) == []
+        assert (w.tmp / "a.json").is_file()
+    verify_checkpoint(tmp_path / "checkpoint-5")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="names file descriptors by /proc/self/fd")
+def test_writer_fsyncs_every_file_folder_and_the_manifest_before_the_rename(tmp_path, monkeypatch):
+    """Durability: each file (also one a library wrote itself), each folder of the temp tree and
+    the manifest reach the disk before the rename makes the checkpoint visible; the output
+    folder (the rename itself) right after it."""
+    events = []
+    fsync, rename = os.fsync, os.rename
+
+    def recording_fsync(fd):
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        return fsync(fd)
+
+    def recording_rename(src, dst):
+        events.append(("rename", str(src)))
+        return rename(src, dst)
+
+    monkeypatch.setattr(os, "fsync", recording_fsync)
+    monkeypatch.setattr(os, "rename", recording_rename)
+    with CheckpointWriter(tmp_path, 1) as w:
+        w.write_json("a.json", {"x": 1})
+        w.save_torch("sub/b.pt", torch.zeros(3))
+        w.save_safetensors("c.safetensors", {"w": torch.zeros(3)})
+        w.path_for("d.bin").write_bytes(b"by a library")
+        tmp = str(w.tmp)
+    cut = events.index(("rename", tmp))
+    before = {path for _, path in events[:cut]}
+    names = ["a.json", "sub/b.pt", "c.safetensors", "d.bin", "manifest.json", "sub"]
+    assert {f"{tmp}/{rel}" for rel in names} | {tmp} <= before
+    manifest_synced = events.index(("fsync", f"{tmp}/manifest.json"))
+    assert ("fsync", tmp) in events[manifest_synced + 1:cut]  # the manifest's folder entry too
+    assert ("fsync", str(tmp_path)) in events[cut + 1:]
+    verify_checkpoint(tmp_path / "checkpoint-1")
+
+
+def test_a_manifest_of_another_format_is_refused(tmp_path):
+    """A manifest.json with a files table but another format name is not a lightlike checkpoint."""
+    train(tmp_path, steps=2)
+    ckpt = tmp_path / "run" / "checkpoint-2"
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    (ckpt / "manifest.json").write_text(json.dumps({**manifest, "format": "other"}))
+    with pytest.raises(ll.CheckpointError, match="not a lightlike manifest .*format 'other'"):
+        verify_checkpoint(ckpt, hashes=False)
+
+
 def test_writer_exception_leaves_nothing(tmp_path):
     with pytest.raises(RuntimeError, match="disk on fire"):
         with CheckpointWriter(tmp_path, 3) as w:
@@ -538,6 +593,36 @@ def test_preemption_at_a_weights_only_save_step_commits_twice_full_last(tmp_path
         ll.Fitter(max_steps=6, batch_size=4, save_every=3, save_only_model=True, output_dir=str(tmp_path / "run"),
                   loggers=[], callbacks=[TermAndRecord()]).fit(Classifier(), DictDataset(n=40))
     assert seen == [("checkpoint-3", "model"), ("checkpoint-3", "full")]
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_preemption_at_a_full_save_step_commits_that_checkpoint_once(tmp_path, async_save):
+    """Signal at a step whose full checkpoint was just written (committed in the background with
+    async_save): it is not written again, it is committed before the exit (on_save sees it once,
+    valid), and Preempted names it, not the step before."""
+    import signal
+
+    from lightlike.preemption import Preempted
+
+    seen = []
+
+    class TermAndRecord(ll.Callback):
+        def on_step_end(self, fitter, state, control):
+            if state.global_step == 3:
+                os.kill(os.getpid(), signal.SIGTERM)
+
+        def on_save(self, fitter, state, control, path):
+            seen.append(os.path.basename(path))
+
+    out = tmp_path / "run"
+    torch.manual_seed(0)
+    with pytest.raises(Preempted) as exc:
+        ll.Fitter(max_steps=6, batch_size=4, save_every=3, async_save=async_save, output_dir=str(out),
+                  loggers=[], callbacks=[TermAndRecord()]).fit(Classifier(), DictDataset(n=40))
+    assert exc.value.code == 75 and exc.value.checkpoint == str(out / "checkpoint-3")
+    assert seen == ["checkpoint-3"]
+    assert verify_checkpoint(out / "checkpoint-3")["meta"]["kind"] == "full"
+    assert [p.name for p in list_checkpoints(out)] == ["checkpoint-3"]
 
 
 # -- the best checkpoint ------------------------------------------------------------------------------

@@ -36,6 +36,20 @@ def test_sampler_seek_and_ranks():
     assert [len(x) for x in even] == [7, 7, 7] and len(set(sum(even, []))) == 21
 
 
+@pytest.mark.parametrize("n,world,seed,epoch", [(23, 3, 4, 0), (23, 3, 4, 2), (40, 4, 0, 3), (17, 2, 7, 5)])
+def test_sampler_even_deals_torchs_distributed_sampler_order(n, world, seed, epoch):
+    """even=True is torch's DistributedSampler(drop_last=True) with the same seed and epoch:
+    a run moved between the two sees the same samples on every rank."""
+    from torch.utils.data import DistributedSampler
+
+    for rank in range(world):
+        ours = ResumableSampler(n, seed=seed, rank=rank, world_size=world, even=True)
+        ours.set_epoch(epoch)
+        torchs = DistributedSampler(range(n), num_replicas=world, rank=rank, seed=seed, drop_last=True)
+        torchs.set_epoch(epoch)
+        assert list(ours) == list(torchs)
+
+
 def test_iterable_sharded_over_ranks_and_workers():
     seen = []
     for rank in range(2):

@@ -367,8 +367,9 @@ def test_a_nonfinite_loss_on_one_rank_is_skipped_or_raised_on_every_rank(tmp_pat
 def test_preemption_with_token_counts_stops_at_the_next_step_and_requeues_once(tmp_path):
     """With per-item counts the stop flag rides the step's item-count all-reduce (no 10-step vote):
     SIGTERM on rank 1 after step 3 stops both ranks after step 4 (dropping the flag from that
-    all-reduce passed every test: the run trained to its end). Under SLURM the job is requeued
-    once, by rank 0 (on every rank passed the single-process requeue tests)."""
+    all-reduce passed every test: the run trained to its end), though step 4 logs nothing
+    (log_every=100: on the CPU the flag is read every step, not only at log steps). Under SLURM
+    the job is requeued once, by rank 0 (on every rank passed the single-process requeue tests)."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     record = tmp_path / "scontrol.log"
@@ -378,7 +379,7 @@ def test_preemption_with_token_counts_stops_at_the_next_step_and_requeues_once(t
     out.mkdir()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
            "--master_port", str(free_port()), str(SCRIPT), str(out), "--task", "token", "--steps", "30", "--items", "48",
-           "--batch", "4", "--signal-step", "3", "--fail-rank", "1"]
+           "--batch", "4", "--signal-step", "3", "--fail-rank", "1", "--log-every", "100"]
     env = {**os.environ, "SLURM_JOB_ID": "4242", "PATH": f"{bin_dir}:{os.environ['PATH']}"}
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
     assert p.returncode != 0

@@ -248,6 +248,16 @@ def test_preemption_requeues_under_slurm(tmp_path):
     assert proc.returncode == EXIT_PREEMPTED and "scontrol is not on PATH" in proc.stderr
 
 
+def test_preemption_without_requeue_saves_and_exits_but_leaves_the_job_alone(tmp_path):
+    """requeue_on_preemption=False under SLURM: checkpoint and exit 75, but no `scontrol requeue`."""
+    env, record = slurm_with_scontrol_stub(tmp_path)
+    cmd = [sys.executable, str(SCRIPT), str(tmp_path / "run"), "--kill", "term:3", "--no-requeue"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == EXIT_PREEMPTED, proc.stderr
+    assert [p.name for p in list_checkpoints(tmp_path / "run")][-1] == "checkpoint-3"
+    assert not record.exists()
+
+
 def test_a_signal_at_the_last_step_ends_the_run_normally(tmp_path, tmp_path_factory):
     """A run that ends at this step anyway (max_steps) is not preempted by a signal received
     there: it exited 75 and requeued on one process (while several processes ended normally),

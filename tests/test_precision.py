@@ -132,6 +132,26 @@ def test_16_mixed_clips_the_unscaled_gradient(tmp_path):
     assert seen.norms[0] == pytest.approx(0.01, rel=1e-3)
 
 
+def test_16_mixed_gradients_are_unscaled_before_the_optimizer_step_on_every_step(tmp_path):
+    """Without clipping and on a step that logs no norm, on_before_optimizer_step must still see
+    the true gradient (the fp32 run's), not the one scaled by the loss scale (65536 at first)."""
+    class Grads(ll.Callback):
+        def __init__(self):
+            self.norms = []
+
+        def on_before_optimizer_step(self, fitter, state, control, optimizer):
+            self.norms.append(float(flat_grads(fitter.module).norm()))
+
+    seen = {}
+    for name in ("32-true", "16-mixed"):
+        torch.manual_seed(0)
+        seen[name] = Grads()
+        ll.Fitter(precision=name, max_steps=3, batch_size=8, shuffle=False, log_every=100, learning_rate=1e-2,
+                  output_dir=str(tmp_path / name), loggers=[], callbacks=[seen[name]]).fit(Classifier(), DictDataset(n=32))
+    assert len(seen["16-mixed"].norms) == 3
+    assert seen["16-mixed"].norms[1] == pytest.approx(seen["32-true"].norms[1], rel=1e-2)  # step 2: no norm wanted
+
+
 def test_input_conversion_keeps_defaultdicts_and_dataclasses():
     """Batches rebuilt as their own types, tensors inside cast (floats only) and moved: a
     defaultdict used to fail to rebuild, a dataclass was left uncast (bf16 weights, fp32 input)."""

@@ -213,6 +213,79 @@ def test_uncatchable_preemption_signals_are_refused_up_front():
     assert signal.getsignal(signal.SIGTERM) == before
 
 
+def test_a_fit_restores_the_previous_signal_handlers_and_watches_nothing_after(tmp_path):
+    """Handlers of the caller's (not only the default ones) are back after a fit, for every
+    preemption signal, and no signal is watched outside the fit (its workers would ignore it)."""
+    import signal
+
+    from lightlike.preemption import watched_signals
+
+    def mine(signum, frame):
+        pass
+
+    seen = {}
+
+    class Probe(ll.Callback):
+        def on_step_end(self, fitter, state, control):
+            seen["during"] = watched_signals()
+
+    before = {sig: signal.signal(sig, mine) for sig in (signal.SIGTERM, signal.SIGUSR1)}
+    try:
+        ll.Fitter(max_steps=2, batch_size=4, preemption_signals=["SIGTERM", "SIGUSR1"], output_dir=str(tmp_path),
+                  loggers=[], callbacks=[Probe()]).fit(Classifier(), DictDataset(n=8))
+        assert seen["during"] == (signal.SIGTERM, signal.SIGUSR1)
+        assert watched_signals() == ()
+        assert signal.getsignal(signal.SIGTERM) is mine and signal.getsignal(signal.SIGUSR1) is mine
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
+
+
+def test_a_signal_with_a_stop_set_in_on_save_ends_the_run_normally(tmp_path, caplog):
+    """A callback stops training in on_save at the step the signal arrived: the run ends there
+    anyway, so it returns normally (no Preempted, no requeue) and says so."""
+    import logging
+    import os
+    import signal
+
+    class StopOnSaveAndTerm(ll.Callback):
+        def on_step_end(self, fitter, state, control):
+            if state.global_step == 3:
+                os.kill(os.getpid(), signal.SIGTERM)
+
+        def on_save(self, fitter, state, control, path):
+            control.should_training_stop = True
+
+    with caplog.at_level(logging.WARNING, logger="lightlike"):
+        result = ll.Fitter(max_steps=6, batch_size=4, save_every=3, output_dir=str(tmp_path), loggers=[],
+                           callbacks=[StopOnSaveAndTerm()]).fit(Classifier(), DictDataset(n=40))
+    assert result.global_step == 3
+    assert "SIGTERM received at the run's last step 3: it ends normally (no requeue)" in caplog.text
+
+
+def test_a_fit_outside_the_main_thread_runs_without_preemption_handlers(tmp_path, caplog):
+    """signal.signal works only in the main thread: a fit in another thread warns and trains."""
+    import logging
+    import threading
+
+    results, errors = [], []
+
+    def work():
+        try:
+            results.append(ll.Fitter(max_steps=2, batch_size=4, output_dir=str(tmp_path), loggers=[])
+                           .fit(Classifier(), DictDataset(n=8)))
+        except BaseException as e:  # noqa: BLE001  # reported below
+            errors.append(e)
+
+    with caplog.at_level(logging.WARNING, logger="lightlike"):
+        thread = threading.Thread(target=work)
+        thread.start()
+        thread.join(timeout=120)
+    assert not errors, errors
+    assert results and results[0].global_step == 2
+    assert "fit() is not running in the main thread: preemption signals are not handled" in caplog.text
+
+
 def test_without_auto_find_oom_propagates(tmp_path):
     with pytest.raises(torch.OutOfMemoryError):
         ll.Fitter(max_steps=1, batch_size=16, output_dir=str(tmp_path), loggers=[]).fit(OOMAbove(4), DictDataset(n=32))

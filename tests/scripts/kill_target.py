@@ -12,6 +12,7 @@
 ``termmicro:N``  SIGTERM in the N-th training forward (mid-window): saved after that step
 ``term2:N``  SIGTERM after step N and again in the middle of the preemption save
 ``termload``  SIGTERM while the resumed checkpoint is being loaded (set-up, before the loop)
+``--no-requeue`` sets requeue_on_preemption=False (no ``scontrol requeue`` under SLURM).
 ``--step-sleep S`` makes each step take S seconds longer (a kill from outside then lands mid-run).
 Without --kill it runs (or resumes) to the end and writes OUT_DIR/final.safetensors.
 """
@@ -115,6 +116,7 @@ def main() -> None:
     p.add_argument("--async-save", action="store_true", help="commit checkpoints in a background thread")
     p.add_argument("--start-method", help="multiprocessing start method of the DataLoader workers")
     p.add_argument("--step-sleep", type=float, default=0.0, help="seconds each step end waits (no effect on numbers)")
+    p.add_argument("--no-requeue", action="store_true", help="requeue_on_preemption=False")
     args = p.parse_args()
     KillAfterStep.step_sleep = args.step_sleep
     if args.start_method:
@@ -149,7 +151,8 @@ def main() -> None:
                        save_every=2, eval_every=3, log_every=1, loggers=["jsonl", "csv"], output_dir=args.out,
                        precision=args.precision, num_workers=args.workers, seed=3,
                        overwrite_output_dir=not resume, model_summary=False, log_level="warning",
-                       callbacks=[KillAfterStep()], async_save=args.async_save)
+                       callbacks=[KillAfterStep()], async_save=args.async_save,
+                       requeue_on_preemption=not args.no_requeue)
     # 26 items in batches of 4: 7 batches per epoch, the last one short; 4 steps per epoch, the
     # last window holding a single batch
     fitter.fit(model, DictDataset(n=26), DictDataset(n=6, seed=9), resume=resume)
