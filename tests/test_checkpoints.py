@@ -571,28 +571,33 @@ def test_preemption_with_save_only_model_resumes(tmp_path):
     assert result.global_step == 6
 
 
+class SignalAtStep3(ll.Callback):
+    """SIGTERM after step 3; records (folder, kind) of every checkpoint on_save sees."""
+
+    def __init__(self):
+        self.seen = []
+
+    def on_step_end(self, fitter, state, control):
+        if state.global_step == 3:
+            import signal
+
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    def on_save(self, fitter, state, control, path):
+        self.seen.append((os.path.basename(path), verify_checkpoint(path)["meta"]["kind"]))
+
+
 def test_preemption_at_a_weights_only_save_step_commits_twice_full_last(tmp_path):
     """Signal at a step that writes a weights-only checkpoint: the folder is replaced by a full
     one, and on_save sees both commits in that order (documented in docs/checkpoints.md)."""
-    import signal
-
     from lightlike.preemption import Preempted
 
-    seen = []
-
-    class TermAndRecord(ll.Callback):
-        def on_step_end(self, fitter, state, control):
-            if state.global_step == 3:
-                os.kill(os.getpid(), signal.SIGTERM)
-
-        def on_save(self, fitter, state, control, path):
-            seen.append((os.path.basename(path), verify_checkpoint(path)["meta"]["kind"]))
-
+    probe = SignalAtStep3()
     torch.manual_seed(0)
     with pytest.raises(Preempted):
         ll.Fitter(max_steps=6, batch_size=4, save_every=3, save_only_model=True, output_dir=str(tmp_path / "run"),
-                  loggers=[], callbacks=[TermAndRecord()]).fit(Classifier(), DictDataset(n=40))
-    assert seen == [("checkpoint-3", "model"), ("checkpoint-3", "full")]
+                  loggers=[], callbacks=[probe]).fit(Classifier(), DictDataset(n=40))
+    assert probe.seen == [("checkpoint-3", "model"), ("checkpoint-3", "full")]
 
 
 @pytest.mark.parametrize("async_save", [False, True])
@@ -600,28 +605,16 @@ def test_preemption_at_a_full_save_step_commits_that_checkpoint_once(tmp_path, a
     """Signal at a step whose full checkpoint was just written (committed in the background with
     async_save): it is not written again, it is committed before the exit (on_save sees it once,
     valid), and Preempted names it, not the step before."""
-    import signal
-
     from lightlike.preemption import Preempted
 
-    seen = []
-
-    class TermAndRecord(ll.Callback):
-        def on_step_end(self, fitter, state, control):
-            if state.global_step == 3:
-                os.kill(os.getpid(), signal.SIGTERM)
-
-        def on_save(self, fitter, state, control, path):
-            seen.append(os.path.basename(path))
-
+    probe = SignalAtStep3()
     out = tmp_path / "run"
     torch.manual_seed(0)
     with pytest.raises(Preempted) as exc:
         ll.Fitter(max_steps=6, batch_size=4, save_every=3, async_save=async_save, output_dir=str(out),
-                  loggers=[], callbacks=[TermAndRecord()]).fit(Classifier(), DictDataset(n=40))
+                  loggers=[], callbacks=[probe]).fit(Classifier(), DictDataset(n=40))
     assert exc.value.code == 75 and exc.value.checkpoint == str(out / "checkpoint-3")
-    assert seen == ["checkpoint-3"]
-    assert verify_checkpoint(out / "checkpoint-3")["meta"]["kind"] == "full"
+    assert probe.seen == [("checkpoint-3", "full")]
     assert [p.name for p in list_checkpoints(out)] == ["checkpoint-3"]
 
 
