@@ -78,7 +78,7 @@ def search(fitter: Fitter, module_factory: Callable[..., Any], space: Any, n_tri
     to ``optuna.create_study``; an existing ``study`` (e.g. with storage, to continue it) is used
     as it is, with its own direction, sampler and pruner. ``timeout`` (seconds) as in
     ``study.optimize``."""
-    import optuna  # noqa: F401 (here: a missing optuna fails before any process group)
+    import optuna
 
     base = fitter.config
     metric = metric or base.metric_for_best or "val/loss"
@@ -99,8 +99,67 @@ def search(fitter: Fitter, module_factory: Callable[..., Any], space: Any, n_tri
     between = PreemptionHandler(base.preemption_signals)  # a signal between trials (each fit has its own)
     between.install()
     try:
-        return _search(fitter, strategy, between, module_factory, space, n_trials, train, val, metric, direction,
-                       sampler_seed, sampler, pruner, study, timeout, config_keys)
+        def run_trial(number: int, params: Mapping[str, Any], trial: Any) -> tuple[float | None, Any]:
+            overrides = {k: v for k, v in params.items() if k in config_keys}
+            module_kwargs = {k: v for k, v in params.items() if k not in config_keys}
+            cfg = base.replace(**{**overrides, "output_dir": str(Path(base.output_dir) / f"trial-{number}")})
+            pruning = PruningCallback(trial, metric)
+            callbacks = [_fresh(cb) for cb in fitter.user_callbacks] + [pruning]
+            trial_fitter = type(fitter)(cfg, callbacks=callbacks)  # seeds: the module below starts the same
+            module = module_factory(**module_kwargs)
+            tr, va = _data(module, train, val)
+            if va is None:
+                raise ConfigError("search needs evaluation data for its metric: pass val=... (or define val_data())")
+            _stop_if_preempted(strategy, [between], f"before trial {number}")
+            try:
+                result = trial_fitter.fit(module, tr, va)
+            except OutputDirError as e:  # its resume=True hint does not apply: a search cannot resume
+                raise OutputDirError(f"search: {cfg.output_dir!r} already holds a run (an earlier search's trial?); "
+                                     "choose another output_dir, or pass overwrite_output_dir=True to replace the "
+                                     f"trials ({e})", offers=("overwrite_output_dir=True",)) from None
+            _stop_if_preempted(strategy, [between, trial_fitter._preemption], f"during trial {number}")
+            if metric not in result.metrics:
+                raise ConfigError(f"search metric {metric!r} is not among the fit's metrics {sorted(result.metrics)}; "
+                                  "pass val=... (and eval_every for pruning)")
+            return (None if pruning.pruned_at is not None else result.metrics[metric]), (result, pruning)
+
+        if strategy.is_global_zero:
+            if study is None:
+                sampler = sampler if sampler is not None else optuna.samplers.TPESampler(seed=sampler_seed)
+                study = optuna.create_study(direction=direction, sampler=sampler, pruner=pruner)  # type: ignore[arg-type]
+
+            def objective(trial: Any) -> float:
+                params = space(trial) if callable(space) else _suggest(trial, space)
+                if not isinstance(params, Mapping):
+                    raise ConfigError(f"space(trial) must return a dict of overrides, got {type(params).__name__}")
+                params = dict(params)
+                _check_names(params, module_factory, config_keys)
+                if strategy.world_size > 1:
+                    strategy.broadcast_object((trial.number, params))
+                value, (result, pruning) = run_trial(trial.number, params, trial)
+                trial.set_user_attr("output_dir", str(Path(base.output_dir) / f"trial-{trial.number}"))
+                trial.set_user_attr("global_step", result.global_step)
+                trial.set_user_attr("overrides", _jsonable(params))
+                if value is None:
+                    raise optuna.TrialPruned(f"pruned at step {pruning.pruned_at} ({metric})")
+                return value
+
+            study.optimize(objective, n_trials=n_trials, timeout=timeout)
+            if strategy.world_size > 1:
+                strategy.broadcast_object(None)  # no more trials
+                strategy.broadcast_object((study.direction.name.lower(), study.trials))
+            return study
+        # ranks other than 0: run the trials rank 0 announces, with its pruning decisions
+        while True:
+            announced = strategy.broadcast_object(None)
+            if announced is None:
+                break
+            number, params = announced
+            run_trial(number, params, None)
+        direction, trials = strategy.broadcast_object(None)
+        study = optuna.create_study(direction=direction)  # type: ignore[arg-type]
+        study.add_trials(trials)
+        return study
     finally:
         between.uninstall()
 
@@ -114,76 +173,6 @@ def _stop_if_preempted(strategy: Any, handlers: list[Any], after: str) -> None:
         log.warning("%s received %s: the search stops (exit %d; a search does not resume, pass study= with a "
                     "storage to continue it)", names[0] if names else "a signal on another rank", after, EXIT_PREEMPTED)
         raise Preempted(names[0] if names else "a signal on another rank", None)
-
-
-def _search(fitter: Fitter, strategy: Any, between: Any, module_factory: Callable[..., Any], space: Any,
-            n_trials: int, train: Any, val: Any, metric: str, direction: str, sampler_seed: int | None,
-            sampler: Any, pruner: Any, study: Any, timeout: float | None, config_keys: set[str]) -> Any:
-    import optuna
-
-    base = fitter.config
-
-    def run_trial(number: int, params: Mapping[str, Any], trial: Any) -> tuple[float | None, Any]:
-        overrides = {k: v for k, v in params.items() if k in config_keys}
-        module_kwargs = {k: v for k, v in params.items() if k not in config_keys}
-        cfg = base.replace(**{**overrides, "output_dir": str(Path(base.output_dir) / f"trial-{number}")})
-        pruning = PruningCallback(trial, metric)
-        callbacks = [_fresh(cb) for cb in fitter.user_callbacks] + [pruning]
-        trial_fitter = type(fitter)(cfg, callbacks=callbacks)  # seeds: the module below starts the same
-        module = module_factory(**module_kwargs)
-        tr, va = _data(module, train, val)
-        if va is None:
-            raise ConfigError("search needs evaluation data for its metric: pass val=... (or define val_data())")
-        _stop_if_preempted(strategy, [between], f"before trial {number}")
-        try:
-            result = trial_fitter.fit(module, tr, va)
-        except OutputDirError as e:  # its resume=True hint does not apply: a search cannot resume
-            raise OutputDirError(f"search: {cfg.output_dir!r} already holds a run (an earlier search's trial?); "
-                                 "choose another output_dir, or pass overwrite_output_dir=True to replace the "
-                                 f"trials ({e})", offers=("overwrite_output_dir=True",)) from None
-        _stop_if_preempted(strategy, [between, trial_fitter._preemption], f"during trial {number}")
-        if metric not in result.metrics:
-            raise ConfigError(f"search metric {metric!r} is not among the fit's metrics {sorted(result.metrics)}; "
-                              "pass val=... (and eval_every for pruning)")
-        return (None if pruning.pruned_at is not None else result.metrics[metric]), (result, pruning)
-
-    if strategy.is_global_zero:
-        if study is None:
-            sampler = sampler if sampler is not None else optuna.samplers.TPESampler(seed=sampler_seed)
-            study = optuna.create_study(direction=direction, sampler=sampler, pruner=pruner)  # type: ignore[arg-type]
-
-        def objective(trial: Any) -> float:
-            params = space(trial) if callable(space) else _suggest(trial, space)
-            if not isinstance(params, Mapping):
-                raise ConfigError(f"space(trial) must return a dict of overrides, got {type(params).__name__}")
-            params = dict(params)
-            _check_names(params, module_factory, config_keys)
-            if strategy.world_size > 1:
-                strategy.broadcast_object((trial.number, params))
-            value, (result, pruning) = run_trial(trial.number, params, trial)
-            trial.set_user_attr("output_dir", str(Path(base.output_dir) / f"trial-{trial.number}"))
-            trial.set_user_attr("global_step", result.global_step)
-            trial.set_user_attr("overrides", _jsonable(params))
-            if value is None:
-                raise optuna.TrialPruned(f"pruned at step {pruning.pruned_at} ({metric})")
-            return value
-
-        study.optimize(objective, n_trials=n_trials, timeout=timeout)
-        if strategy.world_size > 1:
-            strategy.broadcast_object(None)  # no more trials
-            strategy.broadcast_object((study.direction.name.lower(), study.trials))
-        return study
-    # ranks other than 0: run the trials rank 0 announces, with its pruning decisions
-    while True:
-        announced = strategy.broadcast_object(None)
-        if announced is None:
-            break
-        number, params = announced
-        run_trial(number, params, None)
-    direction, trials = strategy.broadcast_object(None)
-    study = optuna.create_study(direction=direction)  # type: ignore[arg-type]
-    study.add_trials(trials)
-    return study
 
 
 def _suggest(trial: Any, space: Mapping[str, Any]) -> dict[str, Any]:
