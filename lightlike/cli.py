@@ -221,11 +221,6 @@ def _parse(cmd: str, argv: list[str]) -> dict[str, Any]:
         file_fit, file_model = split_config(data, given["cli_config"], fit_opts,
                                             model_opts if cls is not None else None, var_kw)
     values = {**file_fit, **{k: v for k, v in given.items() if k in fit_opts}}
-    if cmd != "fit" and values.get("max_steps") is None and values.get("max_epochs") is None:
-        values["max_epochs"] = 1  # FitConfig needs a stopping criterion; evaluation does not use it
-        if cmd == "config":
-            print("lightlike config: note: neither max_steps nor max_epochs given; showing max_epochs = 1",
-                  file=sys.stderr)
     try:
         config = FitConfig.from_dict(values)
     except ConfigError as e:  # a value the config file set (and no flag replaced): name the file

@@ -157,6 +157,12 @@ class FitConfig:
                 setattr(self, f.name, v.item())
         self.validate()
 
+    def need_stopping_criterion(self) -> None:
+        """``fit`` needs one; evaluating or predicting alone does not."""
+        if self.max_epochs is None and self.max_steps is None:
+            raise ConfigError("no stopping criterion: set max_steps=N or max_epochs=N",
+                              settings=("max_epochs", "max_steps"))
+
     def validate(self) -> None:
         def need(cond: bool, msg: str, *settings: str) -> None:
             if not cond:
@@ -164,10 +170,6 @@ class FitConfig:
 
         for f in fields(self):  # types first: the checks below compare numbers
             _check_type(f.name, getattr(self, f.name), str(f.type), f.default)
-        need(
-            self.max_epochs is not None or self.max_steps is not None,
-            "no stopping criterion: set max_steps=N or max_epochs=N", "max_epochs", "max_steps",
-        )
         for name in ("max_epochs", "max_steps"):
             v = getattr(self, name)
             need(v is None or (isinstance(v, int) and v > 0), f"{name} must be a positive int, got {v!r}", name)

@@ -80,6 +80,7 @@ class Fitter:
         """Train ``module`` on ``train``; evaluate on ``val`` (a Dataset/DataLoader or a dict of
         them). ``resume=True`` continues from the newest valid checkpoint in ``output_dir``,
         ``resume="path"`` from that checkpoint."""
+        self.config.need_stopping_criterion()
         self._preemption = PreemptionHandler(self.config.preemption_signals)  # one per fit(): kept over retries
         try:
             with failing_fast(self):

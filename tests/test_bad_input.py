@@ -139,9 +139,19 @@ def test_best_checkpoints_need_metric_for_best(kw):
     ll.FitConfig(max_steps=10, metric_for_best="val/loss", **kw)  # with it, the same settings are fine
 
 
-def test_no_stopping_criterion():
-    with pytest.raises(ll.ConfigError, match="no stopping criterion: set max_steps=N or max_epochs=N"):
-        ll.Fitter(batch_size=4)
+def test_no_stopping_criterion(tmp_path):
+    """fit() needs max_steps or max_epochs, and says so before any set-up; evaluating alone does
+    not (a Fitter built only to validate or predict, as with the HF Trainer's evaluate())."""
+    fitter = ll.Fitter(batch_size=4, output_dir=str(tmp_path / "run"), loggers=[])
+    with pytest.raises(ll.ConfigError, match="no stopping criterion: set max_steps=N or max_epochs=N") as e:
+        fitter.fit(Classifier(), DictDataset())
+    assert set(e.value.settings) == {"max_steps", "max_epochs"}
+    assert not (tmp_path / "run").exists()  # nothing was set up
+    module, data = Classifier(), DictDataset(n=16)
+    metrics = fitter.validate(module, data)
+    with torch.no_grad():
+        expected = torch.nn.functional.cross_entropy(module.net(data.x), data.y).item()
+    assert metrics["val/loss"] == pytest.approx(expected, rel=1e-6)
 
 
 def test_iterable_data_with_max_epochs_only(tmp_path):

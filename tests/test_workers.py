@@ -167,3 +167,43 @@ def test_the_process_ends_after_a_fit_with_workers(tmp_path, how):
     else:
         assert proc.returncode == 1 and "RuntimeError: boom" in err, err[-3000:]
     assert "Exception ignored in atexit" not in err, err[-3000:]
+
+
+FEEDERS = textwrap.dedent("""
+    import multiprocessing.queues, os, sys, threading, time
+    sys.path.insert(0, {tests!r})
+    import lightlike as ll
+    from helpers import Classifier, DictDataset
+
+    feed = multiprocessing.queues.Queue._feed
+
+    def slow_to_end(*args):  # a queue's feeder thread, slow to end once its queue is closed
+        feed(*args)
+        threading.current_thread().ending = True
+        time.sleep(0.5)
+
+    multiprocessing.queues.Queue._feed = staticmethod(slow_to_end)
+    at_fork = []
+    os.register_at_fork(before=lambda: at_fork.append(
+        sum(getattr(t, "ending", False) and t.is_alive() for t in threading.enumerate())))
+    ll.Fitter(max_epochs=3, batch_size=4, num_workers=2, eval_every=8, shuffle=False, output_dir=sys.argv[1],
+              loggers=[], model_summary=False, log_level="error").fit(
+        Classifier(), DictDataset(n=32), val=DictDataset(n=16, seed=1))
+    print("ending feeder threads at each fork:", at_fork)
+""")
+
+
+def test_workers_start_after_the_queue_threads_of_ended_loaders_have_ended(tmp_path):
+    """CPython gh-112275 (3.11.7 has it): a thread ending while another thread forks can leave the
+    child holding a lock for ever, and the new DataLoader worker hangs inside os.fork(). A loader
+    whose iterator ran out (an evaluation) or was dropped (an epoch's) closes its queues; their
+    feeder threads end a moment later, as the next epoch's or evaluation's workers fork. Here
+    they are made slow to end: none may still be ending when a worker forks."""
+    script = tmp_path / "feeders.py"
+    script.write_text(FEEDERS.format(tests=str(Path(__file__).parent)))
+    proc = subprocess.run([sys.executable, str(script), str(tmp_path / "run")], capture_output=True, text=True,
+                          timeout=120)  # a bound on a hang, not a speed claim
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    counts = eval(proc.stdout.rsplit(":", 1)[1])
+    assert len(counts) == 12, counts  # 3 epochs and 3 evaluations, 2 workers each
+    assert counts == [0] * 12, counts

@@ -33,6 +33,7 @@ import signal
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -120,8 +121,53 @@ def _start_method(context: Any) -> str:
     return multiprocessing.get_start_method(allow_none=True) or multiprocessing.get_all_start_methods()[0]
 
 
+#: weak references to the DataLoader iterators with workers started here, while they live
+_STARTED: list[weakref.ref] = []
+#: queue feeder threads of those iterators since dropped (joined before the next workers start)
+_ENDING: list[threading.Thread] = []
+FEEDER_JOIN_LIMIT = 5.0  # seconds, in all, to wait for ending feeder threads before a fork
+
+
+def _feeders(it: Any) -> list[threading.Thread]:
+    queues = [*getattr(it, "_index_queues", ()), getattr(it, "_worker_result_queue", None)]
+    return [t for q in queues if (t := getattr(q, "_thread", None)) is not None]
+
+
+def _track(it: Any) -> None:
+    """Remember an iterator's queues, so that their feeder threads can be joined once it ends."""
+    if not hasattr(it, "_index_queues") or any(r() is it for r in _STARTED):  # a persistent one comes back
+        return
+
+    queues = [*it._index_queues, it._worker_result_queue]
+
+    def dropped(ref: weakref.ref) -> None:
+        # after the iterator's __del__ shut its workers down: its queues' feeders are ending
+        _STARTED.remove(ref)
+        _ENDING.extend(t for q in queues if (t := getattr(q, "_thread", None)) is not None)
+
+    _STARTED.append(weakref.ref(it, dropped))
+
+
+def _join_ending_feeders() -> None:
+    """Join the feeder threads of the iterators that have shut their workers down (ran out, or
+    dropped), before new workers fork: a thread ending while another forks can leave the child
+    a lock held for ever (CPython gh-112275, not fixed in 3.11.7): the new worker hangs inside
+    ``os.fork()`` and the training process waits for it. A shut-down iterator's queues are
+    closed, so their feeders end at once; live iterators' feeders stay (they are not ending)."""
+    threads, _ENDING[:] = _ENDING[:], []
+    for ref in _STARTED:
+        it = ref()
+        if it is not None and getattr(it, "_shutdown", False):
+            threads += _feeders(it)
+    deadline = time.monotonic() + FEEDER_JOIN_LIMIT
+    for t in threads:
+        if t.is_alive() and t is not threading.current_thread():
+            t.join(max(0.0, deadline - time.monotonic()))
+
+
 def start_workers(loader: Any) -> Any:
-    """``iter(loader)``; for a loader lightlike built (its workers start through ``EndWithParent``),
+    """``iter(loader)``, once the queue threads of earlier iterators that ended have ended
+    (``_join_ending_feeders``); for a loader lightlike built (its workers start through ``EndWithParent``),
     with the fit's preemption signals blocked in this thread while the workers start: the mask
     is inherited through fork and spawn, so a signal sent to the whole job while a worker starts
     up, before ``EndWithParent`` makes it ignore the signal, stays pending there instead of ending
@@ -131,12 +177,17 @@ def start_workers(loader: Any) -> Any:
     (the fork server would keep them blocked for every process it forks later)."""
     from lightlike.preemption import watched_signals
 
+    if not getattr(loader, "num_workers", 0):
+        return iter(loader)
+    _join_ending_feeders()
     signals = watched_signals()
     method = _start_method(getattr(loader, "multiprocessing_context", None))
-    if not signals or not getattr(loader, "num_workers", 0) or method == "forkserver" \
+    if not signals or method == "forkserver" \
             or not isinstance(getattr(loader, "worker_init_fn", None), EndWithParent) \
             or threading.current_thread() is not threading.main_thread():
-        return iter(loader)
+        it = iter(loader)
+        _track(it)
+        return it
     if method != "fork":
         # started on the first spawn, the resource tracker unblocks SIGTERM in this thread when it
         # is up (it blocks it for its own start): start it first, so that spawned workers start
@@ -146,6 +197,8 @@ def start_workers(loader: Any) -> Any:
         resource_tracker.ensure_running()
     before = signal.pthread_sigmask(signal.SIG_BLOCK, signals)
     try:
-        return iter(loader)
+        it = iter(loader)
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, before)
+    _track(it)
+    return it
