@@ -370,16 +370,25 @@ def _rows_only(pred: Any, where: str) -> Any:
         pred = {k: v for k, v in pred.items() if k != "loss"}  # the rest is checked as any mapping
     if not isinstance(pred, (Mapping, tuple)):
         return pred
-    fields = list(pred.items() if isinstance(pred, Mapping) else enumerate(pred))
-    tensors = [(k, v) for k, v in fields if isinstance(v, torch.Tensor)]
+    tensors = list(_leaves(pred, ""))  # nested fields too: one batch, one number of rows
     if any(v.ndim > 0 and len(v) > 1 for _, v in tensors):
         scalar = [k for k, v in tensors if v.ndim == 0]
         if scalar:
             raise ModuleContractError(
-                f"predictions()[{scalar[0]!r}] is a 0-d tensor beside fields of one row per item {where}: a "
+                f"predictions(){scalar[0]} is a 0-d tensor beside fields of one row per item {where}: a "
                 "per-batch value (such as a loss) has no place in dataset order; return only the per-item "
                 "fields from predictions() (for a Hugging Face (loss, logits) tuple: outputs[1:])")
     return pred
+
+
+def _leaves(x: Any, path: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(path, tensor)`` for every tensor field of nested mappings and tuples (a list holds one
+    value per item: its 0-d tensors are items)."""
+    if isinstance(x, torch.Tensor):
+        yield path, x
+    elif isinstance(x, (Mapping, tuple)):
+        for k, v in (x.items() if isinstance(x, Mapping) else enumerate(x)):
+            yield from _leaves(v, f"{path}[{k!r}]")
 
 
 def _type_to_share(x: Any) -> Any:

@@ -466,6 +466,16 @@ def test_mapping_predictions_keep_every_field_and_their_type(tmp_path):
     with pytest.raises(ModuleContractError, match=r"predictions\(\)\['loss'\] is a 0-d tensor"):
         ll.Fitter(max_steps=1, eval_batch_size=2, output_dir=str(tmp_path / "loss"), loggers=[]).predict(WithLoss(), data)
 
+    class Nested(Classifier):  # the same per-batch value one level down (it became one row per batch)
+        def predictions(self, outputs, batch):
+            return {"head": (nn.functional.cross_entropy(outputs, batch["y"]), outputs), "ids": batch["y"]}
+
+    with pytest.raises(ModuleContractError, match=r"predictions\(\)\['head'\]\[0\] is a 0-d tensor"):
+        ll.Fitter(max_steps=1, eval_batch_size=2, output_dir=str(tmp_path / "nested"), loggers=[]).predict(Nested(), data)
+    got = ll.Fitter(max_steps=1, eval_batch_size=1, output_dir=str(tmp_path / "nested1"), loggers=[]).predict(
+        Nested(), data).predictions  # batches of one item: the 0-d field is each item's row
+    assert got["head"][0].shape == (5,) and torch.equal(got["ids"], data.y)
+
 
 def test_evaluation_gives_the_module_back_through_its_own_train(tmp_path):
     """A module whose train() override switches training-only behaviour: after an evaluation
