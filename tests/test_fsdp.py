@@ -42,6 +42,22 @@ def test_same_weights_as_ddp(tmp_path, strategy):
     assert losses[1] == pytest.approx(losses[0], rel=1e-12)
 
 
+def test_ranks_that_built_other_weights_start_from_rank_0s(tmp_path):
+    """Each rank seeds its module's build with its rank (rank 0 with 0, as the reference runs).
+    DDP takes rank 0's weights as it wraps the module; FSDP kept each rank's own shard, a mix of
+    two initialisations, in a fit and in a validate() outside one."""
+    run_ok(2, tmp_path / "ddp", "--strategy", "ddp", "--batch", "4", *COMMON)
+    run_ok(2, tmp_path / "fsdp", "--strategy", "fsdp", "--batch", "4", *COMMON, "--rank-seed")
+    assert_close(weights(tmp_path / "fsdp"), weights(tmp_path / "ddp"), tol=1e-12)
+    args = ["--mode", "eval", "--items", "9", "--batch", "4", "--task", "blocks"]
+    run_ok(1, tmp_path / "one", *args)
+    run_ok(2, tmp_path / "two", *args, "--strategy", "fsdp", "--rank-seed")
+    one, two = (json.loads((tmp_path / d / "eval.json").read_text()) for d in ("one", "two"))
+    assert two["predictions"] == one["predictions"]
+    for k, v in one["metrics"].items():
+        assert two["metrics"][k] == pytest.approx(v, rel=1e-9), k
+
+
 @pytest.mark.parametrize("strategy, items", [("fsdp", 9), ("fsdp", 1)])
 def test_exact_evaluation_when_ranks_hold_different_numbers_of_batches(tmp_path, strategy, items):
     """9 items in batches of 4 on 2 ranks: rank 0 takes 2 batches, rank 1 one (1 item: rank 1

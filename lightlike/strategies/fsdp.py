@@ -188,6 +188,12 @@ class FSDPStrategy(DDPStrategy):
         module = self.precision.convert_module(module)
         if not on_meta:
             module = module.to(self.root_device)
+            if self.world_size > 1:  # as DDP does: every rank starts from rank 0's weights (else
+                # each kept its own shard of whatever its own build gave, a mix of ranks' inits)
+                from torch.distributed import group
+                from torch.distributed.utils import _sync_module_states
+
+                _sync_module_states(module, group.WORLD, 250 * 1024 * 1024, 0, set())  # type: ignore[arg-type]
         units = self._units(module)
         if self.activation_checkpointing:
             from torch.distributed._composable.checkpoint_activation import checkpoint

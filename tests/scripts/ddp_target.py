@@ -245,6 +245,7 @@ def main() -> None:
     p.add_argument("--no-overwrite", action="store_true", help="refuse an output_dir that holds a run")
     p.add_argument("--eval-on-epoch-end", action="store_true")
     p.add_argument("--log-every", type=int, default=1)
+    p.add_argument("--rank-seed", action="store_true", help="each rank seeds its module's build with its rank")
     p.add_argument("--unreadable-on-rank1", default="", help="rank 1's checksum pass of this checkpoint fails (EIO)")
     args = p.parse_args()
     rank = int(os.environ.get("RANK", "0"))
@@ -260,7 +261,7 @@ def main() -> None:
 
         manifest.verify_checkpoint = flaky
     out = Path(args.out)
-    torch.manual_seed(0)
+    torch.manual_seed(rank if args.rank_seed else 0)  # --rank-seed: each rank builds other initial weights
     if args.mode == "fail-eval":  # a failure on rank 1 inside validate(), outside any fit()
         fitter = ll.Fitter(max_steps=1, eval_batch_size=args.batch, output_dir=str(out), loggers=[], log_level="warning")
         fitter.validate(FailingMetrics().double(), DictDataset(n=args.items, dtype=torch.float64))
