@@ -808,3 +808,30 @@ def test_a_leftover_temp_file_of_an_interrupted_export_does_not_block_a_new_one(
     (out / "notes.txt").write_text("mine")
     with pytest.raises(ll.CheckpointError, match=r"holds files that no export wrote \(notes\.txt\)"):
         export_weights(ckpt, out)
+
+
+def test_async_checkpoint_is_invisible_until_its_on_save(tmp_path):
+    """single/DDP with async_save: the background thread fsyncs, checksums and writes the
+    manifest; the checkpoint gets its name when committed (at the next save, or the end of the
+    fit), right before its on_save. It used to be renamed by the thread: a kill after that and
+    before the next save resumed from a checkpoint whose on_save never ran."""
+    import threading
+
+    out = tmp_path / "run"
+    seen = []
+
+    class Watch(ll.Callback):
+        def on_step_end(self, fitter, state, control):
+            for t in threading.enumerate():  # the background commit of checkpoint-2 finishes first
+                if t.name.startswith("lightlike-commit"):
+                    t.join()
+            seen.append((state.global_step, [p.name for p in list_checkpoints(out)]))
+
+        def on_save(self, fitter, state, control, path):
+            verify_checkpoint(path)
+            seen.append((state.global_step, "on_save " + os.path.basename(path)))
+
+    torch.manual_seed(0)
+    ll.Fitter(max_steps=5, batch_size=4, save_every=2, async_save=True, output_dir=str(out), loggers=[],
+              callbacks=[Watch()]).fit(Classifier(), DictDataset(n=40))
+    assert seen == [(1, []), (2, []), (3, []), (4, []), (4, "on_save checkpoint-2"), (5, ["checkpoint-2"]), (5, "on_save checkpoint-4"), (5, "on_save checkpoint-5")], seen

@@ -285,12 +285,25 @@ def test_shard_units_default_by_name_and_callable():
         FSDPStrategy(shard_units="Blok")._units(m)
 
 
+def _write(path, text):
+    path.write_text(text)
+    return path
+
+
 def test_preset_files_agree_with_named_presets(tmp_path):
-    """Every strategies/fsdp*.toml is the preset of the same name, and loads."""
-    from lightlike.strategies.fsdp import PRESETS, FSDPStrategy
+    """Every strategies/fsdp*.toml is the preset of the same name, loads, and lists every key a
+    file may set (docs/strategies/index.md says so), each one accepted."""
+    import re
+
+    from lightlike.strategies.fsdp import FILE_KEYS, PRESETS, FSDPStrategy
 
     files = sorted((ROOT / "strategies").glob("*sdp*.toml"))
     assert {f.stem for f in files} == set(PRESETS)
+    for f in files:
+        listed = dict(re.findall(r"^#? ?(\w+) = (.*?)(?:\s+#.*)?$", f.read_text().split("[fsdp]")[1], re.M))
+        assert sorted(listed) == sorted(FILE_KEYS), f.name
+        uncommented = "\n".join(f"{k} = {v}" for k, v in listed.items() if k != "shard_units")
+        FSDPStrategy.from_file(_write(tmp_path / f.name, f"[fsdp]\n{uncommented}\n"))  # each value is accepted
     fields = ("offload", "hybrid", "reshard_after_forward", "shard_units", "shard_size")
     for f in files:
         from_file, named = FSDPStrategy.from_file(f), FSDPStrategy.from_preset(f.stem)

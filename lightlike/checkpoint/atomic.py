@@ -146,20 +146,34 @@ class CheckpointWriter:
             self._shutdown()
             shutil.rmtree(self.tmp, ignore_errors=True)
             return
+        self.seal()
+        self.publish()
+
+    def seal(self) -> None:
+        """fsync and checksum every file and write the manifest: the temp directory is then a
+        complete checkpoint, not yet under its name (``publish``). Removed if this fails."""
         try:
-            self._commit()
+            self._seal()
         except BaseException:
             shutil.rmtree(self.tmp, ignore_errors=True)
             raise
         finally:
             self._shutdown()
 
+    def publish(self) -> None:
+        """Give the sealed checkpoint its name, ``checkpoint-N`` (atomically replacing one)."""
+        try:
+            self._publish()
+        except BaseException:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+            raise
+
     def _shutdown(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=True)  # no helper thread still touches the temp directory
             self._pool = None
 
-    def _commit(self) -> None:
+    def _seal(self) -> None:
         import datetime
 
         paths = [f for f in sorted(self.tmp.rglob("*")) if f.is_file()]
@@ -181,6 +195,8 @@ class CheckpointWriter:
             fh.flush()
             os.fsync(fh.fileno())
         _fsync_path(self.tmp)
+
+    def _publish(self) -> None:
         trash, swapped = None, False
         if self.final_path.exists():
             try:

@@ -58,9 +58,10 @@ def save_training_checkpoint(fitter: Fitter, wait: bool = True, full: bool | Non
     ``wait=False`` with ``async_save=True`` (the Fitter's periodic saves): a strategy that
     shards (FSDP) stages its state to CPU memory and writes it in the background, committed by
     ``commit_pending_checkpoint`` at the next save or at the end of the fit; a strategy that
-    gathers writes its files here, then the main rank fsyncs, hashes, writes the manifest and
-    renames in a background thread. Either way the checkpoint is invisible until committed: a
-    kill in between leaves the previous checkpoint as the newest valid one.
+    gathers writes its files here, then the main rank fsyncs, hashes and writes the manifest in
+    a background thread, and renames it when committing. Either way the checkpoint is invisible
+    until committed, just before its ``on_save``: a kill in between leaves the previous
+    checkpoint as the newest valid one.
 
     ``full=True`` writes a full, resumable checkpoint even with ``save_only_model=True`` (a
     preemption save: the requeued job must be able to resume); ``full=False`` weights only;
@@ -129,7 +130,7 @@ def save_training_checkpoint(fitter: Fitter, wait: bool = True, full: bool | Non
             from concurrent.futures import ThreadPoolExecutor
 
             pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lightlike-commit")
-            committing = pool.submit(writer.__exit__, None, None, None)  # fsync, hash, manifest, rename
+            committing = pool.submit(writer.seal)  # fsync, hash, manifest; renamed when committed
             pool.shutdown(wait=False)
         fitter._checkpoint_in_flight = (writer, None, committing)
         return None
@@ -176,7 +177,8 @@ def _commit(fitter: Fitter, writer: CheckpointWriter, committing: Any = None) ->
     path = writer.final_path
     if strategy.is_global_zero:
         if committing is not None:
-            committing.result()  # raises what the commit raised
+            committing.result()  # raises what sealing it raised
+            writer.publish()  # visible from now on, as on_save says
         else:
             writer.__exit__(None, None, None)  # fsync, hash, manifest, rename
         rotate(fitter, keep_resume_source=cfg.auto_find_batch_size)  # a retry starts from it again

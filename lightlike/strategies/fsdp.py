@@ -55,6 +55,11 @@ PRESETS: dict[str, dict[str, Any]] = {
 UnitSpec = str | list[str] | tuple[str, ...] | Callable[[nn.Module], bool] | None
 
 
+#: the keys of a strategy file's [fsdp] table (strategies/*sdp*.toml list them all)
+FILE_KEYS = ("offload", "hybrid", "reshard_after_forward", "shard_units", "shard_size", "activation_checkpointing",
+             "async_save", "timeout_s", "backend")
+
+
 class FSDPStrategy(DDPStrategy):
     name = "fsdp"
     checkpoint_format = "dcp"
@@ -108,11 +113,9 @@ class FSDPStrategy(DDPStrategy):
             raise ConfigError(f"{path}: strategy = {named!r}, but a .toml strategy file describes FSDP "
                               f"(strategy = {' / '.join(map(repr, PRESETS))}); pass other strategies by name")
         table = doc.get("fsdp", {})
-        allowed = {"shard_units", "reshard_after_forward", "offload", "hybrid", "shard_size",
-                   "activation_checkpointing", "async_save", "timeout_s", "backend"}
-        unknown = sorted(set(table) - allowed)
+        unknown = sorted(set(table) - set(FILE_KEYS))
         if unknown:
-            raise ConfigError(f"{path}: unknown [fsdp] keys {unknown}; valid: {sorted(allowed)}")
+            raise ConfigError(f"{path}: unknown [fsdp] keys {unknown}; valid: {sorted(FILE_KEYS)}")
         return cls(**{**PRESETS[named], **table, **kwargs})
 
     def configure(self, config: Any) -> None:
