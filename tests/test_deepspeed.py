@@ -282,16 +282,19 @@ def test_export_keeps_frozen_parameters(runs, tmp_path, strategy):
         assert all(torch.equal(got[k], final[k]) for k in final)
 
 
-def test_a_submodule_named_module_keeps_its_name():
-    """Consolidation stripped "module." from every key, so a user's own submodule named `module`
-    lost its name (export keys wrong, load_best_at_end failed on every rank): a prefix is a
-    wrapper's only when every key carries it."""
-    from lightlike.checkpoint.zero import _wrapper_prefix
+def test_a_submodule_named_module_keeps_its_name(runs, tmp_path):
+    """Consolidation stripped "module." from every key, then (a first fix) from keys that all
+    carried it: a module whose only submodule is named `module` still lost the name (export keys
+    wrong, its weights-only load failed). The engine's names are the module's own: none is cut."""
+    from safetensors.torch import load_file
 
-    assert _wrapper_prefix(["module.weight", "module.bias", "head.weight"]) == ""
-    assert _wrapper_prefix(["module.net.weight", "module.head.weight"]) == "module."
-    assert _wrapper_prefix(["_orig_mod.a", "_orig_mod.b"]) == "_orig_mod."
-    assert _wrapper_prefix([]) == ""
+    from lightlike.checkpoint.export import export_weights
+
+    out = runs("deepspeed_zero2", "--task", "only-module")
+    final = weights(out)
+    assert sorted(final) == ["module.0.bias", "module.0.weight", "module.2.bias", "module.2.weight"]
+    exported = load_file(str(export_weights(out / "checkpoint-7", tmp_path / "export")))
+    assert sorted(exported) == sorted(final) and all(torch.equal(exported[k], final[k]) for k in final)
 
 
 # -- precision -------------------------------------------------------------------------------------

@@ -25,7 +25,6 @@ import torch
 from lightlike.errors import CheckpointError
 
 META = "deepspeed_meta.json"
-_PREFIXES = ("module.", "_orig_mod.")
 
 
 def _location(checkpoint_dir: Path) -> tuple[Path, str]:
@@ -36,13 +35,6 @@ def _location(checkpoint_dir: Path) -> tuple[Path, str]:
     if (checkpoint_dir / "deepspeed").is_dir():
         return checkpoint_dir / "deepspeed", "state"
     raise CheckpointError(f"{checkpoint_dir} is not a DeepSpeed checkpoint written by lightlike ({META} is missing)")
-
-
-def _wrapper_prefix(keys: Any) -> str:
-    """The prefix a wrapper put on every key (``module.``, ``_orig_mod.``), or "": a submodule
-    of the user's own that is named ``module`` keeps its name."""
-    keys = list(keys)
-    return next((p for p in _PREFIXES if keys and all(k.startswith(p) for k in keys)), "")
 
 
 def _lazy_state_dict(checkpoint_dir: str | Path) -> dict[str, Any]:
@@ -60,8 +52,10 @@ def _lazy_state_dict(checkpoint_dir: str | Path) -> dict[str, Any]:
         for key, value in module.items():
             if key not in state and isinstance(value, torch.Tensor) and value.numel() > 0:
                 state[key] = value
-    cut = len(_wrapper_prefix(state))
-    return {k[cut:]: v for k, v in state.items()}
+    # the names are the user module's own: the engine records them from the module it was given
+    # (compile=True, whose wrapper would add "_orig_mod.", is refused with DeepSpeed), so a
+    # submodule of the user's named `module`, even the only one, keeps its name
+    return state
 
 
 def _materialise(value: Any) -> torch.Tensor:

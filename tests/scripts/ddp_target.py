@@ -189,6 +189,18 @@ class FrozenFirst(Classifier):
         self.net[0].requires_grad_(False)
 
 
+class OnlyModule(Classifier):
+    """Every parameter under one submodule named ``module`` (the name DDP's wrapper gives its own)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.module = self.net
+        del self.net
+
+    def forward(self, batch):
+        return self.module(batch["x"])
+
+
 class MaybeCheckpointed(Classifier):
     """No shard unit: its own maybe_checkpoint is what checkpoints (calls counted as Block's)."""
 
@@ -279,7 +291,8 @@ def main() -> None:
                                                        "labels": pred.labels.tolist()}))
         return
     module_cls = {"token": TokenClassifier, "inttoken": IntTokenClassifier, "blocks": F1Blocks, "norm-blocks": F1NormBlocks,
-                  "maybe-checkpointed": MaybeCheckpointed, "frozen-first": FrozenFirst}.get(args.task, Classifier)
+                  "maybe-checkpointed": MaybeCheckpointed, "frozen-first": FrozenFirst,
+                  "only-module": OnlyModule}.get(args.task, Classifier)
     if args.mode == "oom":
         module_cls = OutOfMemoryOnRank1
     dtype = getattr(torch, args.dtype)
