@@ -141,39 +141,55 @@ class TaskModule(nn.Module):
 
 
 def batch_length(batch: Any) -> int:
-    """Length of the first tensor (or sequence) found in a batch."""
+    """The batch's number of items: the first dimension of the first tensor (of one or more
+    dimensions) found in it, depth first; else the length of the first list or tuple in it (ids,
+    strings). A list of tensors counts as its tensors' rows: torch's default collate turns a
+    field that is a list in each item into a list of batch tensors."""
     if type(batch) is dict and batch:  # the usual batch, answered without ABC checks
         first = next(iter(batch.values()))
         if type(first) is torch.Tensor and first.ndim:
             return first.shape[0]
     if isinstance(batch, torch.Tensor):
         return int(batch.shape[0]) if batch.ndim else 1
-    if isinstance(batch, Mapping):
-        for v in batch.values():
-            n = _maybe_len(v)
-            if n is not None:
-                return n
-    elif isinstance(batch, Sequence) and not isinstance(batch, (str, bytes)):
-        for v in batch:
-            n = _maybe_len(v)
-            if n is not None:
-                return n
-    raise TypeError(
-        f"cannot tell how many items a batch of type {type(batch).__name__} holds; "
-        "override TaskModule.num_items(batch)"
-    )
+    n = _rows(batch)
+    if n is None:
+        n = _first_len(batch)
+    if n is None:
+        raise TypeError(
+            f"cannot tell how many items a batch of type {type(batch).__name__} holds; "
+            "override TaskModule.num_items(batch)"
+        )
+    return n
 
 
-def _maybe_len(v: Any) -> int | None:
+def _walk(v: Any) -> Any:
+    """The values inside a mapping, list or tuple (not a string); None for anything else."""
+    if isinstance(v, Mapping):
+        return v.values()
+    if isinstance(v, Sequence) and not isinstance(v, (str, bytes)):
+        return v
+    return None
+
+
+def _rows(v: Any) -> int | None:
     if isinstance(v, torch.Tensor):
         return int(v.shape[0]) if v.ndim else None
+    inner = _walk(v)
+    for x in inner if inner is not None else ():
+        n = _rows(x)
+        if n is not None:
+            return n
+    return None
+
+
+def _first_len(v: Any) -> int | None:
     if isinstance(v, (list, tuple)):
         return len(v)
-    if isinstance(v, (Mapping, Sequence)) and not isinstance(v, (str, bytes)):
-        try:
-            return batch_length(v)
-        except TypeError:
-            return None
+    inner = _walk(v)
+    for x in inner if inner is not None else ():
+        n = _first_len(x)
+        if n is not None:
+            return n
     return None
 
 

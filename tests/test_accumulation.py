@@ -86,3 +86,42 @@ def test_epoch_shorter_than_window_steps_once(tmp_path):
                        ).fit(Classifier().double(), data)
     assert result.global_step == 2
     torch.testing.assert_close(rec.grads[0], reference_grad(Classifier, data, list(range(6))), rtol=1e-12, atol=1e-14)
+
+
+class ListItems(torch.utils.data.Dataset):
+    """DictDataset's items with the features as a list of floats: torch's default collate makes a
+    batch's ``x`` a list of 8 tensors of one value per item, and ``ids`` a list of strings."""
+
+    def __init__(self, data):
+        self.data = data
+
+    def __len__(self):
+        return len(self.data)
+
+    def __getitem__(self, i):
+        item = self.data[i]
+        return {"x": item["x"].tolist(), "ids": f"item-{i}", "y": item["y"]}
+
+
+class ListClassifier(Classifier):
+    def forward(self, batch):
+        return self.net(torch.stack(batch["x"], dim=-1).to(self.net[0].weight.dtype))
+
+
+def test_default_item_count_of_list_fields(tmp_path):
+    """The default num_items counted the first list's length: 8 features for every batch, the
+    one-item last micro-batch included, which weighted the step's mean wrongly (1/2 where it is
+    1/3). It counts rows: the first tensor's, then a list of strings' length."""
+    data = DictDataset(n=11, dtype=torch.float64)
+    loader = torch.utils.data.DataLoader(ListItems(data), batch_size=2)
+    module = ListClassifier()
+    assert [module.num_items(b) for b in loader] == [2, 2, 2, 2, 2, 1]
+    assert module.num_items({"ids": ["a", "b", "c"], "meta": {"n": 3}}) == 3
+    assert module.num_items(([torch.zeros(5), torch.zeros(5)], torch.zeros(5))) == 5
+    torch.manual_seed(0)
+    model = ListClassifier().double()
+    rec = GradRecorder()
+    ll.Fitter(max_steps=2, batch_size=2, grad_accum_steps=4, shuffle=False, learning_rate=0.0,
+              output_dir=str(tmp_path / "run"), loggers=[], model_summary=False, callbacks=[rec]).fit(model, ListItems(data))
+    assert len(rec.grads) == 2
+    torch.testing.assert_close(rec.grads[1], reference_grad(Classifier, data, [8, 9, 10]), rtol=1e-12, atol=1e-14)
