@@ -133,6 +133,7 @@ class Fitter:
 
         module.gradient_checkpointing = cfg.gradient_checkpointing
         self.module = module
+        module.zero_grad(set_to_none=True)  # gradients left by an earlier fit that failed, or by the user
         model = strategy.setup_module(module)
         optimizer, scheduler = self._configure_optimizers(module, max_steps)
         model, optimizer = strategy.setup_optimizer(model, optimizer)

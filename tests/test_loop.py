@@ -279,3 +279,38 @@ def test_the_even_split_holds_from_any_resume_position():
         dealt = sum(shares, [])
         assert len(dealt) == len(set(dealt)) == (40 - start) - (40 - start) % 3
         assert start + len(dealt) == s.global_end()
+
+
+def test_a_fit_after_one_that_failed_mid_window_starts_from_zero_gradients(tmp_path):
+    """The loss raised at step 3's second micro-batch (accumulation 2): the first micro-batch's
+    gradients stayed in the module, and the next fit of that module added them to its first
+    step. It must equal a fit of a fresh module with the same weights."""
+    import copy
+
+    class FailsOnce(Classifier):
+        calls, fail = 0, True
+
+        def loss(self, outputs, batch):
+            type(self).calls += 1
+            if self.fail and type(self).calls == 6:  # step 3 (two micro-batches a step), the second
+                raise RuntimeError("boom")
+            return super().loss(outputs, batch)
+
+    def fit(module, name):
+        ll.Fitter(max_steps=4, batch_size=4, grad_accum_steps=2, shuffle=False, output_dir=str(tmp_path / name),
+                  loggers=[], model_summary=False).fit(module, DictDataset(n=32))
+
+    torch.manual_seed(0)
+    module = FailsOnce()
+    with pytest.raises(RuntimeError, match="boom"):
+        fit(module, "failed")
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in module.parameters())  # left by the failure
+    module.fail = False
+    start = copy.deepcopy(module.state_dict())
+    fit(module, "again")
+    reference = FailsOnce()
+    reference.fail = False
+    reference.load_state_dict(start)
+    fit(reference, "fresh")
+    for (name, got), want in zip(module.state_dict().items(), reference.state_dict().values(), strict=True):
+        assert torch.equal(got, want), name
