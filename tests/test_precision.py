@@ -222,3 +222,64 @@ def test_a_resumed_16_mixed_run_keeps_its_loss_scale(tmp_path):
     resumed_skipped, resumed_scale, resumed_weights = fit(tmp_path / "cut", resume=True)
     assert (resumed_skipped, resumed_scale) == (skipped, scale)
     assert torch.equal(resumed_weights, weights)
+
+
+def test_input_conversion_keeps_what_a_batch_object_holds():
+    """A dataclass's init=False field came back as its default (None: the fit then failed), a
+    fast tokenizer's BatchEncoding lost its encodings (word_ids() raised), a mapping whose
+    constructor takes other arguments raised; an object with a to() method was not moved."""
+    import collections.abc
+    import dataclasses
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from lightlike.precision import get_precision
+    from lightlike.strategies import move_to_device
+
+    cast = get_precision("bf16-true").convert_input
+
+    @dataclasses.dataclass
+    class Batch:
+        x: torch.Tensor
+        mask: torch.Tensor | None = dataclasses.field(init=False, default=None)
+
+    batch = Batch(torch.ones(2))
+    batch.mask = torch.ones(2)
+    out = cast(batch)
+    assert type(out) is Batch and out.x.dtype == out.mask.dtype == torch.bfloat16 and batch.mask.dtype == torch.float32
+
+    tokenizer = Tokenizer(models.WordLevel({"[PAD]": 0, "[UNK]": 1, "a": 2, "b": 3}, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="[PAD]")
+    encoded = fast(["a b", "b"], padding=True, return_tensors="pt")
+    encoded["weights"] = torch.ones(2)
+    out = cast(encoded)
+    assert type(out) is type(encoded) and out["weights"].dtype == torch.bfloat16 and out["input_ids"].dtype == torch.long
+    assert out.word_ids(0) == [0, 1] and out.word_ids(1) == [0, None]
+
+    class Tagged(collections.abc.Mapping):
+        def __init__(self, d, tag):
+            self.d, self.tag = d, tag
+
+        def __getitem__(self, k):
+            return self.d[k]
+
+        def __iter__(self):
+            return iter(self.d)
+
+        def __len__(self):
+            return len(self.d)
+
+    out = cast(Tagged({"x": torch.ones(2)}, "t"))
+    assert out["x"].dtype == torch.bfloat16
+
+    class Moves:
+        def __init__(self, x, moved_to=None):
+            self.x, self.moved_to = x, moved_to
+
+        def to(self, device):
+            return Moves(self.x.to(device), device)
+
+    moved = move_to_device({"b": Moves(torch.ones(1))}, torch.device("cpu"))
+    assert moved["b"].moved_to == torch.device("cpu")

@@ -320,5 +320,13 @@ def _params(optimizer: torch.optim.Optimizer) -> Iterable[torch.Tensor]:
 
 
 def move_to_device(obj: Any, device: torch.device) -> Any:
-    """Move every tensor in a (nested) batch to ``device``; non-blocking from pinned memory."""
-    return map_tensors(obj, lambda t: t.to(device, non_blocking=True) if t.device != device else t)
+    """Move every tensor in a (nested) batch to ``device``, non-blocking from pinned memory; an
+    object of another kind that has a ``to`` method (a batch class of the user's) moves itself
+    with ``obj.to(device)``, as Lightning moves it."""
+    return map_tensors(obj, lambda t: t.to(device, non_blocking=True) if t.device != device else t,
+                       lambda other: _moved_by_its_to(other, device))
+
+
+def _moved_by_its_to(obj: Any, device: torch.device) -> Any:
+    to = getattr(obj, "to", None)
+    return to(device) if callable(to) and not isinstance(obj, type) else obj

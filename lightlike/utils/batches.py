@@ -2,30 +2,49 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
-from collections import defaultdict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, MutableMapping
 from typing import Any
 
 import torch
 
 
-def map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
-    """``obj`` with ``fn`` applied to every tensor in it, through mappings (a ``defaultdict``
-    keeps its factory), namedtuples, lists, tuples and dataclass instances, each rebuilt as its
-    own type (as Lightning's ``apply_to_collection`` does); anything else is kept as it is."""
+def map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor],
+                other: Callable[[Any], Any] | None = None) -> Any:
+    """``obj`` with ``fn`` applied to every tensor in it, through mappings, namedtuples, lists,
+    tuples and dataclass instances, each kept as its own type (as Lightning's
+    ``apply_to_collection`` does): a mapping or a dataclass is copied and its values replaced, so
+    what else it holds stays (a ``defaultdict``'s factory, a Hugging Face ``BatchEncoding``'s
+    encodings, a dataclass's ``init=False`` fields); a mapping that cannot be copied so is
+    rebuilt from its items, else made a dict. Anything else goes through ``other`` (if given)
+    or is kept as it is."""
     if isinstance(obj, torch.Tensor):
         return fn(obj)
+    if type(obj) is dict:  # the usual batch
+        return {k: map_tensors(v, fn, other) for k, v in obj.items()}
     if isinstance(obj, Mapping):
-        items = {k: map_tensors(v, fn) for k, v in obj.items()}
-        if isinstance(obj, defaultdict):
-            return type(obj)(obj.default_factory, items)
-        return type(obj)(items)  # type: ignore[call-arg]
+        items = {k: map_tensors(v, fn, other) for k, v in obj.items()}
+        if isinstance(obj, MutableMapping):
+            try:
+                new = copy.copy(obj)
+                for k, v in items.items():
+                    new[k] = v
+                return new
+            except Exception:  # a mapping that does not copy: rebuilt below
+                pass
+        try:
+            return type(obj)(items)  # type: ignore[call-arg]
+        except Exception:
+            return items
     if isinstance(obj, tuple) and hasattr(obj, "_fields"):
-        return type(obj)(*(map_tensors(v, fn) for v in obj))
+        return type(obj)(*(map_tensors(v, fn, other) for v in obj))
     if isinstance(obj, (list, tuple)):
-        return type(obj)(map_tensors(v, fn) for v in obj)
+        return type(obj)(map_tensors(v, fn, other) for v in obj)
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        changes = {f.name: map_tensors(getattr(obj, f.name), fn) for f in dataclasses.fields(obj) if f.init}
-        return dataclasses.replace(obj, **changes)
-    return obj
+        out = copy.copy(obj)
+        for f in dataclasses.fields(obj):
+            if hasattr(obj, f.name):  # an init=False field without a default may be unset
+                object.__setattr__(out, f.name, map_tensors(getattr(obj, f.name), fn, other))  # frozen ones too
+        return out
+    return other(obj) if other is not None else obj
