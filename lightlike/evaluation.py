@@ -366,10 +366,9 @@ def _rows_only(pred: Any, where: str) -> Any:
     keeps the same fields). Any other 0-d tensor beside a field of two or more rows is a
     per-batch value too, with no place in dataset order: refused, naming the fix. (A 0-d field
     beside one-row fields, such as ``squeeze()`` on a batch of one item, stays that item's row.)"""
-    if isinstance(pred, Mapping) and "loss" in pred and type(pred).__module__.startswith("transformers."):
-        pred = {k: v for k, v in pred.items() if k != "loss"}  # the rest is checked as any mapping
     if not isinstance(pred, (Mapping, tuple)):
         return pred
+    pred = _without_hf_loss(pred)  # the rest is checked as any mapping
     tensors = list(_leaves(pred, ""))  # nested fields too: one batch, one number of rows
     if any(v.ndim > 0 and len(v) > 1 for _, v in tensors):
         scalar = [k for k, v in tensors if v.ndim == 0]
@@ -379,6 +378,19 @@ def _rows_only(pred: Any, where: str) -> Any:
                 "per-batch value (such as a loss) has no place in dataset order; return only the per-item "
                 "fields from predictions() (for a Hugging Face (loss, logits) tuple: outputs[1:])")
     return pred
+
+
+def _without_hf_loss(x: Any) -> Any:
+    """``x`` without the ``loss`` of any Hugging Face ModelOutput in it (at any depth); the same
+    object where there is none (a ModelOutput that loses its loss becomes a dict)."""
+    if isinstance(x, Mapping):
+        hf = type(x).__module__.startswith("transformers.")
+        items = {k: _without_hf_loss(v) for k, v in x.items() if not (hf and k == "loss")}
+        return x if len(items) == len(x) and all(items[k] is x[k] for k in items) else items
+    if isinstance(x, tuple):
+        fields = [_without_hf_loss(v) for v in x]
+        return x if all(a is b for a, b in zip(fields, x, strict=True)) else _tuple_like(x, fields)
+    return x
 
 
 def _leaves(x: Any, path: str) -> Iterator[tuple[str, torch.Tensor]]:

@@ -105,6 +105,17 @@ def test_other_per_batch_fields_of_a_model_output_are_refused(tmp_path):
     with pytest.raises(ModuleContractError, match=r"predictions\(\)\['aux_loss'\] is a 0-d tensor"):
         fitter.predict(WithAuxLoss(), DictDataset(n=5))
 
+    class Nested(Classifier):  # a ModelOutput inside a dict: its loss is left out there too
+        def predictions(self, outputs, batch):
+            out = transformers.modeling_outputs.SequenceClassifierOutput(loss=outputs.sum(), logits=outputs)
+            return {"out": out, "ids": batch["y"]}
+
+    data = DictDataset(n=5)
+    for batch_size in (2, 1):  # with batches of one item the loss became a row (5 of them)
+        got = fitter.predict(Nested(), data) if batch_size == 2 else ll.Fitter(
+            max_steps=1, eval_batch_size=1, output_dir=str(tmp_path / "one"), **QUIET).predict(Nested(), data)
+        assert list(got.predictions["out"]) == ["logits"] and got.predictions["out"]["logits"].shape == (5, 3)
+
 
 def test_predict_keeps_a_model_output_and_leaves_out_its_per_batch_loss(tmp_path):
     """A ModelOutput came back as a plain dict, and its scalar loss as one row per batch, which
