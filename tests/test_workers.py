@@ -207,3 +207,47 @@ def test_workers_start_after_the_queue_threads_of_ended_loaders_have_ended(tmp_p
     counts = eval(proc.stdout.rsplit(":", 1)[1])
     assert len(counts) == 12, counts  # 3 epochs and 3 evaluations, 2 workers each
     assert counts == [0] * 12, counts
+
+
+def test_only_closed_queues_feeders_are_waited_for():
+    """Another thread's iterator that is shutting down (torch sets its flag first, then joins its
+    workers, then closes its queues) has feeders that are not ending yet: waiting for them held a
+    second fit in another thread for the whole limit, at every epoch. Only the feeders of closed
+    queues are joined, also once the iterator is gone."""
+    import gc
+
+    from lightlike.data import workers
+
+    joined = []
+
+    class Feeder:
+        def __init__(self, name):
+            self.name = name
+
+        def is_alive(self):
+            return True
+
+        def join(self, timeout=None):
+            joined.append(self.name)
+
+    class Queue:
+        def __init__(self, name, closed):
+            self._thread, self._closed = Feeder(name), closed
+
+    class ShuttingDown:
+        _shutdown = True
+
+        def __init__(self):
+            self._index_queues = [Queue("open", False), Queue("closed", True)]
+            self._worker_result_queue = Queue("result", False)
+
+    it = ShuttingDown()
+    workers._track(it)
+    workers._join_ending_feeders()
+    assert joined == ["closed"]
+    del it
+    gc.collect()
+    workers._join_ending_feeders()  # dropped: its closed queues' feeders, once more
+    assert joined == ["closed", "closed"]
+    workers._join_ending_feeders()
+    assert joined == ["closed", "closed"]

@@ -128,9 +128,15 @@ _ENDING: list[threading.Thread] = []
 FEEDER_JOIN_LIMIT = 5.0  # seconds, in all, to wait for ending feeder threads before a fork
 
 
-def _feeders(it: Any) -> list[threading.Thread]:
-    queues = [*getattr(it, "_index_queues", ()), getattr(it, "_worker_result_queue", None)]
-    return [t for q in queues if (t := getattr(q, "_thread", None)) is not None]
+def _ending(queues: Any) -> list[threading.Thread]:
+    """The feeder threads of those queues that are closed (each then ends once it has flushed):
+    an iterator of another thread that is shutting down has not closed its queues yet, and its
+    feeders are not ending."""
+    return [t for q in queues if getattr(q, "_closed", False) and (t := getattr(q, "_thread", None)) is not None]
+
+
+def _queues(it: Any) -> list[Any]:
+    return [*getattr(it, "_index_queues", ()), getattr(it, "_worker_result_queue", None)]
 
 
 def _track(it: Any) -> None:
@@ -138,12 +144,12 @@ def _track(it: Any) -> None:
     if not hasattr(it, "_index_queues") or any(r() is it for r in _STARTED):  # a persistent one comes back
         return
 
-    queues = [*it._index_queues, it._worker_result_queue]
+    queues = _queues(it)
 
     def dropped(ref: weakref.ref) -> None:
         # after the iterator's __del__ shut its workers down: its queues' feeders are ending
         _STARTED.remove(ref)
-        _ENDING.extend(t for q in queues if (t := getattr(q, "_thread", None)) is not None)
+        _ENDING.extend(_ending(queues))
 
     _STARTED.append(weakref.ref(it, dropped))
 
@@ -158,7 +164,7 @@ def _join_ending_feeders() -> None:
     for ref in _STARTED:
         it = ref()
         if it is not None and getattr(it, "_shutdown", False):
-            threads += _feeders(it)
+            threads += _ending(_queues(it))
     deadline = time.monotonic() + FEEDER_JOIN_LIMIT
     for t in threads:
         if t.is_alive() and t is not threading.current_thread():
