@@ -223,6 +223,8 @@ def _parse(cmd: str, argv: list[str]) -> dict[str, Any]:
     values = {**file_fit, **{k: v for k, v in given.items() if k in fit_opts}}
     try:
         config = FitConfig.from_dict(values)
+        if cmd == "fit":  # said before the module, the data and the processes are set up
+            config.need_stopping_criterion()
     except ConfigError as e:  # a value the config file set (and no flag replaced): name the file
         from_file = [k for k in e.settings if k in file_fit and k not in given]
         if not from_file:

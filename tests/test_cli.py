@@ -326,3 +326,19 @@ def test_resume_paths_and_unparsable_yaml_are_one_line_errors(tmp_path):
         p = cli(*args, ok=False, cwd=tmp_path)
         lines = p.stderr.strip().splitlines()
         assert p.returncode == 2 and len(lines) == 1 and want in lines[0], p.stderr
+
+
+def test_fit_without_a_stopping_criterion_is_refused_before_anything_is_built(tmp_path):
+    """FitConfig no longer needs max_steps/max_epochs (validate and predict do not): `fit`
+    still says so at once, before the module (here one that cannot be built) or the data."""
+    (tmp_path / "unbuildable.py").write_text(textwrap.dedent("""\
+        import lightlike as ll
+
+        class Model(ll.TaskModule):
+            def __init__(self):
+                raise RuntimeError("the module was built")
+        """))
+    p = cli("fit", "unbuildable.py:Model", "--output_dir", "out", ok=False, cwd=tmp_path)
+    assert p.returncode == 2, p.stderr
+    assert p.stderr.strip() == "lightlike fit: error: no stopping criterion: set max_steps=N or max_epochs=N", p.stderr
+    assert not (tmp_path / "out").exists()
