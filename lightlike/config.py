@@ -116,8 +116,9 @@ class FitConfig:
     save_only_model: bool = _f(False, "Save weights only (no optimizer/scheduler/RNG: no resume).")
     verify_hashes: bool = _f(True, "Verify file hashes when loading a checkpoint (sizes always).")
     async_save: bool = _f(False, "Let training go on while a periodic checkpoint is made durable: "
-                          "shards written in the background (FSDP), or fsync/hash/commit in a thread; "
-                          "committed at the next save or the end of the fit, invisible until then.")
+                          "shards written in the background (FSDP), or fsync/hash/manifest in a thread; "
+                          "committed at the next save or the end of the fit, invisible until then "
+                          "(a fit that fails commits one whose files were all written, except FSDP's).")
     metric_for_best: str | None = _f(None, "Metric key that decides the best checkpoint.")
     greater_is_better: bool | None = _f(None, "Whether larger metric_for_best is better.")
     load_best_at_end: bool = _f(

@@ -835,3 +835,31 @@ def test_async_checkpoint_is_invisible_until_its_on_save(tmp_path):
     ll.Fitter(max_steps=5, batch_size=4, save_every=2, async_save=True, output_dir=str(out), loggers=[],
               callbacks=[Watch()]).fit(Classifier(), DictDataset(n=40))
     assert seen == [(1, []), (2, []), (3, []), (4, []), (4, "on_save checkpoint-2"), (5, ["checkpoint-2"]), (5, "on_save checkpoint-4"), (5, "on_save checkpoint-5")], seen
+
+
+def test_a_fit_that_fails_commits_the_async_checkpoint_it_had_written(tmp_path):
+    """async_save on single/DDP: checkpoint-6 was written and being sealed in the background when
+    step 7 raised; the rename waits for the next save, so the failure lost it (the resume went
+    back to step 3). Its files were all written: the failing fit commits it (no on_save)."""
+    out = tmp_path / "run"
+    saved = []
+
+    class FailAt7(ll.Callback):
+        def on_step_start(self, fitter, state, control):
+            if state.global_step == 6:
+                raise RuntimeError("boom at step 7")
+
+        def on_save(self, fitter, state, control, path):
+            saved.append(os.path.basename(path))
+
+    torch.manual_seed(0)
+    with pytest.raises(RuntimeError, match="boom"):
+        ll.Fitter(max_steps=9, batch_size=4, save_every=3, async_save=True, output_dir=str(out), loggers=[],
+                  callbacks=[FailAt7()]).fit(Classifier(), DictDataset(n=40))
+    assert [p.name for p in list_checkpoints(out)] == ["checkpoint-3", "checkpoint-6"]
+    assert saved == ["checkpoint-3"]
+    verify_checkpoint(out / "checkpoint-6")
+    assert not [p for p in out.iterdir() if p.name.startswith(".checkpoint-")]
+    fitter = ll.Fitter(max_steps=9, batch_size=4, save_every=3, async_save=True, output_dir=str(out), loggers=[])
+    assert fitter.fit(Classifier(), DictDataset(n=40), resume=True).global_step == 9
+    assert os.path.basename(fitter.resumed_from) == "checkpoint-6"

@@ -156,6 +156,27 @@ def commit_pending_checkpoint(fitter: Fitter) -> Path | None:
     return _commit(fitter, writer, committing)
 
 
+def publish_sealed_checkpoint(fitter: Fitter) -> Path | None:
+    """On the way out of a fit that failed: an asynchronous checkpoint that every rank had
+    written before it failed, being sealed in the background (single, DDP), is complete: the
+    main rank waits for the seal and gives it its name, alone (the other ranks may be gone), with
+    no ``on_save`` (the fit is failing). A sharded one still being written (FSDP) is left; its
+    temp directory goes at the next start. Returns the path where one was published."""
+    in_flight = getattr(fitter, "_checkpoint_in_flight", None)
+    fitter._checkpoint_in_flight = None
+    if in_flight is None or in_flight[1] is not None or in_flight[2] is None:
+        return None
+    writer, _, committing = in_flight
+    try:
+        committing.result()
+        writer.publish()
+    except Exception as e:  # the fit's own error is the one to raise
+        log.warning("the checkpoint %s written before the failure could not be committed: %s", writer.final_path, e)
+        return None
+    log.warning("committed %s, written before the fit failed", writer.final_path)
+    return writer.final_path
+
+
 def rotate(fitter: Fitter, keep_resume_source: bool = False) -> None:
     """Main rank: delete the oldest checkpoints past ``save_total_limit``, never the best one. The
     checkpoint this run resumed from needs no protection otherwise: rotation runs only after this

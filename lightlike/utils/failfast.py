@@ -42,6 +42,10 @@ def failing_fast(fitter: Fitter) -> Iterator[None]:
                       type(error).__name__, error)
             with contextlib.suppress(AttributeError):  # once (a search trial's fit logged it already)
                 error._lightlike_logged = True  # type: ignore[attr-defined]
+        if getattr(fitter, "_checkpoint_in_flight", None) is not None:  # a checkpoint written before it failed
+            from lightlike.checkpoint.training import publish_sealed_checkpoint
+
+            publish_sealed_checkpoint(fitter)
         fitter.callbacks.call("on_exception", fitter, fitter.state, fitter.control, error)
         raise
 
