@@ -343,3 +343,57 @@ def test_async_save_commits_every_checkpoint(tmp_path):
         b = verify_checkpoint(tmp_path / "sync" / name)["files"]
         shards = [f for f in b if f.startswith("dcp/__")]
         assert shards and all(a[f]["crc32"] == b[f]["crc32"] for f in shards), name
+
+
+def test_meta_device_values_nothing_initialised_are_named(tmp_path):
+    """A parameter of the module's own (no submodule's reset_parameters() sets it) and a buffer
+    computed in __init__ kept whatever memory to_empty() gave them, and the fit trained on
+    that. They are named instead; an init_weights() that sets them makes the fit go. One process,
+    in a subprocess (FSDP keeps its group)."""
+    import subprocess
+    import sys
+
+    code = f"""
+import sys, torch
+from torch import nn
+sys.path.insert(0, {str(Path(__file__).parent)!r})
+import lightlike as ll
+from helpers import Classifier, DictDataset
+
+class Scaled(Classifier):
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(8))
+        self.register_buffer("freq", torch.arange(8.0))
+
+    def forward(self, batch):
+        return self.net(batch["x"] * self.scale + self.freq)
+
+class Initialised(Scaled):
+    def init_weights(self):
+        for m in self.net:
+            if hasattr(m, "reset_parameters"):
+                m.reset_parameters()
+        self.scale.fill_(1.0)
+        self.freq.copy_(torch.arange(8.0))
+
+def fit(cls, out):
+    with torch.device("meta"):
+        module = cls()
+    fitter = ll.Fitter(strategy="fsdp", max_steps=2, batch_size=4, output_dir=out, loggers=[], model_summary=False,
+                       save_strategy="no")
+    result = fitter.fit(module, DictDataset(n=16))
+    return result, fitter.strategy.module_state_dict(fitter.model)
+
+try:
+    fit(Scaled, {str(tmp_path / "a")!r})
+except ll.ConfigError as e:
+    print("ERROR", e)
+result, state = fit(Initialised, {str(tmp_path / "b")!r})
+print("OK", result.training_loss == result.training_loss, state["freq"].tolist() == list(range(8)))
+"""
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240)
+    assert p.returncode == 0, p.stderr[-3000:]
+    error = next(line for line in p.stdout.splitlines() if line.startswith("ERROR"))
+    assert "any submodule's reset_parameters() did not set freq, scale (2 in all)" in error, error
+    assert p.stdout.splitlines()[-1] == "OK True True", p.stdout

@@ -270,6 +270,8 @@ class FSDPStrategy(DDPStrategy):
         module.to_empty(device=self.root_device)
         init = getattr(module, "init_weights", None)
         with torch.no_grad():
+            for t in (*module.parameters(), *module.buffers()):  # NaN until set: a value left unset shows
+                t.fill_(float("nan") if t.is_floating_point() or t.is_complex() else 0)
             if callable(init):
                 init()
             else:
@@ -278,6 +280,16 @@ class FSDPStrategy(DDPStrategy):
                     for m in module.modules():
                         if callable(getattr(m, "reset_parameters", None)):
                             _reset_whole(m)
+        unset = [name for kind in (module.named_parameters(), module.named_buffers()) for name, t in kind
+                 if (t.is_floating_point() or t.is_complex()) and bool(_local(t).isnan().any())]
+        unset = sorted({name for names in self.all_gather_object(unset) for name in names})
+        if unset:  # every rank raises (a shard may hold no unset value)
+            by = "its init_weights()" if callable(init) else "any submodule's reset_parameters()"
+            raise ConfigError(
+                f"the module was built on the meta device, where tensors hold no value, and {by} did not set "
+                f"{', '.join(unset[:5])}{' ...' if len(unset) > 5 else ''} ({len(unset)} in all): set them in the "
+                "TaskModule's init_weights() (buffers computed in __init__, such as rotary frequencies, too), or "
+                "build the module on a real device")
         log.debug("materialised a meta-device module shard by shard on %s", self.root_device)
 
     def unwrap(self, module: nn.Module) -> nn.Module:
@@ -355,6 +367,11 @@ class FSDPStrategy(DDPStrategy):
     def __repr__(self) -> str:
         return (f"FSDPStrategy(rank={self.global_rank}/{self.world_size}, mesh={tuple(self.mesh.shape) if self.mesh else None}, "
                 f"precision={self.precision.name!r}, offload={self.offload})")
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (a plain tensor as it is)."""
+    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def _reset_whole(m: nn.Module) -> None:
