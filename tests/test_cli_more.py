@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_cli_surface import one_line_error, run_cli
 
 import lightlike as ll
 from lightlike.cli import main
@@ -90,19 +91,6 @@ def one():
 def anything(**kw):
     return items(8 * kw["config"].batch_size, 0), None
 '''
-
-
-def run_cli(capsys, *args: str) -> tuple[int, str, str]:
-    code = main(list(args))
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
-def one_line_error(capsys, *args: str) -> str:
-    code, _, err = run_cli(capsys, *args)
-    lines = err.strip().splitlines()
-    assert code == 2 and len(lines) == 1 and ": error: " in lines[0], (code, err)
-    return lines[0]
 
 
 @pytest.fixture
