@@ -141,19 +141,19 @@ class TaskModule(nn.Module):
 
 
 def batch_length(batch: Any) -> int:
-    """The batch's number of items: the first dimension of the first tensor (of one or more
-    dimensions) found in it, depth first; else the length of the first list or tuple in it (ids,
-    strings). A list of tensors counts as its tensors' rows: torch's default collate turns a
-    field that is a list in each item into a list of batch tensors."""
+    """The batch's number of items, read from its first field (in order, through mappings and
+    the batch's own list or tuple of fields): a tensor's first dimension, or a list's length
+    (one entry per item: strings, variable-length sequences). A list whose entries are tensors
+    of one first dimension that another field's tensor has too is torch's default collate of a
+    list in each item (one tensor per position): that dimension. Override ``num_items`` where
+    this is not the count."""
     if type(batch) is dict and batch:  # the usual batch, answered without ABC checks
         first = next(iter(batch.values()))
         if type(first) is torch.Tensor and first.ndim:
             return first.shape[0]
     if isinstance(batch, torch.Tensor):
         return int(batch.shape[0]) if batch.ndim else 1
-    n = _rows(batch)
-    if n is None:
-        n = _first_len(batch)
+    n = _count(batch, _field_rows(batch, top=True), top=True)
     if n is None:
         raise TypeError(
             f"cannot tell how many items a batch of type {type(batch).__name__} holds; "
@@ -162,34 +162,38 @@ def batch_length(batch: Any) -> int:
     return n
 
 
-def _walk(v: Any) -> Any:
-    """The values inside a mapping, list or tuple (not a string); None for anything else."""
+def _fields(v: Any, top: bool) -> Any:
+    """The fields of a mapping, or of the batch's own list or tuple; None for anything else."""
     if isinstance(v, Mapping):
         return v.values()
-    if isinstance(v, Sequence) and not isinstance(v, (str, bytes)):
+    if top and isinstance(v, Sequence) and not isinstance(v, (str, bytes)):
         return v
     return None
 
 
-def _rows(v: Any) -> int | None:
+def _field_rows(v: Any, top: bool = False) -> set[int]:
+    """First dimensions of the tensors that are fields (not entries of a list field)."""
+    if isinstance(v, torch.Tensor):
+        return {int(v.shape[0])} if v.ndim else set()
+    fields = _fields(v, top)
+    return set().union(*(_field_rows(x) for x in fields)) if fields is not None else set()
+
+
+def _count(v: Any, rows: set[int], top: bool = False) -> int | None:
     if isinstance(v, torch.Tensor):
         return int(v.shape[0]) if v.ndim else None
-    inner = _walk(v)
-    for x in inner if inner is not None else ():
-        n = _rows(x)
-        if n is not None:
-            return n
-    return None
-
-
-def _first_len(v: Any) -> int | None:
-    if isinstance(v, (list, tuple)):
+    fields = _fields(v, top)
+    if fields is not None:
+        for x in fields:
+            n = _count(x, rows)
+            if n is not None:
+                return n
+        return None
+    if isinstance(v, (list, tuple)):  # a list field
+        dims = {int(x.shape[0]) if isinstance(x, torch.Tensor) and x.ndim else -1 for x in v}
+        if len(dims) == 1 and (d := dims.pop()) > 0 and d != len(v) and d in rows:
+            return d
         return len(v)
-    inner = _walk(v)
-    for x in inner if inner is not None else ():
-        n = _first_len(x)
-        if n is not None:
-            return n
     return None
 
 

@@ -118,6 +118,12 @@ def test_default_item_count_of_list_fields(tmp_path):
     assert [module.num_items(b) for b in loader] == [2, 2, 2, 2, 2, 1]
     assert module.num_items({"ids": ["a", "b", "c"], "meta": {"n": 3}}) == 3
     assert module.num_items(([torch.zeros(5), torch.zeros(5)], torch.zeros(5))) == 5
+    # a list of one entry per item stays its length (review AS): variable-length sequences (a
+    # first version counted the first sequence's length), equal-length ones, strings first
+    seqs = [torch.zeros(n) for n in (9, 5, 7)]
+    assert module.num_items((seqs, torch.zeros(3))) == 3
+    assert module.num_items(([torch.zeros(5)] * 3, torch.zeros(3))) == 3
+    assert module.num_items({"text": ["a", "b", "c"], "mask": torch.zeros(7, 7), "labels": torch.zeros(3)}) == 3
     torch.manual_seed(0)
     model = ListClassifier().double()
     rec = GradRecorder()

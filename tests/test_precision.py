@@ -283,3 +283,48 @@ def test_input_conversion_keeps_what_a_batch_object_holds():
 
     moved = move_to_device({"b": Moves(torch.ones(1))}, torch.device("cpu"))
     assert moved["b"].moved_to == torch.device("cpu")
+
+    # review AS: what __post_init__ derives follows the new values; a mapping of the user's that
+    # keeps its items elsewhere is not written into; a to() that moves in place returns None
+    @dataclasses.dataclass
+    class Derived:
+        x: torch.Tensor
+        half: torch.Tensor = dataclasses.field(init=False)
+
+        def __post_init__(self):
+            self.half = self.x / 2
+
+    assert cast(Derived(torch.ones(2))).half.dtype == torch.bfloat16
+
+    class Stored(collections.abc.MutableMapping):
+        def __init__(self, d):
+            self._d = d
+
+        def __getitem__(self, k):
+            return self._d[k]
+
+        def __setitem__(self, k, v):
+            self._d[k] = v
+
+        def __delitem__(self, k):
+            del self._d[k]
+
+        def __iter__(self):
+            return iter(self._d)
+
+        def __len__(self):
+            return len(self._d)
+
+    mine = Stored({"x": torch.ones(2)})
+    out = cast(mine)
+    assert out["x"].dtype == torch.bfloat16 and mine["x"].dtype == torch.float32
+
+    class InPlace:
+        def __init__(self):
+            self.where = None
+
+        def to(self, device):
+            self.where = device
+
+    obj = InPlace()
+    assert move_to_device({"o": obj}, torch.device("cpu"))["o"] is obj and obj.where == torch.device("cpu")

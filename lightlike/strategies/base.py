@@ -329,4 +329,7 @@ def move_to_device(obj: Any, device: torch.device) -> Any:
 
 def _moved_by_its_to(obj: Any, device: torch.device) -> Any:
     to = getattr(obj, "to", None)
-    return to(device) if callable(to) and not isinstance(obj, type) else obj
+    if not callable(to) or isinstance(obj, type):
+        return obj
+    moved = to(device)
+    return obj if moved is None else moved  # a to() that moves the object in place

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from collections.abc import Callable, Mapping, MutableMapping
+from collections import UserDict
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -14,10 +15,11 @@ def map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor],
                 other: Callable[[Any], Any] | None = None) -> Any:
     """``obj`` with ``fn`` applied to every tensor in it, through mappings, namedtuples, lists,
     tuples and dataclass instances, each kept as its own type (as Lightning's
-    ``apply_to_collection`` does): a mapping or a dataclass is copied and its values replaced, so
-    what else it holds stays (a ``defaultdict``'s factory, a Hugging Face ``BatchEncoding``'s
-    encodings, a dataclass's ``init=False`` fields); a mapping that cannot be copied so is
-    rebuilt from its items, else made a dict. Anything else goes through ``other`` (if given)
+    ``apply_to_collection`` does): a dict or ``UserDict`` (subclasses too) is copied and its
+    values replaced, so what else it holds stays (a ``defaultdict``'s factory, a Hugging Face
+    ``BatchEncoding``'s encodings); another mapping is rebuilt from its items, else made a dict;
+    a dataclass with ``__post_init__`` is rebuilt with ``dataclasses.replace`` (what it derives
+    follows the new values), another is copied with its fields replaced (``init=False`` ones too). Anything else goes through ``other`` (if given)
     or is kept as it is."""
     if isinstance(obj, torch.Tensor):
         return fn(obj)
@@ -25,8 +27,8 @@ def map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor],
         return {k: map_tensors(v, fn, other) for k, v in obj.items()}
     if isinstance(obj, Mapping):
         items = {k: map_tensors(v, fn, other) for k, v in obj.items()}
-        if isinstance(obj, MutableMapping):
-            try:
+        if isinstance(obj, (dict, UserDict)):  # a copy of these holds its own items (another
+            try:  # mapping's shallow copy may share its storage with the user's object)
                 new = copy.copy(obj)
                 for k, v in items.items():
                     new[k] = v
@@ -42,6 +44,12 @@ def map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor],
     if isinstance(obj, (list, tuple)):
         return type(obj)(map_tensors(v, fn, other) for v in obj)
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        if hasattr(obj, "__post_init__"):  # rebuilt: what it derives is derived from the new values
+            try:
+                return dataclasses.replace(obj, **{f.name: map_tensors(getattr(obj, f.name), fn, other)
+                                                   for f in dataclasses.fields(obj) if f.init})
+            except (TypeError, ValueError):  # an InitVar without a default: copied below
+                pass
         out = copy.copy(obj)
         for f in dataclasses.fields(obj):
             if hasattr(obj, f.name):  # an init=False field without a default may be unset
