@@ -365,9 +365,13 @@ class Scaled(Classifier):
         super().__init__()
         self.scale = nn.Parameter(torch.ones(8))
         self.register_buffer("freq", torch.arange(8.0))
+        self.register_buffer("pos", torch.arange(8))
+        self.register_buffer("keep", torch.ones(8, dtype=torch.bool))
+        self.register_buffer("missing", torch.zeros(8))
+        self.register_buffer("nan", torch.zeros(2))  # not read by forward
 
     def forward(self, batch):
-        return self.net(batch["x"] * self.scale + self.freq)
+        return self.net(batch["x"] * self.scale * self.keep + self.freq + self.pos + self.missing)
 
 class Initialised(Scaled):
     def init_weights(self):
@@ -375,7 +379,11 @@ class Initialised(Scaled):
             if hasattr(m, "reset_parameters"):
                 m.reset_parameters()
         self.scale.fill_(1.0)
-        self.freq.copy_(torch.arange(8.0))
+        self.freq.data.copy_(torch.arange(8.0))  # through .data, as Hugging Face's _init_weights writes
+        self.pos.copy_(torch.arange(8))
+        self.keep.fill_(True)
+        self.missing.zero_()
+        self.nan.fill_(float("nan"))  # NaN on purpose is a value
 
 def fit(cls, out):
     with torch.device("meta"):
@@ -395,5 +403,5 @@ print("OK", result.training_loss == result.training_loss, state["freq"].tolist()
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240)
     assert p.returncode == 0, p.stderr[-3000:]
     error = next(line for line in p.stdout.splitlines() if line.startswith("ERROR"))
-    assert "any submodule's reset_parameters() did not set freq, scale (2 in all)" in error, error
+    assert "any submodule's reset_parameters() did not set freq, keep, missing, nan, pos ... (6 in all)" in error, error
     assert p.stdout.splitlines()[-1] == "OK True True", p.stdout

@@ -269,9 +269,9 @@ class FSDPStrategy(DDPStrategy):
         tracker keeps shards distinct; on the CPU it does not)."""
         module.to_empty(device=self.root_device)
         init = getattr(module, "init_weights", None)
-        with torch.no_grad():
-            for t in (*module.parameters(), *module.buffers()):  # NaN until set: a value left unset shows
-                t.fill_(float("nan") if t.is_floating_point() or t.is_complex() else 0)
+        with torch.no_grad():  # marked until set: NaN, the largest integer, False
+            marked = {name: (t, _mark(t)) for kind in (module.named_parameters(), module.named_buffers())
+                      for name, t in kind}
             if callable(init):
                 init()
             else:
@@ -280,8 +280,8 @@ class FSDPStrategy(DDPStrategy):
                     for m in module.modules():
                         if callable(getattr(m, "reset_parameters", None)):
                             _reset_whole(m)
-        unset = [name for kind in (module.named_parameters(), module.named_buffers()) for name, t in kind
-                 if (t.is_floating_point() or t.is_complex()) and bool(_local(t).isnan().any())]
+        now = dict((*module.named_parameters(), *module.named_buffers()))
+        unset = [name for name, (t, version) in marked.items() if now.get(name) is t and _still_marked(t, version)]
         unset = sorted({name for names in self.all_gather_object(unset) for name in names})
         if unset:  # every rank raises (a shard may hold no unset value)
             by = "its init_weights()" if callable(init) else "any submodule's reset_parameters()"
@@ -367,6 +367,28 @@ class FSDPStrategy(DDPStrategy):
     def __repr__(self) -> str:
         return (f"FSDPStrategy(rank={self.global_rank}/{self.world_size}, mesh={tuple(self.mesh.shape) if self.mesh else None}, "
                 f"precision={self.precision.name!r}, offload={self.offload})")
+
+
+def _mark(t: torch.Tensor) -> int:
+    """Fill a tensor to_empty() allocated with a mark (NaN, the largest integer, False); its
+    version counter after that."""
+    local = _local(t)
+    local.fill_(float("nan") if t.is_floating_point() or t.is_complex() else
+                False if t.dtype == torch.bool else torch.iinfo(t.dtype).max)
+    return local._version
+
+
+def _still_marked(t: torch.Tensor, version: int) -> bool:
+    """Nothing set the tensor: no in-place write since it was marked (init code writing through
+    ``.data``, as Hugging Face's does, leaves the counter alone: then the mark is looked for)."""
+    local = _local(t)
+    if local._version != version:
+        return False
+    if t.is_floating_point() or t.is_complex():
+        return bool(local.isnan().any())
+    if t.dtype == torch.bool:
+        return not bool(local.any())
+    return bool((local == torch.iinfo(t.dtype).max).any())
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
