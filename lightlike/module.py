@@ -147,8 +147,8 @@ def batch_length(batch: Any) -> int:
     of one first dimension that another field's tensor has too is torch's default collate of a
     list in each item (one tensor per position): that dimension. Override ``num_items`` where
     this is not the count."""
-    if type(batch) is dict and batch:  # the usual batch, answered without ABC checks
-        first = next(iter(batch.values()))
+    if type(batch) in (dict, list, tuple) and batch:  # the usual batches, answered without ABC checks
+        first = next(iter(batch.values())) if type(batch) is dict else batch[0]
         if type(first) is torch.Tensor and first.ndim:
             return first.shape[0]
     if isinstance(batch, torch.Tensor):
