@@ -144,13 +144,19 @@ def batch_length(batch: Any) -> int:
     """The batch's number of items, read from its first field (in order, through mappings and
     the batch's own list or tuple of fields): a tensor's first dimension, or a list's length
     (one entry per item: strings, variable-length sequences). A list whose entries are tensors
-    of one first dimension that another field's tensor has too is torch's default collate of a
-    list in each item (one tensor per position): that dimension. Override ``num_items`` where
-    this is not the count."""
-    if type(batch) in (dict, list, tuple) and batch:  # the usual batches, answered without ABC checks
-        first = next(iter(batch.values())) if type(batch) is dict else batch[0]
+    of one first dimension that another field's tensor has too (and not the list's length) is
+    torch's default collate of a list in each item (one tensor per position): that dimension.
+    A batch that is a list of the items themselves (mappings, or tensors of different lengths:
+    a collate_fn that keeps them) counts them. Override ``num_items`` where this is not the
+    count."""
+    if type(batch) is dict and batch:  # the usual batches, answered without ABC checks
+        first = next(iter(batch.values()))
         if type(first) is torch.Tensor and first.ndim:
             return first.shape[0]
+    elif type(batch) in (list, tuple) and len(batch) >= 2:  # (inputs, targets)
+        a, b = batch[0], batch[1]
+        if type(a) is torch.Tensor and type(b) is torch.Tensor and a.ndim and b.ndim and a.shape[0] == b.shape[0]:
+            return a.shape[0]
     if isinstance(batch, torch.Tensor):
         return int(batch.shape[0]) if batch.ndim else 1
     n = _count(batch, _field_rows(batch, top=True), top=True)
@@ -182,6 +188,8 @@ def _field_rows(v: Any, top: bool = False) -> set[int]:
 def _count(v: Any, rows: set[int], top: bool = False) -> int | None:
     if isinstance(v, torch.Tensor):
         return int(v.shape[0]) if v.ndim else None
+    if top and isinstance(v, (list, tuple)) and v and _one_per_item(v):  # a list of the items themselves
+        return len(v)
     fields = _fields(v, top)
     if fields is not None:
         for x in fields:
@@ -191,10 +199,19 @@ def _count(v: Any, rows: set[int], top: bool = False) -> int | None:
         return None
     if isinstance(v, (list, tuple)):  # a list field
         dims = {int(x.shape[0]) if isinstance(x, torch.Tensor) and x.ndim else -1 for x in v}
-        if len(dims) == 1 and (d := dims.pop()) > 0 and d != len(v) and d in rows:
+        if len(dims) == 1 and (d := dims.pop()) > 0 and d in rows and len(v) not in rows:
             return d
         return len(v)
     return None
+
+
+def _one_per_item(v: list | tuple) -> bool:
+    """A batch that is a list of the items themselves (a collate_fn that keeps them): mappings,
+    or tensors of different lengths."""
+    if all(isinstance(x, Mapping) for x in v):
+        return True
+    dims = {int(x.shape[0]) if isinstance(x, torch.Tensor) and x.ndim else -1 for x in v}
+    return len(dims) > 1 and -1 not in dims
 
 
 def check_task_module(module: Any) -> None:

@@ -124,6 +124,11 @@ def test_default_item_count_of_list_fields(tmp_path):
     assert module.num_items((seqs, torch.zeros(3))) == 3
     assert module.num_items(([torch.zeros(5)] * 3, torch.zeros(3))) == 3
     assert module.num_items({"text": ["a", "b", "c"], "mask": torch.zeros(7, 7), "labels": torch.zeros(3)}) == 3
+    # review AT: equal-length sequences beside a mask of their length; a batch that is the list
+    # of its items (a collate_fn that keeps them)
+    assert module.num_items({"seqs": [torch.zeros(5)] * 3, "mask": torch.zeros(5, 5), "labels": torch.zeros(3)}) == 3
+    assert module.num_items([{"x": torch.zeros(4)}] * 3) == 3
+    assert module.num_items(seqs) == 3
     torch.manual_seed(0)
     model = ListClassifier().double()
     rec = GradRecorder()

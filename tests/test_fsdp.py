@@ -385,6 +385,17 @@ class Initialised(Scaled):
         self.missing.zero_()
         self.nan.fill_(float("nan"))  # NaN on purpose is a value
 
+class SetsInPart(Initialised):
+    def init_weights(self):
+        super().init_weights()
+        self.missing.fill_(float("nan"))
+        self.missing[:4] = 0.0
+
+class Replaces(Initialised):
+    def init_weights(self):
+        super().init_weights()
+        self.scale = nn.Parameter(torch.ones(8))
+
 def fit(cls, out):
     with torch.device("meta"):
         module = cls()
@@ -393,15 +404,21 @@ def fit(cls, out):
     result = fitter.fit(module, DictDataset(n=16))
     return result, fitter.strategy.module_state_dict(fitter.model)
 
-try:
-    fit(Scaled, {str(tmp_path / "a")!r})
-except ll.ConfigError as e:
-    print("ERROR", e)
+for cls in (Scaled, SetsInPart, Replaces):
+    try:
+        fit(cls, {str(tmp_path / "a")!r})
+    except ll.ConfigError as e:
+        print("ERROR", e)
 result, state = fit(Initialised, {str(tmp_path / "b")!r})
 print("OK", result.training_loss == result.training_loss, state["freq"].tolist() == list(range(8)))
 """
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240)
     assert p.returncode == 0, p.stderr[-3000:]
-    error = next(line for line in p.stdout.splitlines() if line.startswith("ERROR"))
-    assert "any submodule's reset_parameters() did not set freq, keep, missing, nan, pos ... (6 in all)" in error, error
+    errors = [line for line in p.stdout.splitlines() if line.startswith("ERROR")]
+    assert len(errors) == 3, p.stdout
+    assert ("any submodule's reset_parameters() did not set freq, keep (still all False: if written through .data, "
+            "write it in place), missing, nan, pos (still holds the largest integer: if written through .data, "
+            "write it in place) ... (6 in all)") in errors[0], errors[0]
+    assert "its init_weights() did not set missing (set in part) (1 in all)" in errors[1], errors[1]
+    assert "its init_weights() did not set scale (replaced) (1 in all)" in errors[2], errors[2]
     assert p.stdout.splitlines()[-1] == "OK True True", p.stdout

@@ -296,6 +296,19 @@ def test_input_conversion_keeps_what_a_batch_object_holds():
 
     assert cast(Derived(torch.ones(2))).half.dtype == torch.bfloat16
 
+    @dataclasses.dataclass
+    class Reshapes:  # review AT: __post_init__ must not run again (it reshaped twice)
+        x: torch.Tensor
+        later: torch.Tensor | None = dataclasses.field(default=None, init=False)
+
+        def __post_init__(self):
+            self.x = self.x.unsqueeze(1)
+
+    batch = Reshapes(torch.ones(4, 3))
+    batch.later = torch.ones(2)
+    out = cast(batch)
+    assert out.x.shape == (4, 1, 3) and out.x.dtype == out.later.dtype == torch.bfloat16
+
     class Stored(collections.abc.MutableMapping):
         def __init__(self, d):
             self._d = d

@@ -280,17 +280,26 @@ class FSDPStrategy(DDPStrategy):
                     for m in module.modules():
                         if callable(getattr(m, "reset_parameters", None)):
                             _reset_whole(m)
-        now = dict((*module.named_parameters(), *module.named_buffers()))
-        unset = [name for name, (t, version) in marked.items() if now.get(name) is t and _still_marked(t, version)]
-        unset = sorted({name for names in self.all_gather_object(unset) for name in names})
-        if unset:  # every rank raises (a shard may hold no unset value)
-            by = "its init_weights()" if callable(init) else "any submodule's reset_parameters()"
+        self._check_materialised(module, marked, "its init_weights()" if callable(init) else
+                                 "any submodule's reset_parameters()")
+        log.debug("materialised a meta-device module shard by shard on %s", self.root_device)
+
+    def _check_materialised(self, module: nn.Module, marked: dict[str, tuple[torch.Tensor, int]], by: str) -> None:
+        """Every rank raises naming the parameters and buffers that initialisation left unset
+        (or set in part), or replaced instead of writing into."""
+        params = dict(module.named_parameters())
+        now = {**params, **dict(module.named_buffers())}
+        found = [(name, "replaced" if name in params else None) if now.get(name) is not t else (name, _verdict(t, v))
+                 for name, (t, v) in marked.items()]
+        found = [(n, why) for n, why in found if why is not None]
+        bad = sorted({f"{n} ({why})" if why != "unset" else n for part in self.all_gather_object(found)
+                      for n, why in part})
+        if bad:  # every rank raises (a shard may hold no unset value)
             raise ConfigError(
                 f"the module was built on the meta device, where tensors hold no value, and {by} did not set "
-                f"{', '.join(unset[:5])}{' ...' if len(unset) > 5 else ''} ({len(unset)} in all): set them in the "
-                "TaskModule's init_weights() (buffers computed in __init__, such as rotary frequencies, too), or "
-                "build the module on a real device")
-        log.debug("materialised a meta-device module shard by shard on %s", self.root_device)
+                f"{', '.join(bad[:5])}{' ...' if len(bad) > 5 else ''} ({len(bad)} in all): set them in the "
+                "TaskModule's init_weights(), in place (buffers computed in __init__, such as rotary frequencies, "
+                "too), or build the module on a real device")
 
     def unwrap(self, module: nn.Module) -> nn.Module:
         return getattr(module, "_orig_mod", module)  # FSDP2 shards in place: no wrapper
@@ -378,17 +387,28 @@ def _mark(t: torch.Tensor) -> int:
     return local._version
 
 
-def _still_marked(t: torch.Tensor, version: int) -> bool:
-    """Nothing set the tensor: no in-place write since it was marked (init code writing through
-    ``.data``, as Hugging Face's does, leaves the counter alone: then the mark is looked for)."""
+def _verdict(t: torch.Tensor, version: int) -> str | None:
+    """None where initialisation set the tensor; else why not. An in-place write counts (its
+    version counter moved); a write through ``.data`` (Hugging Face's init writes so) does not,
+    and the mark's value is then all there is to go by: NaN (all NaN after a write is NaN on
+    purpose), and for integer and bool tensors the largest integer and False, which such a write
+    cannot be told from (the error says so)."""
     local = _local(t)
-    if local._version != version:
-        return False
+    written = local._version != version
     if t.is_floating_point() or t.is_complex():
-        return bool(local.isnan().any())
+        nan = local.isnan()
+        if not bool(nan.any()):
+            return None
+        if written:
+            return None if bool(nan.all()) else "set in part"
+        return "unset"
+    if written:
+        return None
     if t.dtype == torch.bool:
-        return not bool(local.any())
-    return bool((local == torch.iinfo(t.dtype).max).any())
+        return None if bool(local.any()) else "still all False: if written through .data, write it in place"
+    if bool((local == torch.iinfo(t.dtype).max).any()):
+        return "still holds the largest integer: if written through .data, write it in place"
+    return None
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -18,9 +18,9 @@ def map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor],
     ``apply_to_collection`` does): a dict or ``UserDict`` (subclasses too) is copied and its
     values replaced, so what else it holds stays (a ``defaultdict``'s factory, a Hugging Face
     ``BatchEncoding``'s encodings); another mapping is rebuilt from its items, else made a dict;
-    a dataclass with ``__post_init__`` is rebuilt with ``dataclasses.replace`` (what it derives
-    follows the new values), another is copied with its fields replaced (``init=False`` ones too). Anything else goes through ``other`` (if given)
-    or is kept as it is."""
+    a dataclass is copied (nothing of the user's runs again) with the tensors in its fields and
+    attributes replaced (``init=False`` fields and values ``__post_init__`` derived too).
+    Anything else goes through ``other`` (if given) or is kept as it is."""
     if isinstance(obj, torch.Tensor):
         return fn(obj)
     if type(obj) is dict:  # the usual batch
@@ -44,15 +44,13 @@ def map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor],
     if isinstance(obj, (list, tuple)):
         return type(obj)(map_tensors(v, fn, other) for v in obj)
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        if hasattr(obj, "__post_init__"):  # rebuilt: what it derives is derived from the new values
-            try:
-                return dataclasses.replace(obj, **{f.name: map_tensors(getattr(obj, f.name), fn, other)
-                                                   for f in dataclasses.fields(obj) if f.init})
-            except (TypeError, ValueError):  # an InitVar without a default: copied below
-                pass
-        out = copy.copy(obj)
-        for f in dataclasses.fields(obj):
-            if hasattr(obj, f.name):  # an init=False field without a default may be unset
-                object.__setattr__(out, f.name, map_tensors(getattr(obj, f.name), fn, other))  # frozen ones too
+        out = copy.copy(obj)  # no constructor or __post_init__ runs again
+        names = [f.name for f in dataclasses.fields(obj)] + [n for n in getattr(obj, "__dict__", {})]
+        for name in dict.fromkeys(names):  # fields (init=False ones too) and attributes set outside them
+            if hasattr(obj, name):  # an init=False field without a default may be unset
+                value = getattr(obj, name)
+                new = map_tensors(value, fn, other)
+                if new is not value:
+                    object.__setattr__(out, name, new)  # frozen ones too
         return out
     return other(obj) if other is not None else obj
