@@ -1,0 +1,176 @@
+"""Per-batch outputs joined into dataset order (predictions and labels of ``predict`` and of
+evaluations with ``compute_metrics``): padded to one shape, kept as the module's own types, one
+row per item (per-batch values are refused), and conformed across ranks."""
+
+from __future__ import annotations
+
+import pickle
+from collections import defaultdict
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+
+from lightlike.errors import ModuleContractError
+from lightlike.utils.batches import map_tensors
+
+#: what tensors of predictions and labels are padded with where batches differ in size (the HF
+#: Trainer's -100; False for bool and 0 for unsigned integer tensors)
+PAD_VALUE = -100
+
+
+def concat(chunks: list[Any], what: str = "predictions") -> Any:
+    """Join per-batch outputs along the batch dimension; tensors are padded to the largest
+    size of each other dimension with ``PAD_VALUE``."""
+    if not chunks:
+        return None
+    first = chunks[0]
+    if isinstance(first, torch.Tensor):
+        tensors = [c.reshape(1) if c.ndim == 0 else c for c in chunks]
+        shape = _max_shape([tuple(t.shape[1:]) for t in tensors], what)
+        return torch.cat([_pad(t, shape) for t in tensors])
+    if isinstance(first, Mapping):
+        return {k: concat([c[k] for c in chunks], f"{what}[{k!r}]") for k in first}
+    if isinstance(first, tuple):  # fields (logits, hidden), each joined, as the HF Trainer's nested_concat does
+        return _tuple_like(first, [concat([c[j] for c in chunks], f"{what}[{j}]") for j in range(len(first))])
+    out: list[Any] = []  # a list: one value per item
+    for c in chunks:
+        out.extend(c if isinstance(c, (list, tuple)) else [c])
+    return out
+
+
+def _tuple_like(model: tuple, fields: list[Any]) -> tuple:
+    return type(model)(*fields) if hasattr(model, "_fields") else tuple(fields)
+
+
+def _max_shape(shapes: list[tuple[int, ...]], what: str) -> tuple[int, ...]:
+    if len({len(s) for s in shapes}) > 1:
+        raise ModuleContractError(
+            f"{what} have a different number of dimensions in different batches ({sorted(set(shapes))}); "
+            "return tensors with the batch first and the same number of dimensions for every batch")
+    return tuple(max(sizes) for sizes in zip(*shapes, strict=True))
+
+
+def _pad(t: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """``t`` (batch first) padded with ``PAD_VALUE`` at the end of each other dimension."""
+    if tuple(t.shape[1:]) == shape:
+        return t
+    value: int | bool = False if t.dtype == torch.bool else 0 if _unsigned(t.dtype) else PAD_VALUE
+    out = t.new_full((t.shape[0], *shape), value)
+    out[(slice(None), *(slice(0, n) for n in t.shape[1:]))] = t
+    return out
+
+
+def _unsigned(dtype: torch.dtype) -> bool:
+    return not dtype.is_floating_point and not dtype.is_complex and dtype != torch.bool and \
+        torch.iinfo(dtype).min == 0
+
+
+def spec_of(x: Any) -> Any:
+    """What other ranks need to know of a rank's joined outputs to pad theirs alike."""
+    if isinstance(x, torch.Tensor):
+        return ("tensor", x.dtype, tuple(x.shape[1:]))
+    if isinstance(x, Mapping):
+        return ("dict", {k: spec_of(v) for k, v in x.items()}, _type_to_share(x))
+    if isinstance(x, tuple):
+        return ("tuple", [spec_of(v) for v in x])
+    return None if x is None else ("list",)
+
+
+def merge_specs(specs: list[Any], what: str) -> Any:
+    known = [s for s in specs if s is not None]
+    if not known:
+        return None
+    if len({s[0] for s in known}) > 1:
+        raise ModuleContractError(f"{what} are of different kinds on different ranks ({sorted({s[0] for s in known})})")
+    if known[0][0] == "tensor":
+        return ("tensor", known[0][1], _max_shape([s[2] for s in known], what))
+    if known[0][0] == "dict":
+        keys = [k for k in known[0][1]]
+        return ("dict", {k: merge_specs([s[1].get(k) for s in known], f"{what}[{k!r}]") for k in keys}, known[0][2])
+    if known[0][0] == "tuple":
+        if len({len(s[1]) for s in known}) > 1:
+            raise ModuleContractError(f"{what} are tuples of different lengths on different ranks")
+        return ("tuple", [merge_specs([s[1][j] for s in known], f"{what}[{j}]") for j in range(len(known[0][1]))])
+    return known[0]
+
+
+def conform(x: Any, spec: Any) -> Any:
+    """``x`` padded to the merged ``spec``; a rank with nothing gets an empty part of that form."""
+    if spec is None:
+        return x
+    if spec[0] == "tensor":
+        return torch.empty((0, *spec[2]), dtype=spec[1]) if x is None else _pad(x, spec[2])
+    if spec[0] == "dict":
+        return {k: conform(None if x is None else x.get(k), sub) for k, sub in spec[1].items()}
+    if spec[0] == "tuple":
+        fields = [conform(None if x is None else x[j], sub) for j, sub in enumerate(spec[1])]
+        return tuple(fields) if x is None else _tuple_like(x, fields)
+    return [] if x is None else x
+
+
+def rows_only(pred: Any, where: str) -> Any:
+    """Predictions hold one row per item. A Hugging Face ModelOutput's ``loss`` is the batch's
+    loss, not a row: it is left out, as the HF Trainer leaves it out (by name, so every batch
+    keeps the same fields). Any other 0-d tensor beside a field of two or more rows is a
+    per-batch value too, with no place in dataset order: refused, naming the fix. (A 0-d field
+    beside one-row fields, such as ``squeeze()`` on a batch of one item, stays that item's row.)"""
+    if not isinstance(pred, (Mapping, tuple)):
+        return pred
+    pred = _without_hf_loss(pred)  # the rest is checked as any mapping
+    tensors = list(_leaves(pred, ""))  # nested fields too: one batch, one number of rows
+    if any(v.ndim > 0 and len(v) > 1 for _, v in tensors):
+        scalar = [k for k, v in tensors if v.ndim == 0]
+        if scalar:
+            raise ModuleContractError(
+                f"predictions(){scalar[0]} is a 0-d tensor beside fields of one row per item {where}: a "
+                "per-batch value (such as a loss) has no place in dataset order; return only the per-item "
+                "fields from predictions() (for a Hugging Face (loss, logits) tuple: outputs[1:])")
+    return pred
+
+
+def _without_hf_loss(x: Any) -> Any:
+    """``x`` without the ``loss`` of any Hugging Face ModelOutput in it (at any depth); the same
+    object where there is none (a ModelOutput that loses its loss becomes a dict)."""
+    if isinstance(x, Mapping):
+        hf = type(x).__module__.startswith("transformers.")
+        items = {k: _without_hf_loss(v) for k, v in x.items() if not (hf and k == "loss")}
+        return x if len(items) == len(x) and all(items[k] is x[k] for k in items) else items
+    if isinstance(x, tuple):
+        fields = [_without_hf_loss(v) for v in x]
+        return x if all(a is b for a, b in zip(fields, x, strict=True)) else _tuple_like(x, fields)
+    return x
+
+
+def _leaves(x: Any, path: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(path, tensor)`` for every tensor field of nested mappings and tuples (a list holds one
+    value per item: its 0-d tensors are items)."""
+    if isinstance(x, torch.Tensor):
+        yield path, x
+    elif isinstance(x, (Mapping, tuple)):
+        for k, v in (x.items() if isinstance(x, Mapping) else enumerate(x)):
+            yield from _leaves(v, f"{path}[{k!r}]")
+
+
+def _type_to_share(x: Any) -> Any:
+    """A mapping's type, for other ranks to rebuild it; None (a plain dict) if it cannot travel."""
+    try:
+        pickle.dumps(type(x))
+    except Exception:
+        return None
+    return type(x)
+
+
+def as_mapping_type(cls: Any, joined: Any) -> Any:
+    """Joined mapping predictions rebuilt as the module's own mapping type (a ModelOutput stays
+    one, so ``predictions.logits`` works); a plain dict when that type cannot be built so."""
+    if cls is None or type(joined) is not dict or cls in (dict, defaultdict):
+        return joined
+    try:
+        return cls(joined)
+    except Exception:  # a constructor that wants other arguments: the joined dict as it is
+        return joined
+
+
+def detach_cpu(x: Any) -> Any:
+    return map_tensors(x, lambda t: t.detach().to("cpu"))  # namedtuples too (rebuilt field by field)
