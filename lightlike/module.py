@@ -146,9 +146,10 @@ def batch_length(batch: Any) -> int:
     (one entry per item: strings, variable-length sequences). A list whose entries are tensors
     of one first dimension that another field's tensor has too (and not the list's length) is
     torch's default collate of a list in each item (one tensor per position): that dimension.
-    A batch that is a list of the items themselves (mappings, or tensors of different lengths:
-    a collate_fn that keeps them) counts them. Override ``num_items`` where this is not the
-    count."""
+    A batch that is a list of the items themselves (mappings with the same keys, or tuples: a
+    collate_fn that keeps them) counts them. Override ``num_items`` where this is not the count (a batch
+    that is a list of variable-length tensors, say: read as fields, it counts the first one's
+    length, as Lightning's batch-size guess does)."""
     if type(batch) is dict and batch:  # the usual batches, answered without ABC checks
         first = next(iter(batch.values()))
         if type(first) is torch.Tensor and first.ndim:
@@ -206,12 +207,14 @@ def _count(v: Any, rows: set[int], top: bool = False) -> int | None:
 
 
 def _one_per_item(v: list | tuple) -> bool:
-    """A batch that is a list of the items themselves (a collate_fn that keeps them): mappings,
-    or tensors of different lengths."""
+    """A batch that is a list of the items themselves (a collate_fn that keeps them): mappings
+    that all have the same keys, or tuples of one length (torch's default collate makes lists,
+    never tuples). A list of tensors cannot be told from a tuple of fields."""
+    if len(v) < 2:
+        return False
     if all(isinstance(x, Mapping) for x in v):
-        return True
-    dims = {int(x.shape[0]) if isinstance(x, torch.Tensor) and x.ndim else -1 for x in v}
-    return len(dims) > 1 and -1 not in dims
+        return len({frozenset(x) for x in v}) == 1
+    return all(isinstance(x, tuple) for x in v) and len({len(x) for x in v}) == 1
 
 
 def check_task_module(module: Any) -> None:

@@ -128,7 +128,12 @@ def test_default_item_count_of_list_fields(tmp_path):
     # of its items (a collate_fn that keeps them)
     assert module.num_items({"seqs": [torch.zeros(5)] * 3, "mask": torch.zeros(5, 5), "labels": torch.zeros(3)}) == 3
     assert module.num_items([{"x": torch.zeros(4)}] * 3) == 3
-    assert module.num_items(seqs) == 3
+    assert module.num_items([(torch.zeros(2), torch.tensor(1))] * 3) == 3
+    # review AU: tuples of fields stay fields (a first version read them as lists of items)
+    assert module.num_items(({"x": torch.zeros(4, 2)}, {"y": torch.zeros(4)})) == 4
+    assert module.num_items((torch.zeros(4, 5), torch.zeros(5, 5), torch.zeros(4))) == 4
+    assert module.num_items((torch.zeros(4, 5), torch.zeros(3), torch.zeros(4))) == 4
+    assert module.num_items((torch.zeros(4, 5), torch.zeros(20))) == 4
     torch.manual_seed(0)
     model = ListClassifier().double()
     rec = GradRecorder()

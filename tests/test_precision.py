@@ -306,8 +306,9 @@ def test_input_conversion_keeps_what_a_batch_object_holds():
 
     batch = Reshapes(torch.ones(4, 3))
     batch.later = torch.ones(2)
+    batch.me = batch  # an attribute outside the fields that refers back (review AU: no recursion)
     out = cast(batch)
-    assert out.x.shape == (4, 1, 3) and out.x.dtype == out.later.dtype == torch.bfloat16
+    assert out.x.shape == (4, 1, 3) and out.x.dtype == out.later.dtype == torch.bfloat16 and out.me is batch
 
     class Stored(collections.abc.MutableMapping):
         def __init__(self, d):

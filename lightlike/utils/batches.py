@@ -45,12 +45,12 @@ def map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor],
         return type(obj)(map_tensors(v, fn, other) for v in obj)
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         out = copy.copy(obj)  # no constructor or __post_init__ runs again
-        names = [f.name for f in dataclasses.fields(obj)] + [n for n in getattr(obj, "__dict__", {})]
-        for name in dict.fromkeys(names):  # fields (init=False ones too) and attributes set outside them
+        fields = [f.name for f in dataclasses.fields(obj)]
+        for name in fields:  # init=False ones too
             if hasattr(obj, name):  # an init=False field without a default may be unset
-                value = getattr(obj, name)
-                new = map_tensors(value, fn, other)
-                if new is not value:
-                    object.__setattr__(out, name, new)  # frozen ones too
+                object.__setattr__(out, name, map_tensors(getattr(obj, name), fn, other))  # frozen ones too
+        for name, value in getattr(obj, "__dict__", {}).items():  # tensors set outside the fields
+            if name not in fields and isinstance(value, torch.Tensor):  # (by __post_init__, say)
+                object.__setattr__(out, name, fn(value))
         return out
     return other(obj) if other is not None else obj
