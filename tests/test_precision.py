@@ -310,26 +310,14 @@ def test_input_conversion_keeps_what_a_batch_object_holds():
     out = cast(batch)
     assert out.x.shape == (4, 1, 3) and out.x.dtype == out.later.dtype == torch.bfloat16 and out.me is batch
 
-    class Stored(collections.abc.MutableMapping):
-        def __init__(self, d):
-            self._d = d
-
-        def __getitem__(self, k):
-            return self._d[k]
-
+    class Stored(Tagged, collections.abc.MutableMapping):  # its items in an attribute
         def __setitem__(self, k, v):
-            self._d[k] = v
+            self.d[k] = v
 
         def __delitem__(self, k):
-            del self._d[k]
+            del self.d[k]
 
-        def __iter__(self):
-            return iter(self._d)
-
-        def __len__(self):
-            return len(self._d)
-
-    mine = Stored({"x": torch.ones(2)})
+    mine = Stored({"x": torch.ones(2)}, "t")
     out = cast(mine)
     assert out["x"].dtype == torch.bfloat16 and mine["x"].dtype == torch.float32
 

@@ -289,11 +289,15 @@ class FSDPStrategy(DDPStrategy):
         (or set in part), or replaced instead of writing into."""
         params = dict(module.named_parameters())
         now = {**params, **dict(module.named_buffers())}
-        found = [(name, "replaced" if name in params else None) if now.get(name) is not t else (name, _verdict(t, v))
-                 for name, (t, v) in marked.items()]
-        found = [(n, why) for n, why in found if why is not None]
-        bad = sorted({f"{n} ({why})" if why != "unset" else n for part in self.all_gather_object(found)
-                      for n, why in part})
+        found = []
+        for name, (t, version) in marked.items():
+            if now.get(name) is t:
+                why = _verdict(t, version)
+            else:  # a buffer registered anew is set; a parameter must be written into, in place
+                why = "replaced" if name in params else None
+            if why is not None:
+                found.append(name if why == "unset" else f"{name} ({why})")
+        bad = sorted({item for part in self.all_gather_object(found) for item in part})
         if bad:  # every rank raises (a shard may hold no unset value)
             raise ConfigError(
                 f"the module was built on the meta device, where tensors hold no value, and {by} did not set "
