@@ -34,11 +34,11 @@ from lightlike.data.workers import start_workers
 from lightlike.errors import ConfigError, DataError, LightlikeError, ModuleContractError, on_every_rank
 from lightlike.outputs import (  # noqa: F401  (PAD_VALUE: also lightlike.evaluation.PAD_VALUE)
     PAD_VALUE,
-    as_mapping_type,
     concat,
     conform,
     detach_cpu,
     merge_specs,
+    restore,
     rows_only,
     spec_of,
 )
@@ -317,8 +317,8 @@ def run_evaluation(
     items = torch.zeros((), dtype=torch.float64, device=device)
     keys: set[str] | None = None
     preds: list[Any] = []
-    pred_type: Any = None  # a mapping's own type, rebuilt at the end
     pred_spec: Any = None
+    label_spec: Any = None
     labels: list[Any] = []
     n_batches = 0
     labelled: bool | None = None  # whether this rank's batches carry labels (all or none)
@@ -376,7 +376,6 @@ def run_evaluation(
                             s.update(outputs, batch)
                 if collect:
                     pred = call_hook(module.predictions, "predictions", batch, where, outputs, batch)
-                    pred_type = pred_type or (type(pred) if isinstance(pred, Mapping) else None)
                     preds.append(detach_cpu(rows_only(pred, where)))
                     if label is not None:
                         labels.append(detach_cpu(label))
@@ -387,7 +386,7 @@ def run_evaluation(
                 if m.training != mode:  # a submodule in another mode than its parent (a frozen norm)
                     m.training = mode
     names = sorted(sums)
-    pred_local = as_mapping_type(pred_type, concat(preds, "predictions")) if collect else None
+    pred_local = concat(preds, "predictions") if collect else None
     label_local = concat(labels, "labels")
     if strategy.world_size > 1:
         # the ranks agree on what each holds, so that a rank whose share is empty (a set smaller
@@ -410,10 +409,9 @@ def run_evaluation(
     # a dataset that shards itself deals its own way: its ranks' outputs are joined rank by rank
     dealt = not getattr(getattr(loader, "dataset", None), "shards_itself", False)
     predictions = strategy.gather_in_order(pred_local, dealt) if collect else None
-    if strategy.world_size > 1 and pred_spec is not None and pred_spec[0] == "dict":
-        pred_type = pred_spec[2]  # the same on every rank, also one whose share was empty
-    predictions = as_mapping_type(pred_type, predictions)
     label_set = strategy.gather_in_order(label_local, dealt) if label_local is not None else None
+    if strategy.world_size > 1:  # the module's own types, from the agreed specs (the same on every rank)
+        predictions, label_set = restore(predictions, pred_spec), restore(label_set, label_spec)
     if labelled and wants_whole_set and not streaming:
         extra = module.compute_metrics(predictions, label_set) or {}
         metrics.update({f"{prefix}/{k}": _as_float(v, k) for k, v in extra.items()})

@@ -1,9 +1,11 @@
 """Per-batch outputs joined into dataset order (predictions and labels of ``predict`` and of
-evaluations with ``compute_metrics``): padded to one shape, kept as the module's own types, one
-row per item (per-batch values are refused), and conformed across ranks."""
+evaluations with ``compute_metrics``): padded to one shape, kept as the module's own types (at
+any depth: mappings, dataclasses, namedtuples), one row per item (per-batch values are refused),
+and conformed across ranks."""
 
 from __future__ import annotations
 
+import dataclasses
 import pickle
 from collections import defaultdict
 from collections.abc import Iterator, Mapping
@@ -30,7 +32,10 @@ def concat(chunks: list[Any], what: str = "predictions") -> Any:
         shape = _max_shape([tuple(t.shape[1:]) for t in tensors], what)
         return torch.cat([_pad(t, shape) for t in tensors])
     if isinstance(first, Mapping):
-        return {k: concat([c[k] for c in chunks], f"{what}[{k!r}]") for k in first}
+        return rebuild(type(first), {k: concat([c[k] for c in chunks], f"{what}[{k!r}]") for k in first})
+    if _is_record(first):  # a dataclass: its fields joined, as a mapping's values are
+        return rebuild(type(first), {k: concat([getattr(c, k) for c in chunks], f"{what}.{k}")
+                                     for k in _record_fields(first)})
     if isinstance(first, tuple):  # fields (logits, hidden), each joined, as the HF Trainer's nested_concat does
         return _tuple_like(first, [concat([c[j] for c in chunks], f"{what}[{j}]") for j in range(len(first))])
     out: list[Any] = []  # a list: one value per item
@@ -41,6 +46,34 @@ def concat(chunks: list[Any], what: str = "predictions") -> Any:
 
 def _tuple_like(model: tuple, fields: list[Any]) -> tuple:
     return type(model)(*fields) if hasattr(model, "_fields") else tuple(fields)
+
+
+def _is_record(x: Any) -> bool:
+    """A dataclass instance that is not a mapping (a Hugging Face ModelOutput is both: a mapping)."""
+    return dataclasses.is_dataclass(x) and not isinstance(x, type) and not isinstance(x, Mapping)
+
+
+def _record_fields(x: Any) -> list[str]:
+    return [f.name for f in dataclasses.fields(x) if hasattr(x, f.name)]  # an init=False one may be unset
+
+
+def rebuild(cls: Any, fields: dict[str, Any]) -> Any:
+    """Joined ``fields`` as an instance of the module's own mapping or dataclass type ``cls``
+    (a ModelOutput stays one, so ``predictions.logits`` works); the plain dict where ``cls`` is
+    unknown (it could not travel between ranks) or cannot be built from them."""
+    if cls is None or cls in (dict, defaultdict):
+        return fields
+    try:
+        if issubclass(cls, Mapping):
+            return cls(fields)
+        kinds = {f.name: f.init for f in dataclasses.fields(cls)}
+        out = cls(**{k: v for k, v in fields.items() if kinds.get(k)})
+        for k, v in fields.items():  # init=False fields: set as the joined values they are
+            if not kinds.get(k, True):
+                object.__setattr__(out, k, v)  # frozen ones too
+        return out
+    except Exception:  # a constructor that wants other arguments: the joined fields as they are
+        return fields
 
 
 def _max_shape(shapes: list[tuple[int, ...]], what: str) -> tuple[int, ...]:
@@ -72,6 +105,8 @@ def spec_of(x: Any) -> Any:
         return ("tensor", x.dtype, tuple(x.shape[1:]))
     if isinstance(x, Mapping):
         return ("dict", {k: spec_of(v) for k, v in x.items()}, _type_to_share(x))
+    if _is_record(x):
+        return ("dict", {k: spec_of(getattr(x, k)) for k in _record_fields(x)}, _type_to_share(x))
     if isinstance(x, tuple):
         return ("tuple", [spec_of(v) for v in x])
     return None if x is None else ("list",)
@@ -96,17 +131,37 @@ def merge_specs(specs: list[Any], what: str) -> Any:
 
 
 def conform(x: Any, spec: Any) -> Any:
-    """``x`` padded to the merged ``spec``; a rank with nothing gets an empty part of that form."""
+    """``x`` padded to the merged ``spec``, in the form that travels between ranks (mappings and
+    dataclasses as plain dicts; ``restore`` rebuilds their types); a rank with nothing gets an
+    empty part of that form."""
     if spec is None:
         return x
     if spec[0] == "tensor":
         return torch.empty((0, *spec[2]), dtype=spec[1]) if x is None else _pad(x, spec[2])
     if spec[0] == "dict":
-        return {k: conform(None if x is None else x.get(k), sub) for k, sub in spec[1].items()}
+        return {k: conform(_field(x, k), sub) for k, sub in spec[1].items()}
     if spec[0] == "tuple":
         fields = [conform(None if x is None else x[j], sub) for j, sub in enumerate(spec[1])]
         return tuple(fields) if x is None else _tuple_like(x, fields)
     return [] if x is None else x
+
+
+def _field(x: Any, key: str) -> Any:
+    if x is None:
+        return None
+    return x.get(key) if isinstance(x, Mapping) else getattr(x, key, None)
+
+
+def restore(x: Any, spec: Any) -> Any:
+    """Gathered outputs (plain dicts, see ``conform``) with the module's mapping and dataclass
+    types rebuilt at every depth, as ``concat`` keeps them on one process."""
+    if x is None or spec is None:
+        return x
+    if spec[0] == "dict":
+        return rebuild(spec[2], {k: restore(v, spec[1].get(k)) for k, v in x.items()})
+    if spec[0] == "tuple":
+        return _tuple_like(x, [restore(v, sub) for v, sub in zip(x, spec[1], strict=True)])
+    return x
 
 
 def rows_only(pred: Any, where: str) -> Any:
@@ -115,7 +170,7 @@ def rows_only(pred: Any, where: str) -> Any:
     keeps the same fields). Any other 0-d tensor beside a field of two or more rows is a
     per-batch value too, with no place in dataset order: refused, naming the fix. (A 0-d field
     beside one-row fields, such as ``squeeze()`` on a batch of one item, stays that item's row.)"""
-    if not isinstance(pred, (Mapping, tuple)):
+    if not isinstance(pred, (Mapping, tuple)) and not _is_record(pred):
         return pred
     pred = _without_hf_loss(pred)  # the rest is checked as any mapping
     tensors = list(_leaves(pred, ""))  # nested fields too: one batch, one number of rows
@@ -135,7 +190,7 @@ def _without_hf_loss(x: Any) -> Any:
     if isinstance(x, Mapping):
         hf = type(x).__module__.startswith("transformers.")
         items = {k: _without_hf_loss(v) for k, v in x.items() if not (hf and k == "loss")}
-        return x if len(items) == len(x) and all(items[k] is x[k] for k in items) else items
+        return x if len(items) == len(x) and all(items[k] is x[k] for k in items) else rebuild(type(x), items)
     if isinstance(x, tuple):
         fields = [_without_hf_loss(v) for v in x]
         return x if all(a is b for a, b in zip(fields, x, strict=True)) else _tuple_like(x, fields)
@@ -143,13 +198,16 @@ def _without_hf_loss(x: Any) -> Any:
 
 
 def _leaves(x: Any, path: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """``(path, tensor)`` for every tensor field of nested mappings and tuples (a list holds one
-    value per item: its 0-d tensors are items)."""
+    """``(path, tensor)`` for every tensor field of nested mappings, dataclasses and tuples (a
+    list holds one value per item: its 0-d tensors are items)."""
     if isinstance(x, torch.Tensor):
         yield path, x
     elif isinstance(x, (Mapping, tuple)):
         for k, v in (x.items() if isinstance(x, Mapping) else enumerate(x)):
             yield from _leaves(v, f"{path}[{k!r}]")
+    elif _is_record(x):
+        for k in _record_fields(x):
+            yield from _leaves(getattr(x, k), f"{path}.{k}")
 
 
 def _type_to_share(x: Any) -> Any:
@@ -159,17 +217,6 @@ def _type_to_share(x: Any) -> Any:
     except Exception:
         return None
     return type(x)
-
-
-def as_mapping_type(cls: Any, joined: Any) -> Any:
-    """Joined mapping predictions rebuilt as the module's own mapping type (a ModelOutput stays
-    one, so ``predictions.logits`` works); a plain dict when that type cannot be built so."""
-    if cls is None or type(joined) is not dict or cls in (dict, defaultdict):
-        return joined
-    try:
-        return cls(joined)
-    except Exception:  # a constructor that wants other arguments: the joined dict as it is
-        return joined
 
 
 def detach_cpu(x: Any) -> Any:

@@ -70,6 +70,10 @@ def test_eval_and_data_on_several_processes(tmp_path, nproc):
     pred, _, _ = classify(7)
     for res in results:  # tuple predictions come back as a tuple of joined fields, in order
         assert res["pairs"] == ["tuple", [pred.tolist(), [10 * i for i in range(7)]]]
+    for n in (7, 1):  # dataclass and mapping types at any depth, fields in dataset order
+        pred, _, _ = classify(n)
+        want = ["OrderedDict", "Record", pred.tolist(), list(range(n)), [2 * i for i in range(n)], list(range(n))]
+        assert [res[f"records{n}"] for res in results] == [want] * nproc
     for res in results:  # metric keys that differ between ranks: an error everywhere, not a wrong mean
         assert "metrics() returned different keys on different ranks" in res["rank_keys"]
     assert [res["trained"] for res in results] == [list(range(r, 8 - 8 % nproc, nproc)) for r in range(nproc)]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import pytest
@@ -475,6 +476,56 @@ def test_mapping_predictions_keep_every_field_and_their_type(tmp_path):
     got = ll.Fitter(max_steps=1, eval_batch_size=1, output_dir=str(tmp_path / "nested1"), loggers=[]).predict(
         Nested(), data).predictions  # batches of one item: the 0-d field is each item's row
     assert got["head"][0].shape == (5,) and torch.equal(got["ids"], data.y)
+
+
+@dataclasses.dataclass(frozen=True)
+class Scored:
+    """A prediction record: per-item fields, one derived (``init=False``) by ``__post_init__``."""
+
+    label: torch.Tensor
+    logits: torch.Tensor
+    names: list
+    top: torch.Tensor = dataclasses.field(init=False)
+
+    def __post_init__(self):
+        object.__setattr__(self, "top", self.logits.max(-1).values)
+
+
+class Records(Classifier):
+    def predictions(self, outputs, batch):
+        rec = Scored(outputs.argmax(-1), outputs, [f"item{int(y)}" for y in batch["y"]])
+        return {"rec": rec, "y": batch["y"]} if self.nested else rec
+
+
+def test_dataclass_predictions_are_joined_field_by_field(tmp_path):
+    """A dataclass of per-item fields came back as a list of one object per batch; now one
+    object of its type whose fields are joined over the set (at any depth, init=False fields
+    too), as a mapping's values are. A 0-d field beside rows is refused by its name."""
+    from lightlike.errors import ModuleContractError
+
+    data = DictDataset(n=5)
+    module = Records()
+    with torch.no_grad():
+        logits = module({"x": data.x})
+    for nested in (False, True):
+        module.nested = nested
+        got = ll.Fitter(max_steps=1, eval_batch_size=2, output_dir=str(tmp_path / str(nested)),
+                        loggers=[]).predict(module, data).predictions
+        rec = got["rec"] if nested else got
+        assert type(rec) is Scored
+        torch.testing.assert_close(rec.logits, logits, rtol=0, atol=1e-6)
+        assert torch.equal(rec.label, logits.argmax(-1)) and rec.names == [f"item{int(y)}" for y in data.y]
+        torch.testing.assert_close(rec.top, logits.max(-1).values, rtol=0, atol=1e-6)
+        if nested:
+            assert torch.equal(got["y"], data.y)
+
+    class PerBatch(Classifier):
+        def predictions(self, outputs, batch):
+            return Scored(outputs.sum(), outputs, [])
+
+    with pytest.raises(ModuleContractError, match=r"predictions\(\)\.label is a 0-d tensor"):
+        ll.Fitter(max_steps=1, eval_batch_size=2, output_dir=str(tmp_path / "scalar"), loggers=[]).predict(
+            PerBatch(), data)
 
 
 def test_evaluation_gives_the_module_back_through_its_own_train(tmp_path):

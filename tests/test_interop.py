@@ -115,6 +115,7 @@ def test_other_per_batch_fields_of_a_model_output_are_refused(tmp_path):
         got = fitter.predict(Nested(), data) if batch_size == 2 else ll.Fitter(
             max_steps=1, eval_batch_size=1, output_dir=str(tmp_path / "one"), **QUIET).predict(Nested(), data)
         assert list(got.predictions["out"]) == ["logits"] and got.predictions["out"]["logits"].shape == (5, 3)
+        assert type(got.predictions["out"]).__name__ == "SequenceClassifierOutput"  # its type kept, nested too
 
 
 def test_predict_keeps_a_model_output_and_leaves_out_its_per_batch_loss(tmp_path):

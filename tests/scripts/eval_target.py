@@ -6,6 +6,8 @@ several processes, several checks per launch. Each rank writes ``OUT/rank<r>.jso
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import json
 import os
 import sys
@@ -39,6 +41,18 @@ class Stream(IterableDataset):
 
     def __iter__(self):
         return (self.data[i] for i in range(len(self.data)))
+
+
+@dataclasses.dataclass
+class Record:
+    """A dataclass prediction (module level, so that it can travel between ranks)."""
+
+    pred: torch.Tensor
+    index: torch.Tensor
+    doubled: torch.Tensor = dataclasses.field(init=False)
+
+    def __post_init__(self):
+        self.doubled = self.index * 2
 
 
 class Module(Classifier):
@@ -96,6 +110,17 @@ def main() -> None:
 
     pairs = fitter.predict(Pairs().double(), Indexed(n=7, dtype=torch.float64))
     res["pairs"] = [type(pairs.predictions).__name__, [t.tolist() for t in pairs.predictions]]
+
+    class Records(Module):  # a dataclass inside an OrderedDict: both types back, fields in dataset order
+        def predictions(self, outputs, batch):
+            return collections.OrderedDict(rec=Record(outputs.argmax(-1), batch["i"]), i=batch["i"])
+
+    for n in (7, 1):  # 1: ranks without a share send empty parts of the same form
+        torch.manual_seed(0)  # the weights of the reference's module
+        got = fitter.predict(Records().double(), Indexed(n=n, dtype=torch.float64)).predictions
+        rec = got["rec"]
+        res[f"records{n}"] = [type(got).__name__, type(rec).__name__, rec.pred.tolist(), rec.index.tolist(),
+                              rec.doubled.tolist(), got["i"].tolist()]
 
     class RankKeys(Module):  # a metric only rank 0 reports: refused on every rank, none left waiting
         def metrics(self, outputs, batch):
