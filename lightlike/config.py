@@ -71,7 +71,7 @@ class FitConfig:
     # -- optimisation --------------------------------------------------------------------------
     optimizer: str = _f("adamw", "Built-in optimizer: 'adamw' or 'sgd' (configure_optimizers wins).")
     learning_rate: float = _f(1e-3, "Peak learning rate.")
-    weight_decay: float = _f(0.0, "Weight decay (decoupled in AdamW, the L2 term in SGD); never on biases and norm weights.")
+    weight_decay: float = _f(0.0, "Weight decay (decoupled in AdamW, the L2 term in SGD); never on norm weights, 1-D parameters or names containing 'bias' (as the HF Trainer).")
     adam_beta1: float = _f(0.9, "AdamW beta1.")
     adam_beta2: float = _f(0.999, "AdamW beta2.")
     adam_epsilon: float = _f(1e-8, "AdamW epsilon.")

@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -35,11 +36,20 @@ NORM_TYPES: tuple[type[nn.Module], ...] = (
 )
 
 
+#: parameter names (lower-cased) that never decay: the HF Trainer's patterns
+#: (``Trainer.get_decay_parameter_names``), so a run moved from it decays the same parameters
+NO_DECAY_NAMES = re.compile(r"bias|layernorm|rmsnorm|(?:^|\.)norm(?:$|\.)|_norm(?:$|\.)")
+
+
 # -- optimizers ------------------------------------------------------------------------------------
 def param_groups(module: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
-    """Split the trainable parameters into ``[decay, no_decay]`` groups (HF Trainer's rule).
+    """Split the trainable parameters into ``[decay, no_decay]`` groups (HF Trainer's rule, and
+    every 1-D parameter).
 
-    No decay: biases, every parameter owned by a normalisation layer (``NORM_TYPES``) and any
+    No decay: every parameter whose lower-cased name matches one of HF's patterns
+    (``NO_DECAY_NAMES``: ``bias`` anywhere in the name, so T5's ``relative_attention_bias`` and
+    Swin's ``relative_position_bias_table`` too; ``layernorm``, ``rmsnorm``, a ``norm`` or
+    ``*_norm`` module), every parameter owned by a normalisation layer (``NORM_TYPES``) and any
     other parameter with fewer than 2 dimensions (custom RMSNorm scales, scalars). Embeddings and
     other weight matrices decay. Frozen parameters are left out; a shared (tied) parameter
     appears once, under the first name ``named_parameters()`` gives it. Within a group the order
@@ -64,7 +74,7 @@ def param_groups(module: nn.Module, weight_decay: float) -> list[dict[str, Any]]
         seen.add(id(p))
         everything.append(p)
         ndim = len(getattr(p, "ds_shape", p.shape))  # a ZeRO-3 partition keeps its full shape there
-        if id(p) in no_decay_ids or ndim < 2 or name.rsplit(".", 1)[-1] == "bias":
+        if id(p) in no_decay_ids or ndim < 2 or NO_DECAY_NAMES.search(name.lower()):
             no_decay.append(p)
         else:
             decay.append(p)

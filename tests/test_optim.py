@@ -219,6 +219,31 @@ def test_a_norm_layer_s_matrix_weight_does_not_decay():
     assert [tuple(p.shape) for p in no_decay["params"]] == [(32,), (4, 8), (4, 8)]
 
 
+def test_bias_named_parameters_do_not_decay_as_in_the_hf_trainer():
+    """Only a parameter named exactly ``bias`` was left out: T5's relative_attention_bias, Swin's
+    relative_position_bias_table and MultiheadAttention's bias_k/bias_v decayed, where the HF
+    Trainer (whose rule the docs name) leaves out every name containing "bias". Checked against
+    transformers' own ``get_decay_parameter_names`` on real models, every 2-D+ parameter."""
+    attention = nn.MultiheadAttention(8, 2, add_bias_kv=True)
+    decay, no_decay = param_groups(attention, 0.1)
+    assert names_of(attention, [decay, no_decay]) == [
+        ["in_proj_weight", "out_proj.weight"], ["in_proj_bias", "bias_k", "bias_v", "out_proj.bias"]]
+    transformers = pytest.importorskip("transformers")
+    models = [
+        transformers.T5ForConditionalGeneration(transformers.T5Config(
+            vocab_size=32, d_model=8, d_kv=4, d_ff=16, num_layers=1, num_heads=2)),
+        transformers.SwinModel(transformers.SwinConfig(
+            image_size=8, patch_size=2, embed_dim=8, depths=[1], num_heads=[2], window_size=2)),
+    ]
+    for model in models:
+        hf_decay = set(transformers.Trainer.get_decay_parameter_names(None, model))
+        ours = names_of(model, param_groups(model, 0.1))[0]
+        shapes = dict(model.named_parameters())
+        # (HF lists a tied weight under each of its names; named_parameters() under the first)
+        assert set(ours) == {n for n in hf_decay if n in shapes and shapes[n].ndim >= 2}, type(model).__name__
+        assert any("bias" in n for n, p in shapes.items() if p.ndim >= 2 and n not in ours)
+
+
 def test_param_groups_without_weight_decay_is_one_group_in_named_order():
     net = Net()
     groups = param_groups(net, 0.0)
