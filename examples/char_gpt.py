@@ -263,7 +263,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tiny", action="store_true", help="a tiny model on tiny data for a few steps (tests)")
     p.add_argument("--overwrite", action="store_true", help="replace an earlier run in --output-dir")
-    p.add_argument("--resume", action="store_true", help="continue the run in --output-dir from its newest checkpoint")
+    p.add_argument("--resume", action="store_true",
+                   help="continue the run in --output-dir from its newest checkpoint (or start it, if it has none)")
     return p.parse_args(argv)
 
 
@@ -312,7 +313,9 @@ def main(argv: list[str] | None = None) -> ll.FitResult:
         callbacks=[PrintEvaluations()],
     )
     start = time.perf_counter()
-    result = fitter.fit(module, train_data, val_data, resume=True if args.resume else None)
+    # "auto": the newest valid checkpoint, or a fresh start when a run was killed before its first
+    # save (what it left is moved aside), so the same command continues a run whatever happened
+    result = fitter.fit(module, train_data, val_data, resume="auto" if args.resume else None)
     elapsed = time.perf_counter() - start
 
     out = Path(args.output_dir)

@@ -11,6 +11,7 @@ with ``AutoModelForCausalLM.from_pretrained``.
     pip install transformers
     python examples/hf_causal_lm.py                 # a couple of minutes on a CPU
     python examples/hf_causal_lm.py --tiny          # a few seconds: what the tests run
+    python examples/hf_causal_lm.py --resume        # after a kill: continue from the newest checkpoint
     torchrun --nproc_per_node 2 examples/hf_causal_lm.py
 """
 
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import sys
 import sysconfig
 from pathlib import Path
 
@@ -79,6 +81,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--output-dir", default="runs/hf_causal_lm")
     p.add_argument("--tiny", action="store_true", help="a tiny model on tiny data for a few steps (tests)")
     p.add_argument("--overwrite", action="store_true", help="replace an earlier run in --output-dir")
+    p.add_argument("--resume", action="store_true",
+                   help="continue the run in --output-dir from its newest checkpoint (or start it, if it has none)")
     args = p.parse_args(argv)
     if args.tiny:
         args.max_steps, args.batch_size = 8, 4
@@ -92,10 +96,12 @@ def main(argv: list[str] | None = None) -> None:
     fitter = ll.Fitter(max_steps=args.max_steps, batch_size=args.batch_size, grad_accum_steps=args.grad_accum_steps,
                        learning_rate=args.learning_rate, warmup_ratio=0.05, weight_decay=0.1, max_grad_norm=1.0,
                        eval_every=max(1, args.max_steps // 4), log_every=max(1, args.max_steps // 20),
-                       save_every=args.max_steps, output_dir=args.output_dir, overwrite_output_dir=args.overwrite,
-                       seed=0)
+                       save_every=max(1, args.max_steps // 4), save_total_limit=2, output_dir=args.output_dir,
+                       overwrite_output_dir=args.overwrite, seed=0)
     module = HFCausalLM(build_model(args.tiny))  # built after the Fitter: seeded, the same every run
-    result = fitter.fit(module, train, val)  # datasets: the Fitter builds resumable, rank-aware loaders
+    # datasets: the Fitter builds resumable, rank-aware loaders; "auto": the newest valid checkpoint,
+    # or a fresh start when a run was killed before its first save
+    result = fitter.fit(module, train, val, resume="auto" if args.resume else None)
     loss = result.metrics["val/loss"]
     if not fitter.strategy.is_global_zero:
         return
@@ -114,4 +120,8 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except ll.OutputDirError as error:  # a second run into the same folder: say this script's flags
+        sys.exit(f"{error}\n(with this example: --resume to continue it, --overwrite to replace it, "
+                 "or --output-dir DIR)")

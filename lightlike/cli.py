@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from lightlike.errors import ConfigError, DataError, LightlikeError, OutputDirError
+from lightlike.errors import CheckpointError, ConfigError, DataError, LightlikeError, OutputDirError
 
 COMMANDS = {
     "fit": "train a TaskModule; checkpoints and logs land in output_dir",
@@ -433,10 +433,10 @@ def _cmd_export(argv: list[str]) -> int:
     return 0
 
 
-def _output_dir_hint(error: OutputDirError) -> str:
-    """The flags for what an ``OutputDirError`` offers in Python terms: ``--resume auto`` for
-    resume='auto' (a bare ``--resume`` would fail there: nothing to resume), ``--resume`` for
-    resume=True."""
+def _output_dir_hint(error: OutputDirError | CheckpointError) -> str:
+    """The flags for what an ``OutputDirError`` or a ``CheckpointError`` offers in Python terms:
+    ``--resume auto`` for resume='auto' (a bare ``--resume`` would fail there: nothing to
+    resume), ``--resume`` for resume=True."""
     flags = {"resume='auto'": "--resume auto", "resume=True": "--resume",
              "overwrite_output_dir=True": "--overwrite_output_dir"}
     named = [flags[o] for o in error.offers if o in flags] + ["another --output_dir"]
@@ -468,7 +468,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _cmd_run(cmd, args[1:])
     except LightlikeError as e:
         hint = ""
-        if isinstance(e, OutputDirError):
+        if isinstance(e, (OutputDirError, CheckpointError)) and e.offers:  # the settings, as flags
             hint = _output_dir_hint(e)
         print(f"lightlike {cmd}: error: {e}{hint}", file=sys.stderr)
         return 2

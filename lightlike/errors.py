@@ -51,7 +51,12 @@ class NonFiniteLossError(LightlikeError, FloatingPointError):
 
 
 class CheckpointError(LightlikeError, RuntimeError):
-    """A checkpoint is missing, incomplete, corrupt, or does not fit the module."""
+    """A checkpoint is missing, incomplete, corrupt, or does not fit the module. ``offers``: the
+    settings the message offers, as ``OutputDirError``'s."""
+
+    def __init__(self, message: str, *, offers: tuple[str, ...] = ()):
+        super().__init__(message)
+        self.offers = offers
 
 
 class OutputDirError(LightlikeError, FileExistsError):

@@ -148,6 +148,11 @@ def test_output_dir_hint_matches_the_message(capsys, tmp_path):
     line = one_line_error(capsys, "fit", TARGET, "--max_steps", "2", "--output_dir", str(out), *SMALL)
     assert "pass resume='auto'" in line
     assert line.endswith("(on the command line: --resume auto, or --overwrite_output_dir, or another --output_dir)")
+    # --resume there (a first run killed before its first save): the hint led in a circle
+    # ("start without resume", which is refused above), in Python terms only
+    line = one_line_error(capsys, "fit", TARGET, "--max_steps", "2", "--output_dir", str(out), "--resume", *SMALL)
+    assert "holds no valid checkpoint" in line and "start without resume" not in line
+    assert line.endswith("(on the command line: --resume auto, or another --output_dir)")
     code, _, err = run_cli(capsys, "fit", TARGET, "--max_steps", "2", "--output_dir", str(out), "--resume", "auto",
                            *SMALL)
     assert code == 0, err  # what the hint says works

@@ -80,6 +80,20 @@ def test_char_gpt_refuses_to_overwrite_then_overwrites_reproducibly(tmp_path):
     assert final_line(first) == final_line(second)  # same seed, same numbers
 
 
+def test_char_gpt_resume_continues_a_run_killed_before_its_first_save(tmp_path):
+    """A run killed before its first checkpoint leaves only logs/: the example's hint says
+    --resume, which then failed (resume=True, nothing to resume) with a hint to start without
+    it, which is refused. --resume now starts such a run afresh (what was there moved aside)."""
+    out = tmp_path / "run"
+    (out / "logs").mkdir(parents=True)
+    args = [str(EXAMPLES / "char_gpt.py"), "--tiny", "--output-dir", str(out)]
+    again = subprocess.run([sys.executable, *args], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert again.returncode != 0 and "--resume to continue it" in again.stderr
+    proc = _run([*args, "--resume"], cwd=tmp_path)
+    assert "final val loss" in proc.stdout
+    assert [p.name.startswith("abandoned-") for p in out.iterdir() if p.name not in ("logs",)].count(True) == 1
+
+
 def test_classifier_example(tmp_path):
     proc = _run([str(EXAMPLES / "classifier.py")], cwd=tmp_path)
     step, training_loss, accuracy = proc.stdout.strip().splitlines()[-1].split()

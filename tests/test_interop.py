@@ -278,6 +278,14 @@ def test_hf_example_runs(tmp_path):
     assert p.returncode == 0, p.stderr[-3000:]
     assert "exported to" in p.stdout, p.stdout
     assert (tmp_path / "run" / "hf" / "config.json").is_file()
+    # it saves along the way (it saved at the end only: a killed run had nothing to resume),
+    # and a second run says this script's flags instead of a traceback naming resume=True
+    assert sorted(c.name for c in (tmp_path / "run").glob("checkpoint-*")) == ["checkpoint-6", "checkpoint-8"]
+    args = [sys.executable, str(ROOT / "examples" / "hf_causal_lm.py"), "--tiny", "--output-dir", str(tmp_path / "run")]
+    again = subprocess.run(args, capture_output=True, text=True, timeout=180, cwd=tmp_path)
+    assert again.returncode == 1 and "--resume to continue it" in again.stderr and "Traceback" not in again.stderr
+    resumed = subprocess.run([*args, "--resume"], capture_output=True, text=True, timeout=180, cwd=tmp_path)
+    assert resumed.returncode == 0 and "exported to" in resumed.stdout, resumed.stderr[-3000:]
 
 
 def test_export_hf_needs_a_config_for_a_plain_checkpoint(tmp_path):

@@ -59,11 +59,14 @@ def resolve_resume(config: FitConfig, resume: bool | str) -> Path | None:
         if resume == "auto":
             log.info("resume='auto': %r holds no valid checkpoint; starting a fresh run", config.output_dir)
             return None
+        out = Path(config.output_dir)
+        left = out.is_dir() and any(out.iterdir())  # logs of a run killed before its first save, say
+        fresh = ("pass resume='auto' to move what is there aside and start afresh" if left else
+                 "start without resume, pass resume='auto' (resume if there is a checkpoint, else start fresh)")
         raise CheckpointError(
             f"resume=True but {config.output_dir!r} holds no valid checkpoint to resume from (weights-only "
-            "ones, from save_only_model, cannot resume a run); start without resume, "
-            "pass resume='auto' (resume if there is a checkpoint, else start fresh), or pass "
-            "resume='path/to/checkpoint-N'"
+            f"ones, from save_only_model, cannot resume a run); {fresh}, or pass resume='path/to/checkpoint-N'",
+            offers=("resume='auto'",),
         )
     p = Path(str(resume))
     if not p.is_dir():
