@@ -428,12 +428,17 @@ def split_config(data: dict[str, Any], source: str, fit_opts: dict[str, Option],
             for name, v in value.items():
                 full = f"{MODEL}.{name}"
                 if model_opts is not None and full not in model_opts and not var_kw:
-                    raise ConfigError(f"{source}: unknown key {full!r}{nearest(full, list(model_opts))}; "
+                    hint = (f" ({name!r} is a run setting: put it at the top level of the file, outside the "
+                            f"'{MODEL}' table)") if name in fit_opts else nearest(full, list(model_opts))
+                    raise ConfigError(f"{source}: unknown key {full!r}{hint}; "
                                       f"the module takes: {', '.join(o.split('.', 1)[1] for o in model_opts) or 'nothing'}")
                 opt = (model_opts or {}).get(full)
                 model[name] = opt.coerce(v, source) if opt else v
         elif key in fit_opts:
             fit[key] = fit_opts[key].coerce(value)
+        elif model_opts is not None and f"{MODEL}.{key}" in model_opts:
+            raise ConfigError(f"{source}: unknown key {key!r} (a constructor argument of the module: put it in "
+                              f"the '{MODEL}' table, [{MODEL}] in TOML)")
         else:
             raise ConfigError(f"{source}: unknown key {key!r}{nearest(key, [*fit_opts, MODEL])}")
     return fit, model

@@ -334,6 +334,9 @@ OTHER_NAMES = {
     "enable_progress_bar": "progress_bar", "disable_tqdm": "progress_bar (the opposite sense: false hides the bar)",
     "default_root_dir": "output_dir", "logging_dir": "output_dir (the logs go in output_dir/logs)",
     "logging_strategy": "log_every",
+    "fsdp": "strategy='fsdp' (its options: a preset .toml file as the strategy, see strategies/fsdp.toml)",
+    "deepspeed": "strategy='deepspeed_zero3' (or the path of your DeepSpeed config .json file as the strategy)",
+    "gradient_clip_algorithm": "max_grad_norm or max_grad_value",
     "devices": "accelerator (lightlike runs one process per device, started by torchrun --nproc_per_node N "
                "or srun: there is no device count to set)",
     # no setting of their own: the launcher or the scheduler decides (the text after "!" is the answer)

@@ -113,10 +113,12 @@ def search(fitter: Fitter, module_factory: Callable[..., Any], space: Any, n_tri
             _stop_if_preempted(strategy, [between], f"before trial {number}")
             try:
                 result = trial_fitter.fit(module, tr, va)
-            except OutputDirError as e:  # its resume=True hint does not apply: a search cannot resume
-                raise OutputDirError(f"search: {cfg.output_dir!r} already holds a run (an earlier search's trial?); "
-                                     "choose another output_dir, or pass overwrite_output_dir=True to replace the "
-                                     f"trials ({e})", offers=("overwrite_output_dir=True",)) from None
+            except OutputDirError:  # its resume hint does not apply: a trial is not resumed
+                raise OutputDirError(
+                    f"search: {cfg.output_dir!r} already holds a run (an earlier search's trial?); choose another "
+                    "output_dir, pass overwrite_output_dir=True to replace the trials, or, to continue an earlier "
+                    "search, pass study= its optuna study (with its storage): new trials get new numbers",
+                    offers=("overwrite_output_dir=True",)) from None
             _stop_if_preempted(strategy, [between, trial_fitter._preemption], f"during trial {number}")
             if metric not in result.metrics:
                 raise ConfigError(f"search metric {metric!r} is not among the fit's metrics {sorted(result.metrics)}; "
@@ -136,10 +138,11 @@ def search(fitter: Fitter, module_factory: Callable[..., Any], space: Any, n_tri
                 _check_names(params, module_factory, config_keys)
                 if strategy.world_size > 1:
                     strategy.broadcast_object((trial.number, params))
-                value, (result, pruning) = run_trial(trial.number, params, trial)
+                # set first: a trial that fails (or is killed) still names its folder and settings
                 trial.set_user_attr("output_dir", str(Path(base.output_dir) / f"trial-{trial.number}"))
-                trial.set_user_attr("global_step", result.global_step)
                 trial.set_user_attr("overrides", _jsonable(params))
+                value, (result, pruning) = run_trial(trial.number, params, trial)
+                trial.set_user_attr("global_step", result.global_step)
                 if value is None:
                     raise optuna.TrialPruned(f"pruned at step {pruning.pruned_at} ({metric})")
                 return value
@@ -215,10 +218,13 @@ def _check_names(params: Mapping[str, Any], factory: Callable[..., Any], config_
     if bad:
         import difflib
 
+        from lightlike.config import other_name_hint
+
         hints = []
-        for k in bad:
+        for k in bad:  # an HF Trainer / Lightning name (lr, num_train_epochs) is answered with the field
             close = difflib.get_close_matches(k, [*config_keys, *accepted], n=1, cutoff=0.6)
-            hints.append(f"{k!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+            other = other_name_hint(k)
+            hints.append(f"{k!r}" + (f" ({other})" if other else f" (did you mean {close[0]!r}?)" if close else ""))
         raise ConfigError(f"search space name(s) {', '.join(hints)} are neither FitConfig fields nor keyword "
                           f"arguments of module_factory (it takes {sorted(accepted) or 'none'})")
 

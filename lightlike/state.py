@@ -67,7 +67,9 @@ class FitResult:
 
     global_step: int
     training_loss: float  # item-weighted mean training loss over the whole fit
-    metrics: dict[str, float]  # the last evaluation's metrics plus the final train/ figures
+    # the last evaluation's metrics, and train/loss = training_loss (the whole fit's mean, as the HF
+    # Trainer's train_loss; the last log line's train/loss is the mean of its own window only)
+    metrics: dict[str, float]
     runtime: float  # seconds
     samples_per_second: float
     steps_per_second: float

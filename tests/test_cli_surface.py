@@ -127,6 +127,9 @@ def test_unrelated_flags_get_no_hint(capsys, tmp_path, flag):
     ("disable_tqdm", "(did you mean 'progress_bar'?"),
     ("val_check_interval", "(did you mean eval_every or eval_on_epoch_end?)"),
     ("default_root_dir", "(did you mean 'output_dir'?)"),
+    ("fsdp", "(did you mean strategy='fsdp'?"),  # HF's names of the sharded strategies (docs/migrating.md)
+    ("deepspeed", "(did you mean strategy='deepspeed_zero3'?"),
+    ("gradient_clip_algorithm", "(did you mean max_grad_norm or max_grad_value?)"),  # Lightning's
 ])
 def test_python_api_gives_the_same_hints(key, want):
     with pytest.raises(ll.ConfigError) as e:
@@ -139,6 +142,22 @@ def test_config_file_key_hint(capsys, tmp_path, monkeypatch):
     Path("h.toml").write_text("max_steps = 1\ndevices = 2\n")
     line = one_line_error(capsys, "config", TARGET, "--config", "h.toml")
     assert "h.toml: unknown key 'devices' (did you mean 'accelerator'?" in line
+
+
+@pytest.mark.parametrize(("text", "want"), [
+    # a run setting under [model] was answered with a look-alike constructor argument
+    ("[model]\nmax_steps = 5\n", "unknown key 'model.max_steps' ('max_steps' is a run setting: put it at the top "
+                                  "level of the file, outside the 'model' table)"),
+    ("[model]\nlearning_rate = 0.1\n", "'learning_rate' is a run setting"),
+    # a constructor argument at the top level was answered with nothing
+    ("width = 64\n", "unknown key 'width' (a constructor argument of the module: put it in the 'model' table, "
+                     "[model] in TOML)"),
+])
+def test_config_file_key_in_the_wrong_section(capsys, tmp_path, monkeypatch, text, want):
+    monkeypatch.chdir(tmp_path)
+    Path("w.toml").write_text(text)
+    line = one_line_error(capsys, "fit", TARGET, "--config", "w.toml", "--max_steps", "1", *SMALL)
+    assert f"w.toml: {want}" in line if want.startswith("unknown") else want in line
 
 
 # -- 5: the output_dir hint offers the flag that works -------------------------------------------

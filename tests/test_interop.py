@@ -404,6 +404,7 @@ def test_a_second_search_in_the_same_output_dir_says_what_to_do(tmp_path):
     with pytest.raises(ll.OutputDirError, match=r"search: .*trial-0' already holds a run .*overwrite_output_dir=True") as e:
         search_fitter(tmp_path / "s").search(classifier_factory, space, 1, train=train, val=val)
     assert e.value.offers == ("overwrite_output_dir=True",)
+    assert "resume=True" not in str(e.value) and "pass study=" in str(e.value)  # (it quoted the trial's hint)
     search_fitter(tmp_path / "s", overwrite_output_dir=True).search(classifier_factory, space, 1, train=train, val=val)
 
 

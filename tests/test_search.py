@@ -94,6 +94,29 @@ def test_names_returned_by_a_callable_space_are_checked(tmp_path):
     assert not (tmp_path / "s" / "trial-0").exists()  # refused before the trial's fit
 
 
+def test_hf_names_in_a_search_space_get_the_field(tmp_path):
+    """``lr`` (HF/optuna habit) got no hint, though ``--lr`` and Fitter(lr=...) name learning_rate."""
+    with pytest.raises(ll.ConfigError, match=r"'lr' \(did you mean 'learning_rate'\?\) are neither"):
+        tiny_search(tiny_fitter(tmp_path / "s"), {"lr": FloatDistribution(1e-3, 1e-1)})
+
+
+def test_a_failing_trial_stops_the_search_and_names_its_folder(tmp_path):
+    """A trial that raises stops the search with its error (optuna's default, documented); its
+    folder and settings were recorded only after a success, so a failed trial named neither."""
+
+    class Broken(Classifier):
+        def loss(self, outputs, batch):
+            raise RuntimeError("broken loss")
+
+    study = optuna.create_study()
+    with pytest.raises(RuntimeError, match="broken loss"):
+        tiny_search(tiny_fitter(tmp_path / "s"), LR, factory=Broken, study=study)
+    (trial,) = study.trials
+    assert trial.state == optuna.trial.TrialState.FAIL
+    assert trial.user_attrs["output_dir"] == str(tmp_path / "s" / "trial-0")
+    assert set(trial.user_attrs["overrides"]) == {"learning_rate"}
+
+
 # -- callbacks: every trial gets its own copy -------------------------------------------------------
 class CountEvaluations(ll.Callback):
     finished: list[tuple[int, int]] = []  # (id of the instance, evaluations it saw), per fit
