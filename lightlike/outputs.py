@@ -60,17 +60,19 @@ def _record_fields(x: Any) -> list[str]:
 def rebuild(cls: Any, fields: dict[str, Any]) -> Any:
     """Joined ``fields`` as an instance of the module's own mapping or dataclass type ``cls``
     (a ModelOutput stays one, so ``predictions.logits`` works); the plain dict where ``cls`` is
-    unknown (it could not travel between ranks) or cannot be built from them."""
+    unknown (it could not travel between ranks) or cannot be built from them. A dataclass is
+    made without its ``__init__``/``__post_init__``: they ran on every batch's values already,
+    and again on joined ones they would transform them twice (or refuse a whole set)."""
     if cls is None or cls in (dict, defaultdict):
         return fields
     try:
         if issubclass(cls, Mapping):
             return cls(fields)
-        kinds = {f.name: f.init for f in dataclasses.fields(cls)}
-        out = cls(**{k: v for k, v in fields.items() if kinds.get(k)})
-        for k, v in fields.items():  # init=False fields: set as the joined values they are
-            if not kinds.get(k, True):
-                object.__setattr__(out, k, v)  # frozen ones too
+        if not (isinstance(cls, type) and dataclasses.is_dataclass(cls)):
+            return fields
+        out = object.__new__(cls)
+        for k, v in fields.items():  # init=False fields too
+            object.__setattr__(out, k, v)  # frozen ones too
         return out
     except Exception:  # a constructor that wants other arguments: the joined fields as they are
         return fields
@@ -107,8 +109,8 @@ def spec_of(x: Any) -> Any:
         return ("dict", {k: spec_of(v) for k, v in x.items()}, _type_to_share(x))
     if _is_record(x):
         return ("dict", {k: spec_of(getattr(x, k)) for k in _record_fields(x)}, _type_to_share(x))
-    if isinstance(x, tuple):
-        return ("tuple", [spec_of(v) for v in x])
+    if isinstance(x, tuple):  # a namedtuple's type travels as a mapping's does
+        return ("tuple", [spec_of(v) for v in x], _type_to_share(x) if hasattr(x, "_fields") else None)
     return None if x is None else ("list",)
 
 
@@ -126,14 +128,15 @@ def merge_specs(specs: list[Any], what: str) -> Any:
     if known[0][0] == "tuple":
         if len({len(s[1]) for s in known}) > 1:
             raise ModuleContractError(f"{what} are tuples of different lengths on different ranks")
-        return ("tuple", [merge_specs([s[1][j] for s in known], f"{what}[{j}]") for j in range(len(known[0][1]))])
+        return ("tuple", [merge_specs([s[1][j] for s in known], f"{what}[{j}]") for j in range(len(known[0][1]))],
+                known[0][2])
     return known[0]
 
 
 def conform(x: Any, spec: Any) -> Any:
     """``x`` padded to the merged ``spec``, in the form that travels between ranks (mappings and
-    dataclasses as plain dicts; ``restore`` rebuilds their types); a rank with nothing gets an
-    empty part of that form."""
+    dataclasses as plain dicts, namedtuples as tuples; ``restore`` rebuilds their types); a rank
+    with nothing gets an empty part of that form."""
     if spec is None:
         return x
     if spec[0] == "tensor":
@@ -141,8 +144,7 @@ def conform(x: Any, spec: Any) -> Any:
     if spec[0] == "dict":
         return {k: conform(_field(x, k), sub) for k, sub in spec[1].items()}
     if spec[0] == "tuple":
-        fields = [conform(None if x is None else x[j], sub) for j, sub in enumerate(spec[1])]
-        return tuple(fields) if x is None else _tuple_like(x, fields)
+        return tuple(conform(None if x is None else x[j], sub) for j, sub in enumerate(spec[1]))
     return [] if x is None else x
 
 
@@ -160,7 +162,8 @@ def restore(x: Any, spec: Any) -> Any:
     if spec[0] == "dict":
         return rebuild(spec[2], {k: restore(v, spec[1].get(k)) for k, v in x.items()})
     if spec[0] == "tuple":
-        return _tuple_like(x, [restore(v, sub) for v, sub in zip(x, spec[1], strict=True)])
+        fields = [restore(v, sub) for v, sub in zip(x, spec[1], strict=True)]
+        return spec[2](*fields) if spec[2] is not None else tuple(fields)
     return x
 
 
@@ -185,8 +188,8 @@ def rows_only(pred: Any, where: str) -> Any:
 
 
 def _without_hf_loss(x: Any) -> Any:
-    """``x`` without the ``loss`` of any Hugging Face ModelOutput in it (at any depth); the same
-    object where there is none (a ModelOutput that loses its loss becomes a dict)."""
+    """``x`` without the ``loss`` of any Hugging Face ModelOutput in it (at any depth: in mappings,
+    tuples and dataclasses); the same object where there is none."""
     if isinstance(x, Mapping):
         hf = type(x).__module__.startswith("transformers.")
         items = {k: _without_hf_loss(v) for k, v in x.items() if not (hf and k == "loss")}
@@ -194,6 +197,9 @@ def _without_hf_loss(x: Any) -> Any:
     if isinstance(x, tuple):
         fields = [_without_hf_loss(v) for v in x]
         return x if all(a is b for a, b in zip(fields, x, strict=True)) else _tuple_like(x, fields)
+    if _is_record(x):
+        values = {k: _without_hf_loss(getattr(x, k)) for k in _record_fields(x)}
+        return x if all(v is getattr(x, k) for k, v in values.items()) else rebuild(type(x), values)
     return x
 
 

@@ -480,7 +480,8 @@ def test_mapping_predictions_keep_every_field_and_their_type(tmp_path):
 
 @dataclasses.dataclass(frozen=True)
 class Scored:
-    """A prediction record: per-item fields, one derived (``init=False``) by ``__post_init__``."""
+    """A prediction record: per-item fields, one derived (``init=False``) and one transformed by
+    ``__post_init__``, which must run once per batch (not again on the joined fields)."""
 
     label: torch.Tensor
     logits: torch.Tensor
@@ -489,6 +490,7 @@ class Scored:
 
     def __post_init__(self):
         object.__setattr__(self, "top", self.logits.max(-1).values)
+        object.__setattr__(self, "label", self.label + 1000)
 
 
 class Records(Classifier):
@@ -514,7 +516,7 @@ def test_dataclass_predictions_are_joined_field_by_field(tmp_path):
         rec = got["rec"] if nested else got
         assert type(rec) is Scored
         torch.testing.assert_close(rec.logits, logits, rtol=0, atol=1e-6)
-        assert torch.equal(rec.label, logits.argmax(-1)) and rec.names == [f"item{int(y)}" for y in data.y]
+        assert torch.equal(rec.label, logits.argmax(-1) + 1000) and rec.names == [f"item{int(y)}" for y in data.y]
         torch.testing.assert_close(rec.top, logits.max(-1).values, rtol=0, atol=1e-6)
         if nested:
             assert torch.equal(got["y"], data.y)

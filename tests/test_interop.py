@@ -14,6 +14,7 @@ This file is also the torchrun target of the 2-process tests: ``python test_inte
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import os
 import socket
@@ -21,6 +22,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -109,6 +111,19 @@ def test_other_per_batch_fields_of_a_model_output_are_refused(tmp_path):
         def predictions(self, outputs, batch):
             out = transformers.modeling_outputs.SequenceClassifierOutput(loss=outputs.sum(), logits=outputs)
             return {"out": out, "ids": batch["y"]}
+
+    @dataclasses.dataclass
+    class Wrapped:
+        out: Any
+        ids: torch.Tensor
+
+    class InDataclass(Classifier):  # ... and inside a dataclass
+        def predictions(self, outputs, batch):
+            return Wrapped(transformers.modeling_outputs.SequenceClassifierOutput(loss=outputs.sum(), logits=outputs),
+                           batch["y"])
+
+    got = fitter.predict(InDataclass(), DictDataset(n=5)).predictions
+    assert type(got) is Wrapped and list(got.out) == ["logits"] and torch.equal(got.ids, DictDataset(n=5).y)
 
     data = DictDataset(n=5)
     for batch_size in (2, 1):  # with batches of one item the loss became a row (5 of them)

@@ -512,3 +512,17 @@ def test_resume_restores_numpy_and_python_random_streams(tmp_path):
     reference = fit(tmp_path / "ref")
     fit(tmp_path / "cut", stop=5)
     assert torch.equal(fit(tmp_path / "cut", resume=True), reference)
+
+
+def test_resume_with_other_parameter_groups_names_the_cause(tmp_path):
+    """An optimizer state whose groups hold other numbers of parameters than the run's (a frozen
+    layer, or a checkpoint from before the weight-decay split changed): torch's bare ValueError
+    ("doesn't match the size of optimizer's group") became one that names the sizes and the fix."""
+    cfg = dict(max_steps=4, batch_size=4, save_every=2, weight_decay=0.1, output_dir=str(tmp_path), loggers=[],
+               log_level="warning")
+    ll.Fitter(**{**cfg, "max_steps": 2}).fit(Classifier(), DictDataset(n=16))
+    module = Classifier()
+    module.net[0].weight.requires_grad_(False)
+    with pytest.raises(ll.CheckpointError, match=r"checkpoint-2: its optimizer state holds parameter groups of "
+                                                 r"\[2, 2\] parameters, this run's optimizer \[1, 2\].*load_weights"):
+        ll.Fitter(**cfg).fit(module, DictDataset(n=16), resume=True)

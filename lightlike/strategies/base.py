@@ -249,6 +249,7 @@ class Strategy:
         self.load_module_state_dict(module, load_safetensors(path / "model.safetensors"))
         if optimizer is not None:
             state = torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True)
+            check_group_sizes(optimizer, state, path)
             self.load_optimizer_state_dict(optimizer, state)
 
     def module_state_dict(self, module: nn.Module) -> dict[str, torch.Tensor]:
@@ -333,3 +334,19 @@ def _moved_by_its_to(obj: Any, device: torch.device) -> Any:
         return obj
     moved = to(device)
     return obj if moved is None else moved  # a to() that moves the object in place
+
+
+def check_group_sizes(optimizer: torch.optim.Optimizer, state: Mapping[str, Any], path: Path) -> None:
+    """Before a full optimizer state is loaded: its parameter groups must hold as many parameters
+    as the optimizer's (torch refuses otherwise without saying which or why)."""
+    saved = [len(g.get("params", ())) for g in state.get("param_groups", ())]
+    now = [len(g["params"]) for g in optimizer.param_groups]
+    if saved != now:
+        from lightlike.errors import CheckpointError
+
+        raise CheckpointError(
+            f"{path.name}: its optimizer state holds parameter groups of {saved} parameters, this run's optimizer "
+            f"{now}: the trainable parameters changed (frozen, added) or so did their weight-decay split (no decay "
+            "for any parameter whose name contains 'bias', as the HF Trainer; lightlike before 2026-11-24 decayed "
+            "2-D ones such as T5's relative_attention_bias). Start a new fit from its weights "
+            f"(module.load_weights('{path}') before fit, without resume)")

@@ -51,8 +51,12 @@ class Record:
     index: torch.Tensor
     doubled: torch.Tensor = dataclasses.field(init=False)
 
-    def __post_init__(self):
+    def __post_init__(self):  # runs once per batch: the joined object is not built again
+        self.index = self.index + 1000
         self.doubled = self.index * 2
+
+
+PairNT = collections.namedtuple("PairNT", "pred index")
 
 
 class Module(Classifier):
@@ -111,16 +115,16 @@ def main() -> None:
     pairs = fitter.predict(Pairs().double(), Indexed(n=7, dtype=torch.float64))
     res["pairs"] = [type(pairs.predictions).__name__, [t.tolist() for t in pairs.predictions]]
 
-    class Records(Module):  # a dataclass inside an OrderedDict: both types back, fields in dataset order
+    class Records(Module):  # a dataclass and a namedtuple inside an OrderedDict: the types back, fields in order
         def predictions(self, outputs, batch):
-            return collections.OrderedDict(rec=Record(outputs.argmax(-1), batch["i"]), i=batch["i"])
+            return collections.OrderedDict(rec=Record(outputs.argmax(-1), batch["i"]), i=PairNT(batch["i"], batch["i"]))
 
     for n in (7, 1):  # 1: ranks without a share send empty parts of the same form
         torch.manual_seed(0)  # the weights of the reference's module
         got = fitter.predict(Records().double(), Indexed(n=n, dtype=torch.float64)).predictions
         rec = got["rec"]
         res[f"records{n}"] = [type(got).__name__, type(rec).__name__, rec.pred.tolist(), rec.index.tolist(),
-                              rec.doubled.tolist(), got["i"].tolist()]
+                              rec.doubled.tolist(), type(got["i"]).__name__, got["i"].index.tolist()]
 
     class RankKeys(Module):  # a metric only rank 0 reports: refused on every rank, none left waiting
         def metrics(self, outputs, batch):
