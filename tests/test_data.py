@@ -6,6 +6,7 @@ import logging
 
 import pytest
 import torch
+from helpers import Classifier
 from torch.utils.data import DataLoader, IterableDataset
 
 import lightlike as ll
@@ -238,3 +239,54 @@ def test_a_sampler_deals_evenly_only_when_every_rank_gets_as_many_samples():
     assert ResumableSampler(9, world_size=2, even=True).deals_evenly
     assert not ResumableSampler(9, world_size=2).deals_evenly
     assert [len(ResumableSampler(9, rank=r, world_size=2)) for r in range(2)] == [5, 4]
+
+
+class SizedCount(Count):
+    """Count with a ``__len__`` (``claims`` items, the true number unless it lies)."""
+
+    def __init__(self, n, claims=None):
+        super().__init__(n)
+        self.claims = n if claims is None else claims
+
+    def __len__(self):
+        return self.claims
+
+
+@pytest.mark.parametrize(("n", "world", "workers", "batch", "drop_last"), [
+    (10, 1, 2, 4, False), (10, 1, 2, 4, True), (23, 2, 2, 3, False), (23, 3, 2, 4, True), (5, 3, 2, 2, False),
+])
+def test_sharded_iterable_counts_the_batches_a_dataloader_gives(n, world, workers, batch, drop_last):
+    """Each worker batches its own shard, so its last batch may be short: the DataLoader's own
+    len() (one stream) counts too few, e.g. 3 for 10 items in 2 workers of batch 4 (it gives 4)."""
+    for rank in range(world):
+        shard = ShardedIterable(SizedCount(n), rank, world)
+        loader = DataLoader(shard, batch_size=batch, num_workers=workers, drop_last=drop_last)
+        assert shard.batches(batch, drop_last, workers) == sum(1 for _ in loader), rank
+
+
+def test_an_iterable_dataset_with_a_length_trains_by_epochs_with_workers(tmp_path, caplog):
+    """It has a length, but sharded over DataLoader workers (or ranks) it was refused under
+    max_epochs ("has no length: set max_steps"). Each epoch takes every item once (2 workers of 5
+    items each, in batches of 4: 2 batches each, 4 in all, where the DataLoader's len() says 3),
+    and the schedule is planned on them (a linear one's last step at 1/8 of the peak)."""
+    seen: list[int] = []
+    lrs: list[float] = []
+
+    class Recorder(ll.Callback):
+        def on_before_optimizer_step(self, fitter, state, control, optimizer):
+            lrs.append(optimizer.param_groups[0]["lr"])
+
+    class Module(Classifier):
+        def forward(self, batch):
+            seen.extend(batch["i"].tolist())
+            return super().forward(batch)
+
+    result = ll.Fitter(max_epochs=2, batch_size=4, num_workers=2, output_dir=str(tmp_path / "a"), loggers=[],
+                       log_level="warning", callbacks=[Recorder()]).fit(Module(), SizedCount(10))
+    assert result.global_step == 8 and sorted(seen) == sorted(list(range(10)) * 2)
+    assert lrs[-1] == pytest.approx(1e-3 / 8) and result.state.epoch == 2.0
+    # a __len__ that promises more than the data holds is said, once per short epoch
+    with caplog.at_level(logging.WARNING, logger="lightlike"):
+        ll.Fitter(max_epochs=1, batch_size=4, output_dir=str(tmp_path / "b"), loggers=[],
+                  log_level="warning").fit(Classifier(), SizedCount(10, claims=14))
+    assert "promised 4 batch(es) of this epoch to this process and it ended after 3" in caplog.text

@@ -30,6 +30,22 @@ class ShardedIterable(IterableDataset):
         self.world_size = world_size
         self.block = block
 
+    def batches(self, batch_size: int, drop_last: bool, workers: int) -> int:
+        """This rank's batches of a training epoch (no ``block``) when the dataset has a length
+        (``TypeError`` when it has none): each DataLoader worker batches its own shard, so every
+        worker's last batch may be short (``len()`` of the DataLoader assumes one stream and
+        counts too few)."""
+        if self.block is not None:
+            raise TypeError("an evaluation shard's batches are not counted ahead")
+        n, workers = len(self.dataset), max(1, workers)  # type: ignore[arg-type]
+        shards = self.world_size * workers
+        total = 0
+        for k in range(workers):
+            first = self.rank * workers + k  # this shard's first position
+            items = -(-(n - first) // shards) if n > first else 0
+            total += items // batch_size if drop_last else -(-items // batch_size)
+        return total
+
     def __iter__(self) -> Iterator[Any]:
         info = get_worker_info()
         workers, worker = (info.num_workers, info.id) if info is not None else (1, 0)

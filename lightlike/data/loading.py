@@ -77,10 +77,18 @@ class TrainData:
     def batches_per_epoch(self) -> int | None:
         """This rank's batches in the epoch (the shortest rank's when the shares may differ)."""
         try:
-            n = len(self.loader)
+            n = self.own_batches()
         except TypeError:
             return None
         return self.min_over_ranks(n) if self.min_over_ranks is not None else n
+
+    def own_batches(self) -> int:
+        """This rank's batches in the epoch (``TypeError`` when unknown): ``len()`` of the loader,
+        counted per worker shard for an IterableDataset lightlike shards."""
+        dataset = self.loader.dataset
+        if isinstance(dataset, ShardedIterable):
+            return dataset.batches(self.loader.batch_size or 1, self.loader.drop_last, self.loader.num_workers)
+        return len(self.loader)
 
     def step_budget(self, max_steps: int | None, max_epochs: int | None, accum: int,
                     resumed: Any = None) -> tuple[int, float]:
@@ -166,7 +174,7 @@ class EpochPosition:
     uses another batch size or world size. Everything the step needs comes from one call."""
 
     __slots__ = ("_start", "_here", "_batches", "_global_batch", "_end", "_done_below", "_per_epoch",
-                 "_batches_per_epoch", "_agreed_left", "_ahead", "_any_rank", "follows")
+                 "_batches_per_epoch", "_agreed_left", "_ahead", "_any_rank", "follows", "_promised")
 
     def __init__(self, data: TrainData, start: int, batches_in_epoch: int, world_size: int):
         self._start, self._here, self._batches = start, 0, batches_in_epoch
@@ -177,9 +185,12 @@ class EpochPosition:
         # rank has taken the shortest share's batches left from here (without a length, an empty
         # window, agreed by all ranks, ends it)
         self._agreed_left: int | None = None
+        # an IterableDataset's own __len__: the epoch is planned on it, so an epoch that ends
+        # sooner is said (one that would go on longer ends at it)
+        self._promised = data.own_batches() if data.replays() and self._batches_per_epoch is not None else None
         if data.min_over_ranks is not None:
             self._agreed_left = left = self._batches_per_epoch if data.sampler is None else data.batches_per_epoch()
-            own = len(data.loader) if left is not None else 0
+            own = data.own_batches() if left is not None else 0
             if left is not None and own > left:
                 log.warning("this rank's share of the epoch holds %d batch(es) and another rank's %d: its last %d "
                             "are left out, so that every rank takes the same steps", own, left, own - left)
@@ -204,10 +215,22 @@ class EpochPosition:
         epoch ends at that step's boundary, before its checkpoint, as a sized epoch does (else it
         ended at the next, empty, window: its evaluation came after the checkpoint, so a run
         resumed from it evaluated and logged that step again)."""
+        if self._promised is not None:
+            return self._counted(batches, self._promised)
         if self._per_epoch or self._batches_per_epoch is not None or self._agreed_left is not None:
             return batches
         self._ahead = Lookahead(batches)
         return self._ahead
+
+    def _counted(self, batches: Any, promised: int) -> Any:
+        taken = self._batches
+        for batch in batches:
+            taken += 1
+            yield batch
+        if taken < promised:
+            log.warning("the training data's length promised %d batch(es) of this epoch to this process and it ended "
+                        "after %d: the schedule and the epoch count are planned on its __len__, so make __len__ "
+                        "return the number of items it yields", promised, taken)
 
     def advance(self, batches: int) -> tuple[int, float, bool]:
         """After a step that took ``batches`` batches on each rank: (global samples consumed in
