@@ -67,7 +67,7 @@ class FitConfig:
     shuffle: bool = _f(True, "Shuffle the training data every epoch (permutation of seed, epoch).")
     pin_memory: bool = _f(False, "Pin host memory in DataLoaders (useful with CUDA).")
     seed: int = _f(0, "Seed for python, numpy, torch and DataLoader workers.")
-    deterministic: bool = _f(False, "Ask torch for deterministic algorithms.")
+    deterministic: bool = _f(False, "Use torch's deterministic algorithms during fit/validate/test/predict (as before them after).")
     # -- optimisation --------------------------------------------------------------------------
     optimizer: str = _f("adamw", "Built-in optimizer: 'adamw' or 'sgd' (configure_optimizers wins).")
     learning_rate: float = _f(1e-3, "Peak learning rate.")

@@ -30,7 +30,7 @@ from lightlike.strategies import Strategy, get_strategy
 from lightlike.utils.buffers import restore_buffers, snapshot_buffers
 from lightlike.utils.failfast import decided_on_main, failing_fast
 from lightlike.utils.memory import peak_memory_bytes
-from lightlike.utils.seed import rng_kept, seed_everything
+from lightlike.utils.seed import deterministic_mode, rng_kept, seed_everything
 
 log = logging.getLogger("lightlike")
 
@@ -48,7 +48,7 @@ class Fitter:
         self.user_callbacks = list(callbacks or [])
         # seeded here too (as the HF Trainer does), so a module built after the Fitter, as in
         # `Fitter(seed=0).fit(Model(), ...)`, starts from the same weights every run
-        seed_everything(self.config.seed, self.config.deterministic)
+        seed_everything(self.config.seed)  # (deterministic algorithms: during fit/validate/... only)
         self.strategy: Strategy | None = None
         self.module: TaskModule | None = None  # the user's module
         self.model: Any = None  # what the loop calls: the module as wrapped by the strategy
@@ -83,7 +83,7 @@ class Fitter:
         self.config.need_stopping_criterion()
         self._preemption = PreemptionHandler(self.config.preemption_signals)  # one per fit(): kept over retries
         try:
-            with failing_fast(self):
+            with failing_fast(self), deterministic_mode(self.config.deterministic):
                 if not self.config.auto_find_batch_size:
                     return self._fit(module, train, val, resume)
                 from lightlike.utils.oom import fit_finding_batch_size
@@ -110,7 +110,7 @@ class Fitter:
             from lightlike.checkpoint.rotation import prepare_output_dir
 
             decided_on_main(strategy, prepare_output_dir, cfg.output_dir, cfg.overwrite_output_dir, resume)
-        seed_everything(cfg.seed, cfg.deterministic)
+        seed_everything(cfg.seed)
         self.train_data = train_data = build_train_data(
             train, batch_size=cfg.batch_size, shuffle=cfg.shuffle, drop_last=cfg.drop_last,
             num_workers=cfg.num_workers, pin_memory=cfg.pin_memory, seed=cfg.seed,
@@ -266,6 +266,9 @@ class Fitter:
                 load_weights_from(self, Path(state.best_checkpoint))
             callbacks.call("on_fit_end", self, state, control)
         finally:
+            # a traceback kept after a failure (a notebook's last exception) holds this frame: the
+            # epoch's iterator must not keep its DataLoader workers alive with it
+            batches = position = window = None  # type: ignore[assignment]  # noqa: F841
             for lg in self.loggers:
                 lg.finalize()
 
@@ -444,18 +447,18 @@ class Fitter:
     # ==== evaluation and prediction outside fit ===================================================
     def validate(self, module: TaskModule, data: Any) -> dict[str, float]:
         """Evaluate on ``data`` (or a dict of sets); keys ``val/<name>`` (or ``<set>/<name>``)."""
-        with failing_fast(self):
+        with failing_fast(self), deterministic_mode(self.config.deterministic):
             return self._evaluate_standalone(module, data, "val")
 
     def test(self, module: TaskModule, data: Any) -> dict[str, float]:
         """Like ``validate`` with keys ``test/<name>``."""
-        with failing_fast(self):
+        with failing_fast(self), deterministic_mode(self.config.deterministic):
             return self._evaluate_standalone(module, data, "test")
 
     def predict(self, module: TaskModule, data: Any) -> PredictionResult:
         """Predictions (``TaskModule.predictions``) in dataset order, labels if the batches carry
         them, and the metrics over the whole set (keys ``predict/<name>``)."""
-        with failing_fast(self):
+        with failing_fast(self), deterministic_mode(self.config.deterministic):
             return self._predict(module, data)
 
     def _predict(self, module: TaskModule, data: Any) -> PredictionResult:

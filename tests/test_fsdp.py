@@ -74,6 +74,15 @@ def test_exact_evaluation_when_ranks_hold_different_numbers_of_batches(tmp_path,
         assert two["metrics"][k] == pytest.approx(v, rel=1e-6), k
 
 
+def test_a_module_left_sharded_by_fsdp_is_refused_by_ddp_by_name(tmp_path):
+    """After an FSDP fit the module's parameters are DTensors; a DDP Fitter's predict() on it
+    failed on every rank with a bare DTensor error ("Cannot flatten unevenly sharded tensor")."""
+    run_ok(2, tmp_path, "--mode", "ddp-after-fsdp", "--items", "8", "--width", "5")
+    for rank in (0, 1):
+        text = (tmp_path / f"rank{rank}.txt").read_text()
+        assert "the module's parameters are sharded (DTensor" in text and "strategy='fsdp'" in text, text
+
+
 def test_memory_per_rank_is_half_of_ddp(tmp_path):
     """Parameter + gradient + optimizer bytes held by each rank (its local shards), measured just
     before the last optimizer step: FSDP on 2 ranks ≤ (1/2 + 5 %) of DDP's."""

@@ -420,3 +420,49 @@ def test_fit_result_figures(tmp_path):
     assert result.samples_per_second == pytest.approx(result.steps_per_second * 4, rel=1e-9)
     assert result.peak_memory_bytes is None or result.peak_memory_bytes > 0
     assert set(result.metrics) == {"val/loss", "val/accuracy", "train/loss"}
+
+
+def test_deterministic_is_on_for_the_fitter_s_own_calls_only(tmp_path):
+    """deterministic=True switched torch's deterministic algorithms on for the whole process,
+    already when the Fitter was built, and never back: a later fit without it ran
+    deterministically too. Now: on during fit/validate/test/predict, as before them after."""
+    seen = []
+
+    class Watch(ll.Callback):
+        def on_step_end(self, fitter, state, control):
+            seen.append(torch.are_deterministic_algorithms_enabled())
+
+    assert not torch.are_deterministic_algorithms_enabled()
+    fitter = ll.Fitter(max_steps=2, batch_size=4, deterministic=True, output_dir=str(tmp_path / "a"), loggers=[],
+                       log_level="warning", callbacks=[Watch()])
+    assert not torch.are_deterministic_algorithms_enabled()  # building it switches nothing on
+    module = Classifier()
+    fitter.fit(module, DictDataset(n=8))
+    assert seen == [True, True] and not torch.are_deterministic_algorithms_enabled()
+
+    class Probe(Classifier):
+        def metrics(self, outputs, batch):
+            seen.append(torch.are_deterministic_algorithms_enabled())
+            return super().metrics(outputs, batch)
+
+    seen.clear()
+    fitter.validate(Probe(), DictDataset(n=4))
+    ll.Fitter(max_steps=2, batch_size=4, output_dir=str(tmp_path / "b"), loggers=[], log_level="warning",
+              callbacks=[Watch()]).fit(Classifier(), DictDataset(n=8))
+    assert seen == [True, False, False] and not torch.are_deterministic_algorithms_enabled()
+
+
+def test_a_failed_fit_s_traceback_keeps_no_dataloader_worker_alive(tmp_path):
+    """A notebook keeps the last exception, whose traceback holds the fit's frame: its epoch
+    iterator (a local) kept 2 DataLoader workers, their queue threads and descriptors alive."""
+    import multiprocessing
+
+    class Boom(ll.Callback):
+        def on_step_end(self, fitter, state, control):
+            raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError, match="boom") as caught:
+        ll.Fitter(max_steps=4, batch_size=4, num_workers=2, output_dir=str(tmp_path), loggers=[], log_level="warning",
+                  callbacks=[Boom()]).fit(Classifier(), DictDataset(n=16))
+    assert caught.value.__traceback__ is not None  # still held here
+    assert multiprocessing.active_children() == []

@@ -13,7 +13,9 @@ import torch
 
 
 def seed_everything(seed: int, deterministic: bool = False) -> None:
-    """Seed python, numpy and torch (CPU and every CUDA device)."""
+    """Seed python, numpy and torch (CPU and every CUDA device); ``deterministic``: switch torch's
+    deterministic algorithms on for the process (the Fitter uses ``deterministic_mode`` instead,
+    for its fits only)."""
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
@@ -21,6 +23,28 @@ def seed_everything(seed: int, deterministic: bool = False) -> None:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True)
         torch.backends.cudnn.benchmark = False
+
+
+@contextlib.contextmanager
+def deterministic_mode(enabled: bool) -> Iterator[None]:
+    """torch's deterministic algorithms (and no cuDNN benchmarking) for the block when
+    ``enabled``; as they were after it. (Left on for the process, a later fit without
+    ``deterministic`` ran deterministically too.) Not enabled: nothing is touched."""
+    if not enabled:
+        yield
+        return
+    before = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
+              torch.backends.cudnn.benchmark, os.environ.get("CUBLAS_WORKSPACE_CONFIG"))
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # read when cuBLAS starts
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.benchmark = False
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+        torch.backends.cudnn.benchmark = before[2]
+        if before[3] is None:
+            os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
 
 
 def rng_state() -> dict[str, Any]:

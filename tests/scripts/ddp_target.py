@@ -290,6 +290,19 @@ def main() -> None:
             (out / "eval.json").write_text(json.dumps({"metrics": metrics, "predictions": pred.predictions.tolist(),
                                                        "labels": pred.labels.tolist()}))
         return
+    if args.mode == "ddp-after-fsdp":  # a module an FSDP fit left sharded, then given to a DDP Fitter
+        fitter = ll.Fitter(max_steps=1, batch_size=args.batch, output_dir=str(out / "fsdp"), loggers=[],
+                           log_level="warning", strategy="fsdp")
+        model = F1Blocks(width=args.width).double()
+        fitter.fit(model, DictDataset(n=args.items, dtype=torch.float64))
+        try:
+            ll.Fitter(eval_batch_size=args.batch, output_dir=str(out / "ddp"), loggers=[], log_level="warning",
+                      strategy="ddp").predict(model, DictDataset(n=args.items, dtype=torch.float64))
+            message = "no error"
+        except ll.ConfigError as e:
+            message = str(e)
+        (out / f"rank{rank}.txt").write_text(message)
+        return
     module_cls = {"token": TokenClassifier, "inttoken": IntTokenClassifier, "blocks": F1Blocks, "norm-blocks": F1NormBlocks,
                   "maybe-checkpointed": MaybeCheckpointed, "frozen-first": FrozenFirst,
                   "only-module": OnlyModule}.get(args.task, Classifier)
