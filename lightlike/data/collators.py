@@ -122,7 +122,7 @@ class PaddingCollator:
             return self.pad_values[field]
         if "input_ids" in field:
             return self.pad_token_id
-        if "labels" in field or field in ("label", "label_ids"):  # as HF's token-classification collator
+        if _is_label(field):  # as HF's token-classification collator
             return self.label_pad_id
         if field == "special_tokens_mask":
             return 1
@@ -139,7 +139,7 @@ class PaddingCollator:
         lengths: dict[str, list[int]] = {}
         for field in fields:
             values = [item[field] for item in items]
-            pad = self._is_sequence_field(field, values[0])
+            pad = self._is_sequence_field(field, values)
             tensors = [_as_tensor(v, field, i) for i, v in enumerate(values)]
             if pad:
                 bad = [i for i, t in enumerate(tensors) if t is None or t.ndim != 1]
@@ -149,7 +149,7 @@ class PaddingCollator:
                     raise DataError(f"field {field!r} of item {i} is {got}; PaddingCollator pads 1-D sequences "
                                     "(a list or 1-D tensor per item)")
                 lengths[field] = [len(t) for t in tensors]  # type: ignore[arg-type]
-                out[field] = self._pad(tensors, self.pad_value(field))  # type: ignore[arg-type]
+                out[field] = self._pad(tensors, self.pad_value(field), long_ints=_is_label(field))  # type: ignore[arg-type]
                 if field == "input_ids" and "attention_mask" not in fields:
                     out["attention_mask"] = self._pad([torch.ones(n, dtype=torch.long) for n in lengths[field]], 0)
             else:
@@ -157,20 +157,30 @@ class PaddingCollator:
         _check_aligned(lengths)
         return out
 
-    def _is_sequence_field(self, field: str, first: Any) -> bool:
+    def _is_sequence_field(self, field: str, values: list[Any]) -> bool:
         if self.keys is not None:
             return field in self.keys
+        first = values[0]
         if isinstance(first, torch.Tensor):
             return first.ndim == 1
-        if isinstance(first, (list, tuple)):  # of numbers (a list of words is passed on as it is)
+        if isinstance(first, (list, tuple)):  # of numbers (a list of words is passed on as it is),
+            # judged by the first non-empty one: an empty list says nothing (all empty: padded)
+            first = next((v for v in values if isinstance(v, (list, tuple)) and len(v)), first)
             return all(_is_scalar(v) for v in first)
         return getattr(first, "ndim", None) == 1  # e.g. a numpy array
 
-    def _pad(self, tensors: list[torch.Tensor], value: int | float) -> torch.Tensor:
+    def _pad(self, tensors: list[torch.Tensor], value: int | float, long_ints: bool = False) -> torch.Tensor:
+        """Padded into one tensor of the items' dtype; integers as int64 where ``long_ints``
+        (labels: what cross_entropy takes, as HF's collators give) or where ``value`` does not
+        fit the items' integer dtype (-100 in uint8 labels became 156, a class)."""
         longest = max(len(t) for t in tensors)
         if self.pad_to_multiple_of:
             longest = math.ceil(longest / self.pad_to_multiple_of) * self.pad_to_multiple_of
         dtype = _common_dtype(tensors)
+        if not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool):
+            info = torch.iinfo(dtype)
+            if long_ints or not info.min <= value <= info.max:
+                dtype = torch.int64
         out = torch.full((len(tensors), longest), value, dtype=dtype)
         for i, t in enumerate(tensors):
             n = len(t)
@@ -180,6 +190,10 @@ class PaddingCollator:
                 else:
                     out[i, longest - n:] = t
         return out
+
+
+def _is_label(field: str) -> bool:
+    return "labels" in field or field in ("label", "label_ids")
 
 
 def _is_scalar(value: Any) -> bool:

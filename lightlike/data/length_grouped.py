@@ -52,9 +52,9 @@ class LengthGroupedSampler(ResumableSampler):
     rank takes the same number of steps. With ``shuffle=True`` the last megabatch runs longest
     first down to a random rank r, then shortest first up to r (r drawn from seed and epoch), so
     that tail is of random length, not that megabatch's shortest items every epoch (with one
-    sample left out, every item is as likely as any other to be the one); one batch spans the
-    turn. A DataLoader built on it and passed to ``Fitter.fit`` resumes mid-epoch on the right
-    sample.
+    sample left out, every item is as likely as any other to be the one, but the longest under
+    ``longest_first``, which is always in the first batch); one batch spans the turn. A
+    DataLoader built on it and passed to ``Fitter.fit`` resumes mid-epoch on the right sample.
     """
 
     def __init__(
@@ -127,6 +127,10 @@ class LengthGroupedSampler(ResumableSampler):
             # stays a pure function of (seed, epoch, n, group_size), whatever the world size.
             last = groups[-1]
             turn = int(torch.randint(len(last), (1,), generator=g))
+            if turn == 0 and self.longest_first and self._longest_of_all(last[0], groups):
+                # the order would end on the longest item, which the swap below brings to the
+                # front in exchange for the shortest (left out twice as often as the others)
+                turn = 1 + int(torch.randint(len(last) - 1, (1,), generator=g))
             groups[-1] = torch.cat([last[:turn], last[turn:].flip(0)])
         out = torch.cat(groups)
         if self.longest_first:
@@ -135,6 +139,11 @@ class LengthGroupedSampler(ResumableSampler):
             at = int(torch.argmax(self.lengths[out]))
             out[0], out[at] = out[at].clone(), out[0].clone()
         return out
+
+    def _longest_of_all(self, item: torch.Tensor, groups: list[torch.Tensor]) -> bool:
+        """Whether ``item`` (of the last megabatch) is longer than every item before it."""
+        before = torch.cat(groups[:-1]) if len(groups) > 1 else None
+        return before is None or bool(self.lengths[item] > self.lengths[before].max())
 
     def __iter__(self) -> Iterator[int]:
         import torch.distributed as dist
