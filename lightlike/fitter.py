@@ -28,9 +28,9 @@ from lightlike.preemption import PreemptionHandler, save_and_exit
 from lightlike.state import Control, FitResult, FitState, PredictionResult
 from lightlike.strategies import Strategy, get_strategy
 from lightlike.utils.buffers import restore_buffers, snapshot_buffers
-from lightlike.utils.failfast import decided_on_main, failing_fast
+from lightlike.utils.failfast import decided_on_main, failing_fast, guarded
 from lightlike.utils.memory import peak_memory_bytes
-from lightlike.utils.seed import deterministic_mode, rng_kept, seed_everything
+from lightlike.utils.seed import rng_kept, seed_everything
 
 log = logging.getLogger("lightlike")
 
@@ -83,7 +83,7 @@ class Fitter:
         self.config.need_stopping_criterion()
         self._preemption = PreemptionHandler(self.config.preemption_signals)  # one per fit(): kept over retries
         try:
-            with failing_fast(self), deterministic_mode(self.config.deterministic):
+            with guarded(self):
                 if not self.config.auto_find_batch_size:
                     return self._fit(module, train, val, resume)
                 from lightlike.utils.oom import fit_finding_batch_size
@@ -266,9 +266,6 @@ class Fitter:
                 load_weights_from(self, Path(state.best_checkpoint))
             callbacks.call("on_fit_end", self, state, control)
         finally:
-            # a traceback kept after a failure (a notebook's last exception) holds this frame: the
-            # epoch's iterator must not keep its DataLoader workers alive with it
-            batches = position = window = None  # type: ignore[assignment]  # noqa: F841
             for lg in self.loggers:
                 lg.finalize()
 
@@ -447,18 +444,18 @@ class Fitter:
     # ==== evaluation and prediction outside fit ===================================================
     def validate(self, module: TaskModule, data: Any) -> dict[str, float]:
         """Evaluate on ``data`` (or a dict of sets); keys ``val/<name>`` (or ``<set>/<name>``)."""
-        with failing_fast(self), deterministic_mode(self.config.deterministic):
+        with guarded(self):
             return self._evaluate_standalone(module, data, "val")
 
     def test(self, module: TaskModule, data: Any) -> dict[str, float]:
         """Like ``validate`` with keys ``test/<name>``."""
-        with failing_fast(self), deterministic_mode(self.config.deterministic):
+        with guarded(self):
             return self._evaluate_standalone(module, data, "test")
 
     def predict(self, module: TaskModule, data: Any) -> PredictionResult:
         """Predictions (``TaskModule.predictions``) in dataset order, labels if the batches carry
         them, and the metrics over the whole set (keys ``predict/<name>``)."""
-        with failing_fast(self), deterministic_mode(self.config.deterministic):
+        with guarded(self):
             return self._predict(module, data)
 
     def _predict(self, module: TaskModule, data: Any) -> PredictionResult:

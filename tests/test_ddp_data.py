@@ -78,3 +78,24 @@ def test_eval_and_data_on_several_processes(tmp_path, nproc):
     for res in results:  # metric keys that differ between ranks: an error everywhere, not a wrong mean
         assert "metrics() returned different keys on different ranks" in res["rank_keys"]
     assert [res["trained"] for res in results] == [list(range(r, 8 - 8 % nproc, nproc)) for r in range(nproc)]
+
+
+def test_iterable_datasets_whose_length_is_wrong_train_by_epochs_without_losing_step(tmp_path):
+    """An IterableDataset's __len__ plans the epochs; the data may disagree. 7 items claiming 8
+    on 2 ranks with accumulation 2: rank 1 ran out inside a window, ended its epoch alone and
+    the ranks fell out of step (a DataError on one, a closed connection on the other). 13
+    items claiming 9: rank 0 (7 items) took batches beyond the 4 every rank takes, and nothing
+    said the data held more than its length."""
+    p = launch(2, tmp_path, script=Path(__file__).parent / "scripts" / "iterable_len_target.py", timeout=240)
+    assert p.returncode == 0, p.stderr[-3000:]
+    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    more, fewer = "claims_more", "claims_fewer"
+    # 8 claimed: 4 batches per rank and epoch, 2 steps; rank 1 holds 3, which the epoch ends at
+    assert r0[more]["steps"] == r1[more]["steps"] == 4
+    assert r0[more]["seen"] == [0, 2, 4, 6] * 2 and r1[more]["seen"] == [1, 3, 5] * 2
+    assert any("promised 4 batch(es) of this epoch to this process and it ended after 3" in w
+               for w in r1[more]["warnings"])
+    # 9 claimed: rank 0 is promised 5, rank 1 4: every rank takes 4 (2 steps) an epoch
+    assert r0[fewer]["steps"] == r1[fewer]["steps"] == 4
+    assert r0[fewer]["seen"] == [0, 2, 4, 6] * 2 and r1[fewer]["seen"] == [1, 3, 5, 7] * 2
+    assert any("yields more than the 4 batch(es)" in w for w in r1[fewer]["warnings"])

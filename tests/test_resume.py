@@ -526,3 +526,32 @@ def test_resume_with_other_parameter_groups_names_the_cause(tmp_path):
     with pytest.raises(ll.CheckpointError, match=r"checkpoint-2: its optimizer state holds parameter groups of "
                                                  r"\[2, 2\] parameters, this run's optimizer \[1, 2\].*load_weights"):
         ll.Fitter(**cfg).fit(module, DictDataset(n=16), resume=True)
+
+
+def test_an_optimizer_whose_load_hook_adapts_the_groups_still_resumes(tmp_path):
+    """The group-size check must not refuse what torch accepts: an optimizer whose
+    load_state_dict pre-hook drops the state of parameters frozen since the checkpoint (a first
+    version checked the raw file before any hook ran)."""
+    freeze = []
+
+    class Frozen(Classifier):
+        def configure_optimizers(self, config):
+            if not freeze:
+                return torch.optim.AdamW(self.parameters(), lr=1e-2)
+            self.net[0].requires_grad_(False)
+            opt = torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=1e-2)
+
+            def drop_frozen(optimizer, state):  # the saved group began with net.0.weight, net.0.bias
+                group = state["param_groups"][0]
+                kept = group["params"][2:]
+                state["state"] = {i: state["state"][old] for i, old in enumerate(kept) if old in state["state"]}
+                group["params"] = list(range(len(kept)))
+                return state
+
+            opt.register_load_state_dict_pre_hook(drop_frozen)
+            return opt
+
+    cfg = dict(batch_size=4, save_every=2, output_dir=str(tmp_path), loggers=[], log_level="warning")
+    ll.Fitter(max_steps=2, **cfg).fit(Frozen(), DictDataset(n=16))
+    freeze.append(True)
+    assert ll.Fitter(max_steps=4, **cfg).fit(Frozen(), DictDataset(n=16), resume=True).global_step == 4

@@ -466,3 +466,18 @@ def test_a_failed_fit_s_traceback_keeps_no_dataloader_worker_alive(tmp_path):
                   callbacks=[Boom()]).fit(Classifier(), DictDataset(n=16))
     assert caught.value.__traceback__ is not None  # still held here
     assert multiprocessing.active_children() == []
+
+    class Broken(DictDataset):  # the commonest data failure: raised in a worker, re-raised from
+        def __getitem__(self, i):  # inside the DataLoader's iterator, whose frames the traceback holds
+            if i == 9:
+                raise ValueError("bad item 9")
+            return super().__getitem__(i)
+
+    fitter = ll.Fitter(max_steps=4, batch_size=4, num_workers=2, eval_batch_size=4, shuffle=False,
+                       output_dir=str(tmp_path / "data"), loggers=[], log_level="warning")
+    with pytest.raises(ValueError, match="bad item 9") as caught:
+        fitter.fit(Classifier(), Broken(n=16))
+    assert caught.value.__traceback__ is not None and multiprocessing.active_children() == []
+    with pytest.raises(ValueError, match="bad item 9") as caught:
+        fitter.validate(Classifier(), Broken(n=16))
+    assert caught.value.__traceback__ is not None and multiprocessing.active_children() == []

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 from collections.abc import Callable, Mapping
@@ -185,8 +186,8 @@ class EpochPosition:
         # rank has taken the shortest share's batches left from here (without a length, an empty
         # window, agreed by all ranks, ends it)
         self._agreed_left: int | None = None
-        # an IterableDataset's own __len__: the epoch is planned on it, so an epoch that ends
-        # sooner is said (one that would go on longer ends at it)
+        # an IterableDataset's own __len__: the epoch is planned on it, but the data may end
+        # sooner (or go on longer): read one batch ahead, the epoch ends at whichever comes first
         self._promised = data.own_batches() if data.replays() and self._batches_per_epoch is not None else None
         if data.min_over_ranks is not None:
             self._agreed_left = left = self._batches_per_epoch if data.sampler is None else data.batches_per_epoch()
@@ -215,22 +216,12 @@ class EpochPosition:
         epoch ends at that step's boundary, before its checkpoint, as a sized epoch does (else it
         ended at the next, empty, window: its evaluation came after the checkpoint, so a run
         resumed from it evaluated and logged that step again)."""
-        if self._promised is not None:
-            return self._counted(batches, self._promised)
-        if self._per_epoch or self._batches_per_epoch is not None or self._agreed_left is not None:
-            return batches
-        self._ahead = Lookahead(batches)
-        return self._ahead
-
-    def _counted(self, batches: Any, promised: int) -> Any:
-        taken = self._batches
-        for batch in batches:
-            taken += 1
-            yield batch
-        if taken < promised:
-            log.warning("the training data's length promised %d batch(es) of this epoch to this process and it ended "
-                        "after %d: the schedule and the epoch count are planned on its __len__, so make __len__ "
-                        "return the number of items it yields", promised, taken)
+        left = self._agreed_left
+        if self._promised is not None or not (self._per_epoch or self._batches_per_epoch is not None or left is not None):
+            batches = self._ahead = Lookahead(batches)  # (it peeks past the cap below)
+        if left is not None:  # a longer share stops at the shortest one's batches, in every window too
+            batches = itertools.islice(batches, max(0, left - (self._batches if self._per_epoch == 0 else 0)))
+        return batches
 
     def advance(self, batches: int) -> tuple[int, float, bool]:
         """After a step that took ``batches`` batches on each rank: (global samples consumed in
@@ -250,7 +241,22 @@ class EpochPosition:
             fraction = min(1.0, self._batches / per_epoch) if per_epoch else 0.0
             done = per_epoch is not None and per_epoch > 0 and self._batches >= per_epoch
         left = self._agreed_left
-        if left is not None:
+        if self._promised is not None:  # an IterableDataset's __len__: agreed, or the data, ends it
+            assert self._ahead is not None
+            ended = self._ahead.ended()
+            reached = self._batches >= (left if left is not None else self._promised)
+            if ended and self._batches < self._promised:
+                log.warning("the training data's length promised %d batch(es) of this epoch to this process and it "
+                            "ended after %d: the schedule and the epoch count are planned on its __len__, so make "
+                            "__len__ return the number of items it yields", self._promised, self._batches)
+            elif reached and not ended and self._batches >= self._promised:
+                log.warning("the training data yields more than the %d batch(es) of this epoch its __len__ promised to "
+                            "this process: the epoch ends there (the rest is not trained on); make __len__ return "
+                            "the number of items it yields", self._promised)
+            done = reached or ended
+            done = self._any_rank(done) if self._any_rank is not None else done
+            self.follows = not done
+        elif left is not None:
             done = self._here >= left
         elif self._ahead is not None:
             ended = self._ahead.ended()

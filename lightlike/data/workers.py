@@ -27,6 +27,7 @@ before that: SIGTERM, a grace period of ``EXIT_GRACE`` seconds, then SIGKILL for
 from __future__ import annotations
 
 import atexit
+import contextlib
 import ctypes
 import os
 import signal
@@ -34,7 +35,7 @@ import sys
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
@@ -208,3 +209,19 @@ def start_workers(loader: Any) -> Any:
         signal.pthread_sigmask(signal.SIG_SETMASK, before)
     _track(it)
     return it
+
+
+@contextlib.contextmanager
+def workers_released_on_error() -> Iterator[None]:
+    """On an error leaving the block, shut down the workers of every iterator ``start_workers``
+    started that is still alive (not persistent ones, which their DataLoader reuses): the
+    traceback a notebook keeps holds the frames that hold them (a worker's own error is raised
+    from inside the iterator), and with them its workers, queue threads and descriptors."""
+    try:
+        yield
+    except BaseException:
+        for ref in list(_STARTED):
+            it = ref()
+            if it is not None and not getattr(it, "_persistent_workers", False):
+                it._shutdown_workers()
+        raise

@@ -249,8 +249,12 @@ class Strategy:
         self.load_module_state_dict(module, load_safetensors(path / "model.safetensors"))
         if optimizer is not None:
             state = torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True)
-            check_group_sizes(optimizer, state, path)
-            self.load_optimizer_state_dict(optimizer, state)
+            try:
+                self.load_optimizer_state_dict(optimizer, state)
+            except ValueError as e:  # (after the optimizer's own load hooks, which may adapt the state)
+                if "parameter group" not in str(e):
+                    raise
+                raise group_size_error(optimizer, state, path) from e
 
     def module_state_dict(self, module: nn.Module) -> dict[str, torch.Tensor]:
         """Full, unsharded weights of the user's module (on CPU), for ``model.safetensors``."""
@@ -336,17 +340,16 @@ def _moved_by_its_to(obj: Any, device: torch.device) -> Any:
     return obj if moved is None else moved  # a to() that moves the object in place
 
 
-def check_group_sizes(optimizer: torch.optim.Optimizer, state: Mapping[str, Any], path: Path) -> None:
-    """Before a full optimizer state is loaded: its parameter groups must hold as many parameters
-    as the optimizer's (torch refuses otherwise without saying which or why)."""
+def group_size_error(optimizer: torch.optim.Optimizer, state: Mapping[str, Any], path: Path) -> Exception:
+    """torch's refusal of an optimizer state whose parameter groups hold other numbers of
+    parameters than the optimizer's, as an error that says which and why."""
+    from lightlike.errors import CheckpointError
+
     saved = [len(g.get("params", ())) for g in state.get("param_groups", ())]
     now = [len(g["params"]) for g in optimizer.param_groups]
-    if saved != now:
-        from lightlike.errors import CheckpointError
-
-        raise CheckpointError(
-            f"{path.name}: its optimizer state holds parameter groups of {saved} parameters, this run's optimizer "
-            f"{now}: the trainable parameters changed (frozen, added) or so did their weight-decay split (no decay "
-            "for any parameter whose name contains 'bias', as the HF Trainer; lightlike before 2026-11-24 decayed "
-            "2-D ones such as T5's relative_attention_bias). Start a new fit from its weights "
-            f"(module.load_weights('{path}') before fit, without resume)")
+    return CheckpointError(
+        f"{path.name}: its optimizer state holds parameter groups of {saved} parameters, this run's optimizer "
+        f"{now}: the trainable parameters changed (frozen, added) or so did their grouping (lightlike's built-in "
+        "optimizer keeps every parameter whose name contains 'bias' out of weight decay, as the HF Trainer; "
+        "before 2026-11-24 it decayed 2-D ones such as T5's relative_attention_bias). Start a new fit from its "
+        f"weights (module.load_weights('{path}') before fit, without resume)")

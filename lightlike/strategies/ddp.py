@@ -142,9 +142,9 @@ class DDPStrategy(Strategy):
         sharded = next((n for n, p in module.named_parameters() if dtensor and isinstance(p, dtensor)), None)
         if sharded is not None:  # DDP's first broadcast failed on it with a bare DTensor error
             raise ConfigError(
-                f"the module's parameters are sharded (DTensor: {sharded!r}, left so by a fit with strategy='fsdp'): "
-                "DDP cannot take it; use the same strategy='fsdp' for this Fitter, or load the checkpoint's "
-                "weights into a fresh module (module.load_weights('output_dir/checkpoint-N'))")
+                f"the module's parameters are sharded (DTensor: {sharded!r}; an FSDP fit, or tensor parallelism, "
+                "leaves them so): DDP cannot take it; use strategy='fsdp' for this Fitter too, or load the "
+                "checkpoint's weights into a fresh module (module.load_weights('output_dir/checkpoint-N'))")
         module = super().setup_module(module)
         ids = [self.root_device.index] if self.root_device.type == "cuda" else None
         return DistributedDataParallel(module, device_ids=ids, **self.ddp_kwargs)  # type: ignore[arg-type]

@@ -76,3 +76,15 @@ def _peer_lost(error: BaseException) -> bool:
         return True
     text = str(error)
     return "Connection closed by peer" in text or "Connection reset by peer" in text
+
+
+@contextlib.contextmanager
+def guarded(fitter: Fitter) -> Iterator[None]:
+    """Around fit/validate/test/predict: every rank fails fast (``failing_fast``); torch's
+    deterministic algorithms for the call only (``deterministic=True``); a failure's traceback
+    keeps no DataLoader worker alive."""
+    from lightlike.data.workers import workers_released_on_error
+    from lightlike.utils.seed import deterministic_mode
+
+    with failing_fast(fitter), deterministic_mode(fitter.config.deterministic), workers_released_on_error():
+        yield
