@@ -330,3 +330,17 @@ def test_whether_a_field_is_padded_does_not_depend_on_the_first_item():
     for batch in (items, items[::-1]):
         out = PaddingCollator()(batch)
         assert sorted(map(tuple, out["tags"])) == [(), ("def", "x")]
+
+
+def test_bool_and_unpadded_integer_labels_come_back_int64():
+    """Bool labels padded with -100 came out True; a label of one number per item kept int32,
+    which cross_entropy refuses (HF's collators give int64 for both)."""
+    items = [{"input_ids": [1, 2], "labels": torch.tensor([True, False]), "label": np.int32(2),
+              "flags": torch.tensor([True])},
+             {"input_ids": [3], "labels": torch.tensor([True]), "label": np.int32(0), "flags": torch.tensor([False])}]
+    out = PaddingCollator(pad_values={"flags": -1}, keys=["input_ids", "labels", "flags"])(items)
+    assert out["labels"].dtype == torch.int64 and out["labels"].tolist() == [[1, 0], [1, -100]]
+    assert out["label"].dtype == torch.int64 and out["label"].tolist() == [2, 0]
+    assert out["flags"].tolist() == [[1], [0]] and out["flags"].dtype == torch.int64  # -1 does not fit bool
+    assert PaddingCollator(keys=["m"])([{"m": torch.tensor([True, True])}, {"m": torch.tensor([True])}])["m"].dtype \
+        == torch.bool  # a pad value of 0 fits: bool stays bool

@@ -290,3 +290,10 @@ def test_an_iterable_dataset_with_a_length_trains_by_epochs_with_workers(tmp_pat
         ll.Fitter(max_epochs=1, batch_size=4, output_dir=str(tmp_path / "b"), loggers=[],
                   log_level="warning").fit(Classifier(), SizedCount(10, claims=14))
     assert "promised 4 batch(es) of this epoch to this process and it ended after 3" in caplog.text
+    # ... and one that holds more: the epoch ends at __len__, also inside an accumulation window
+    # (one process took a whole window past it: 6 items of a 4-item epoch)
+    seen.clear()
+    with caplog.at_level(logging.WARNING, logger="lightlike"):
+        ll.Fitter(max_epochs=1, batch_size=2, grad_accum_steps=3, output_dir=str(tmp_path / "c"), loggers=[],
+                  log_level="warning").fit(Module(), SizedCount(10, claims=4))
+    assert seen == [0, 1, 2, 3] and "yields more than the 2 batch(es)" in caplog.text

@@ -555,3 +555,40 @@ def test_an_optimizer_whose_load_hook_adapts_the_groups_still_resumes(tmp_path):
     ll.Fitter(max_steps=2, **cfg).fit(Frozen(), DictDataset(n=16))
     freeze.append(True)
     assert ll.Fitter(max_steps=4, **cfg).fit(Frozen(), DictDataset(n=16), resume=True).global_step == 4
+
+
+def test_a_persistent_worker_loader_resumes_on_the_uninterrupted_order(tmp_path):
+    """A DataLoader of the user's with persistent_workers=True, shuffle and generator=: its
+    reused iterator made no base-seed draw before shuffling, where the fresh one a resumed run
+    starts makes one, so the resumed epoch came in another order than the uninterrupted run's."""
+    from torch.utils.data import DataLoader
+
+    class Indexed(DictDataset):
+        def __getitem__(self, i):
+            return {**super().__getitem__(i), "i": torch.tensor(i)}
+
+    class Record(Classifier):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def forward(self, batch):
+            self.seen.append(batch["i"].tolist())
+            return super().forward(batch)
+
+    class StopAfterEpoch0(ll.Callback):
+        def on_epoch_end(self, fitter, state, control):
+            control.should_training_stop = True
+
+    def loader():
+        return DataLoader(Indexed(n=16), batch_size=4, shuffle=True, num_workers=2, persistent_workers=True,
+                          generator=torch.Generator())
+
+    cfg = dict(max_epochs=2, batch_size=4, save_every=100, loggers=[], log_level="warning")
+    full = Record()
+    ll.Fitter(output_dir=str(tmp_path / "full"), **cfg).fit(full, loader())
+    first = Record()
+    ll.Fitter(output_dir=str(tmp_path / "cut"), callbacks=[StopAfterEpoch0()], **cfg).fit(first, loader())
+    resumed = Record()
+    ll.Fitter(output_dir=str(tmp_path / "cut"), **cfg).fit(resumed, loader(), resume=True)
+    assert first.seen == full.seen[:4] and resumed.seen == full.seen[4:]

@@ -481,3 +481,25 @@ def test_a_failed_fit_s_traceback_keeps_no_dataloader_worker_alive(tmp_path):
     with pytest.raises(ValueError, match="bad item 9") as caught:
         fitter.validate(Classifier(), Broken(n=16))
     assert caught.value.__traceback__ is not None and multiprocessing.active_children() == []
+
+
+def test_a_failed_call_inside_a_fit_ends_only_its_own_dataloader_workers(tmp_path):
+    """A callback's validate() that fails (and is caught by the callback) shut down every live
+    iterator in the process, the outer fit's training one too: the fit then ended its epoch at
+    once, silently (3 steps of 20)."""
+
+    class Broken(DictDataset):
+        def __getitem__(self, i):
+            raise ValueError("bad eval item")
+
+    class TryValidate(ll.Callback):
+        def on_step_end(self, fitter, state, control):
+            if state.global_step == 2:
+                inner = ll.Fitter(eval_batch_size=4, num_workers=2, output_dir=str(tmp_path / "inner"), loggers=[],
+                                  log_level="warning")
+                with pytest.raises(ValueError, match="bad eval item"):
+                    inner.validate(Classifier(), Broken(n=8))
+
+    result = ll.Fitter(max_epochs=1, batch_size=2, num_workers=2, output_dir=str(tmp_path / "outer"), loggers=[],
+                       log_level="warning", callbacks=[TryValidate()]).fit(Classifier(), DictDataset(n=40))
+    assert result.global_step == 20

@@ -153,7 +153,7 @@ class PaddingCollator:
                 if field == "input_ids" and "attention_mask" not in fields:
                     out["attention_mask"] = self._pad([torch.ones(n, dtype=torch.long) for n in lengths[field]], 0)
             else:
-                out[field] = _stack(field, values, tensors)
+                out[field] = _stack(field, values, tensors, long_ints=_is_label(field))
         _check_aligned(lengths)
         return out
 
@@ -177,7 +177,10 @@ class PaddingCollator:
         if self.pad_to_multiple_of:
             longest = math.ceil(longest / self.pad_to_multiple_of) * self.pad_to_multiple_of
         dtype = _common_dtype(tensors)
-        if not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool):
+        if dtype == torch.bool:  # -100 (or any value but 0/1) in a bool tensor is True
+            if long_ints or value not in (0, 1):
+                dtype = torch.int64
+        elif not (dtype.is_floating_point or dtype.is_complex):
             info = torch.iinfo(dtype)
             if long_ints or not info.min <= value <= info.max:
                 dtype = torch.int64
@@ -232,7 +235,7 @@ def _check_items(items: Any, who: str) -> list[str]:
     return fields
 
 
-def _stack(field: str, values: list[Any], tensors: list[torch.Tensor | None]) -> Any:
+def _stack(field: str, values: list[Any], tensors: list[torch.Tensor | None], long_ints: bool = False) -> Any:
     if any(t is None for t in tensors):
         return list(values)  # strings, None, objects: passed on as they are
     shapes = {tuple(t.shape) for t in tensors}  # type: ignore[union-attr]
@@ -240,6 +243,8 @@ def _stack(field: str, values: list[Any], tensors: list[torch.Tensor | None]) ->
         raise DataError(f"field {field!r} has values of different shapes {sorted(shapes)} across items and is not "
                         "padded; pass it in PaddingCollator(keys=...) if it is a 1-D sequence")
     dtype = _common_dtype(tensors)  # type: ignore[arg-type]
+    if long_ints and not (dtype.is_floating_point or dtype.is_complex):  # class labels: what cross_entropy takes
+        dtype = torch.int64
     return torch.stack([t.to(dtype) for t in tensors])  # type: ignore[union-attr]
 
 

@@ -156,6 +156,11 @@ class TrainData:
     def _fresh_iterator(self, epoch: int) -> Any:
         if self.generator is not None:
             self.generator.manual_seed(self.seed + epoch)  # DataLoader worker seeds
+            if getattr(self.loader, "persistent_workers", False) and getattr(self.loader, "_iterator", None) is not None:
+                # a reused persistent iterator does not draw the base seed a fresh one draws before
+                # its sampler shuffles: drawn here, so that an epoch's order does not depend on
+                # whether the iterator is reused (a resumed run's first epoch starts a fresh one)
+                torch.empty((), dtype=torch.int64).random_(generator=self.generator)
             return start_workers(self.loader)
         # a DataLoader of the user's without generator= draws its workers' base seed from the
         # global generator as its iterator starts: at the epoch's start in one run, at the resume
@@ -219,8 +224,9 @@ class EpochPosition:
         left = self._agreed_left
         if self._promised is not None or not (self._per_epoch or self._batches_per_epoch is not None or left is not None):
             batches = self._ahead = Lookahead(batches)  # (it peeks past the cap below)
-        if left is not None:  # a longer share stops at the shortest one's batches, in every window too
-            batches = itertools.islice(batches, max(0, left - (self._batches if self._per_epoch == 0 else 0)))
+        cap = left if left is not None else self._promised  # (an IterableDataset's own __len__)
+        if cap is not None:  # a longer share (or stream) stops at the cap, in every window too
+            batches = itertools.islice(batches, max(0, cap - (self._batches if self._per_epoch == 0 else 0)))
         return batches
 
     def advance(self, batches: int) -> tuple[int, float, bool]:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import contextvars
 import ctypes
 import os
 import signal
@@ -127,6 +128,10 @@ _STARTED: list[weakref.ref] = []
 #: queue feeder threads of those iterators since dropped (joined before the next workers start)
 _ENDING: list[threading.Thread] = []
 FEEDER_JOIN_LIMIT = 5.0  # seconds, in all, to wait for ending feeder threads before a fork
+#: the iterators ``start_workers`` started within the innermost ``workers_released_on_error``
+#: block of this thread (another thread's, or an outer fit's, are not its to end)
+_IN_CALL: contextvars.ContextVar[list[weakref.ref] | None] = contextvars.ContextVar("lightlike_iterators",
+                                                                                      default=None)
 
 
 def _ending(queues: Any) -> list[threading.Thread]:
@@ -141,7 +146,11 @@ def _queues(it: Any) -> list[Any]:
 
 
 def _track(it: Any) -> None:
-    """Remember an iterator's queues, so that their feeder threads can be joined once it ends."""
+    """Remember an iterator's queues, so that their feeder threads can be joined once it ends;
+    and the iterator, for the call that started it (``workers_released_on_error``)."""
+    in_call = _IN_CALL.get()
+    if in_call is not None and hasattr(it, "_shutdown_workers"):
+        in_call.append(weakref.ref(it))
     if not hasattr(it, "_index_queues") or any(r() is it for r in _STARTED):  # a persistent one comes back
         return
 
@@ -213,15 +222,19 @@ def start_workers(loader: Any) -> Any:
 
 @contextlib.contextmanager
 def workers_released_on_error() -> Iterator[None]:
-    """On an error leaving the block, shut down the workers of every iterator ``start_workers``
-    started that is still alive (not persistent ones, which their DataLoader reuses): the
-    traceback a notebook keeps holds the frames that hold them (a worker's own error is raised
-    from inside the iterator), and with them its workers, queue threads and descriptors."""
+    """On an error leaving the block, shut down the workers of the iterators ``start_workers``
+    started in it that are still alive (not persistent ones, which their DataLoader reuses):
+    the traceback a notebook keeps holds the frames that hold them (a worker's own error is
+    raised from inside the iterator), and with them its workers, queue threads and descriptors."""
+    started: list[weakref.ref] = []
+    token = _IN_CALL.set(started)
     try:
         yield
     except BaseException:
-        for ref in list(_STARTED):
+        for ref in started:
             it = ref()
             if it is not None and not getattr(it, "_persistent_workers", False):
                 it._shutdown_workers()
         raise
+    finally:
+        _IN_CALL.reset(token)
