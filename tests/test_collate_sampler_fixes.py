@@ -344,3 +344,5 @@ def test_bool_and_unpadded_integer_labels_come_back_int64():
     assert out["flags"].tolist() == [[1], [0]] and out["flags"].dtype == torch.int64  # -1 does not fit bool
     assert PaddingCollator(keys=["m"])([{"m": torch.tensor([True, True])}, {"m": torch.tensor([True])}])["m"].dtype \
         == torch.bool  # a pad value of 0 fits: bool stays bool
+    half = PaddingCollator(pad_values={"w": 0.5})([{"w": [1, 2]}, {"w": [3]}])["w"]  # 0.5 was padded as 0
+    assert half.dtype == torch.float32 and half.tolist() == [[1.0, 2.0], [3.0, 0.5]]

@@ -182,7 +182,9 @@ class PaddingCollator:
                 dtype = torch.int64
         elif not (dtype.is_floating_point or dtype.is_complex):
             info = torch.iinfo(dtype)
-            if long_ints or not info.min <= value <= info.max:
+            if isinstance(value, float) and not value.is_integer():  # 0.5 became 0
+                dtype = torch.get_default_dtype()
+            elif long_ints or not info.min <= value <= info.max:
                 dtype = torch.int64
         out = torch.full((len(tensors), longest), value, dtype=dtype)
         for i, t in enumerate(tensors):
