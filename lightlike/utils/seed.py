@@ -20,9 +20,13 @@ def seed_everything(seed: int, deterministic: bool = False) -> None:
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
     if deterministic:
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        torch.use_deterministic_algorithms(True)
-        torch.backends.cudnn.benchmark = False
+        _switch_deterministic_on()
+
+
+def _switch_deterministic_on() -> None:
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # read when cuBLAS starts
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.benchmark = False
 
 
 @contextlib.contextmanager
@@ -35,9 +39,7 @@ def deterministic_mode(enabled: bool) -> Iterator[None]:
         return
     before = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
               torch.backends.cudnn.benchmark, os.environ.get("CUBLAS_WORKSPACE_CONFIG"))
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # read when cuBLAS starts
-    torch.use_deterministic_algorithms(True)
-    torch.backends.cudnn.benchmark = False
+    _switch_deterministic_on()
     try:
         yield
     finally:
