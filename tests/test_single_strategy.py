@@ -1,0 +1,54 @@
+"""BF mutation round: single-device strategy set-up and the CPU batch move."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from lightlike.errors import ConfigError
+from lightlike.strategies.base import move_to_device
+from lightlike.strategies.single import SingleDeviceStrategy, resolve_device
+
+
+@pytest.fixture
+def clean_env(monkeypatch):
+    for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID", "SLURM_PROCID",
+              "SLURM_NTASKS", "SLURM_STEP_NUM_TASKS", "SLURM_NPROCS", "SLURM_JOB_ID", "SLURM_STEP_ID"):
+        monkeypatch.delenv(k, raising=False)
+    return monkeypatch
+
+
+@pytest.mark.parametrize("world", ["2", "8"])
+def test_single_refuses_any_world_size_above_one(clean_env, world):
+    clean_env.setenv("WORLD_SIZE", world)  # no RANK: a half-set launcher environment
+    with pytest.raises(ConfigError, match=f"strategy='single' but WORLD_SIZE={world}.*strategy='ddp'"):
+        SingleDeviceStrategy("cpu").setup_environment()
+
+
+def test_single_accepts_world_size_one(clean_env):
+    clean_env.setenv("WORLD_SIZE", "1")
+    s = SingleDeviceStrategy("cpu")
+    s.setup_environment()
+    assert s.world_size == 1 and s.root_device == torch.device("cpu")
+
+
+@pytest.mark.parametrize("acc", ["meta", "mps", "xpu", "hpu"])
+def test_resolve_device_refuses_device_types_it_does_not_drive(acc):
+    with pytest.raises(ConfigError, match="is not supported; use 'auto', 'cpu' or 'cuda'"):
+        resolve_device(acc)
+
+
+def test_move_to_device_leaves_classes_in_a_batch_alone():
+    batch = {"x": torch.ones(2), "kind": nn.Linear, "dtype": torch.float16}
+    out = move_to_device(batch, torch.device("cpu"))
+    assert out["kind"] is nn.Linear and out["dtype"] is torch.float16 and torch.equal(out["x"], batch["x"])
+
+
+def test_single_refuses_a_task_of_a_multi_task_srun_step(clean_env):
+    # inside `srun --ntasks 2`: SLURM says this process is one of 2 (no WORLD_SIZE)
+    for k, v in {"SLURM_JOB_ID": "7", "SLURM_STEP_ID": "0", "SLURM_PROCID": "1", "SLURM_NTASKS": "2",
+                 "SLURM_STEP_NUM_TASKS": "2", "SLURM_LOCALID": "1", "SLURM_NODEID": "0",
+                 "SLURM_STEP_TASKS_PER_NODE": "2", "SLURM_STEP_NODELIST": "node1"}.items():
+        clean_env.setenv(k, v)
+    with pytest.raises(ConfigError, match="strategy='single' but SLURM_STEP_NUM_TASKS=2.*launch a single process"):
+        SingleDeviceStrategy("cpu").setup_environment()
