@@ -29,6 +29,7 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch.utils.data import DataLoader
 
 from lightlike.data.workers import start_workers
 from lightlike.errors import ConfigError, DataError, LightlikeError, ModuleContractError, on_every_rank
@@ -37,6 +38,8 @@ from lightlike.outputs import (  # noqa: F401  (PAD_VALUE: also lightlike.evalua
     concat,
     conform,
     detach_cpu,
+    in_batch_order,
+    leaf_rows,
     merge_specs,
     restore,
     rows_only,
@@ -386,12 +389,17 @@ def run_evaluation(
                 if m.training != mode:  # a submodule in another mode than its parent (a frozen norm)
                     m.training = mode
     names = sorted(sums)
+    dealt = not getattr(getattr(loader, "dataset", None), "shards_itself", False)
+    # a DataLoader with batch_size=None yields ready-made batches, dealt to ranks one per turn
+    by_batch = dealt and strategy.world_size > 1 and isinstance(loader, DataLoader) and loader.batch_sampler is None
     pred_local = concat(preds, "predictions") if collect else None
     label_local = concat(labels, "labels")
     if strategy.world_size > 1:
         # the ranks agree on what each holds, so that a rank whose share is empty (a set smaller
         # than the world) joins the same collectives, with zeros and empty parts
-        infos = strategy.all_gather_object((n_batches, names, labelled, spec_of(pred_local), spec_of(label_local)))
+        rows = ([leaf_rows(p) for p in preds], [leaf_rows(x) for x in labels]) if by_batch else None
+        infos = strategy.all_gather_object((n_batches, names, labelled, spec_of(pred_local), spec_of(label_local),
+                                            rows))
         try:  # every rank judges the same gathered values: it raises everywhere or nowhere
             names, labelled, pred_spec, label_spec = _agree(infos, prefix)
         except LightlikeError as error:
@@ -407,9 +415,11 @@ def run_evaluation(
         stacked = strategy.all_reduce(torch.stack([sums.get(k, zero) for k in names])) / total
         metrics = {f"{prefix}/{k}": float(v) for k, v in zip(names, stacked.tolist(), strict=True)}
     # a dataset that shards itself deals its own way: its ranks' outputs are joined rank by rank
-    dealt = not getattr(getattr(loader, "dataset", None), "shards_itself", False)
-    predictions = strategy.gather_in_order(pred_local, dealt) if collect else None
-    label_set = strategy.gather_in_order(label_local, dealt) if label_local is not None else None
+    predictions = strategy.gather_in_order(pred_local, dealt and not by_batch) if collect else None
+    label_set = strategy.gather_in_order(label_local, dealt and not by_batch) if label_local is not None else None
+    if by_batch:  # whole batches were dealt round-robin: the joined rows go back in batch order
+        predictions = in_batch_order(predictions, [info[5][0] for info in infos]) if collect else None
+        label_set = in_batch_order(label_set, [info[5][1] for info in infos]) if label_set is not None else None
     if strategy.world_size > 1:  # the module's own types, from the agreed specs (the same on every rank)
         predictions, label_set = restore(predictions, pred_spec), restore(label_set, label_spec)
     if labelled and wants_whole_set and not streaming:

@@ -44,6 +44,54 @@ def concat(chunks: list[Any], what: str = "predictions") -> Any:
     return out
 
 
+def leaf_rows(chunk: Any) -> list[int]:
+    """The rows one batch's outputs add to each field ``concat`` joins, in ``concat``'s order."""
+    if isinstance(chunk, torch.Tensor):
+        return [1 if chunk.ndim == 0 else chunk.shape[0]]
+    if isinstance(chunk, Mapping):
+        return [n for v in chunk.values() for n in leaf_rows(v)]
+    if _is_record(chunk):
+        return [n for k in _record_fields(chunk) for n in leaf_rows(getattr(chunk, k))]
+    if isinstance(chunk, tuple):
+        return [n for v in chunk for n in leaf_rows(v)]
+    return [len(chunk) if isinstance(chunk, list) else 1]
+
+
+def in_batch_order(joined: Any, rows: list[list[list[int]]]) -> Any:
+    """Outputs joined rank by rank (plain dicts and tuples, see ``conform``) put in the order of
+    batches dealt round-robin: rank r's batch j is batch ``j * W + r`` of the set (a DataLoader
+    whose elements are ready-made batches). ``rows[r][j]``: that batch's ``leaf_rows``."""
+    world = len(rows)
+    fields = next((len(batch) for rank in rows for batch in rank), 0)
+    orders = []
+    for k in range(fields):
+        starts: list[list[tuple[int, int]]] = []
+        offset = 0
+        for rank in rows:  # where each batch's rows of field k begin in the rank-by-rank join
+            starts.append([])
+            for batch in rank:
+                starts[-1].append((offset, batch[k]))
+                offset += batch[k]
+        order: list[int] = []
+        for g in range(sum(len(rank) for rank in rows)):
+            first, n = starts[g % world][g // world]
+            order.extend(range(first, first + n))
+        orders.append(order)
+    return _take(joined, iter(orders))
+
+
+def _take(x: Any, orders: Iterator[list[int]]) -> Any:
+    """Each field of ``x`` (in ``leaf_rows``'s order) with its rows in the next order's order."""
+    if isinstance(x, dict):
+        return {k: _take(v, orders) for k, v in x.items()}
+    if isinstance(x, tuple):
+        return _tuple_like(x, [_take(v, orders) for v in x])
+    order = next(orders)
+    if isinstance(x, torch.Tensor):
+        return x[torch.tensor(order, dtype=torch.long)]
+    return [x[i] for i in order]
+
+
 def _tuple_like(model: tuple, fields: list[Any]) -> tuple:
     return type(model)(*fields) if hasattr(model, "_fields") else tuple(fields)
 

@@ -346,3 +346,5 @@ def test_bool_and_unpadded_integer_labels_come_back_int64():
         == torch.bool  # a pad value of 0 fits: bool stays bool
     half = PaddingCollator(pad_values={"w": 0.5})([{"w": [1, 2]}, {"w": [3]}])["w"]  # 0.5 was padded as 0
     assert half.dtype == torch.float32 and half.tolist() == [[1.0, 2.0], [3.0, 0.5]]
+    mask = PaddingCollator(pad_values={"m": 0.5})([{"m": torch.tensor([True, False])}, {"m": torch.tensor([True])}])
+    assert mask["m"].tolist() == [[1.0, 0.0], [1.0, 0.5]]  # a bool field too (0.5 was padded as 0)

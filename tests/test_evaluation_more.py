@@ -158,3 +158,41 @@ def test_greater_is_better_false_is_kept_for_any_name():
     assert greater_is_better("val/error_rate", False) is False
     assert greater_is_better("val/loss", True) is True
     assert greater_is_better("val/error_rate", None) is True and greater_is_better("val/loss", None) is False
+
+
+class ListIndexed(DictDataset):
+    """``ds[list of indices]`` is the batch of those items (a batched read, as HF datasets do)."""
+
+    def __getitem__(self, rows):
+        return torch.utils.data.default_collate([super(ListIndexed, self).__getitem__(i) for i in rows])
+
+
+class ArgMax(Classifier):
+    def predictions(self, outputs, batch):
+        return outputs.argmax(-1)
+
+
+def test_ready_made_batches_keep_a_sampler_that_yields_index_lists(tmp_path):
+    """DataLoader(batch_size=None, sampler=BatchSampler(...)): each element is a batch the sampler's
+    index lists make; evaluation keeps that sampler (it replaced it with one of single indices, and
+    the dataset got an int). A shuffling sampler of ready-made batches is still put in order."""
+    torch.manual_seed(0)
+    model = ArgMax()
+    data = ListIndexed(n=7)
+    with torch.no_grad():
+        want = model(data[list(range(7))]).argmax(-1)
+    fitter = ll.Fitter(output_dir=str(tmp_path), loggers=[], accelerator="cpu")
+    lists = torch.utils.data.BatchSampler(torch.utils.data.SequentialSampler(range(7)), 3, False)
+    got = fitter.predict(model, DataLoader(data, batch_size=None, sampler=lists))
+    assert got.predictions.tolist() == want.tolist() and got.labels.tolist() == data.y.tolist()
+    assert got.metrics["predict/loss"] == pytest.approx(model.loss(model(data[list(range(7))]), data[list(range(7))]).item())
+
+    class Batches(torch.utils.data.Dataset):  # ready-made batches of 2, read in a shuffled order
+        def __len__(self):
+            return 4
+
+        def __getitem__(self, k):
+            return data[list(range(2 * k, min(2 * k + 2, 7)))]
+
+    shuffled = DataLoader(Batches(), batch_size=None, shuffle=True)
+    assert fitter.predict(model, shuffled).predictions.tolist() == want.tolist()

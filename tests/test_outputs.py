@@ -10,7 +10,16 @@ import pytest
 import torch
 
 from lightlike.errors import ModuleContractError
-from lightlike.outputs import PAD_VALUE, concat, conform, merge_specs, restore, spec_of
+from lightlike.outputs import (
+    PAD_VALUE,
+    concat,
+    conform,
+    in_batch_order,
+    leaf_rows,
+    merge_specs,
+    restore,
+    spec_of,
+)
 
 
 def test_bool_and_unsigned_tensors_pad_with_false_and_zero():
@@ -86,3 +95,28 @@ def test_a_namedtuple_holding_a_hugging_face_output_keeps_its_type_without_the_l
     pred = Pair(FakeOutput(loss=torch.tensor(1.0), logits=torch.zeros(3, 2)), torch.arange(3))
     got = rows_only(pred, "here")
     assert type(got) is Pair and list(got.out) == ["logits"] and torch.equal(got.ids, torch.arange(3))
+
+
+def test_whole_batches_dealt_round_robin_are_joined_back_in_batch_order():
+    """Five ready-made batches of a set dealt to 2 ranks (rank 0: batches 0, 2, 4; rank 1: 1, 3),
+    each rank's outputs joined in its own order, then rank by rank: ``in_batch_order`` gives the
+    set's order, for every field, whatever each batch holds (a field with its own row counts, a
+    list of per-item strings, a 0-d value of a one-item batch)."""
+    def batch(k, rows):  # items 10k, 10k+1, ...; "lengths": one row per batch, "tags" one per item
+        items = torch.arange(10 * k, 10 * k + rows)
+        return {"id": items if rows > 1 else items[0], "lengths": torch.tensor([k]),
+                "pair": (items * 2, [f"w{int(i)}" for i in items])}
+    sizes = [3, 2, 3, 1, 2]
+    chunks = [batch(k, n) for k, n in enumerate(sizes)]
+    ranks = [[chunks[0], chunks[2], chunks[4]], [chunks[1], chunks[3]]]
+    joined = [concat(r) for r in ranks]
+    rank_by_rank = {"id": torch.cat([j["id"] for j in joined]), "lengths": torch.cat([j["lengths"] for j in joined]),
+                    "pair": (torch.cat([j["pair"][0] for j in joined]), joined[0]["pair"][1] + joined[1]["pair"][1])}
+    rows = [[leaf_rows(c) for c in r] for r in ranks]
+    assert rows[0] == [[3, 1, 3, 3], [3, 1, 3, 3], [2, 1, 2, 2]] and rows[1][1] == [1, 1, 1, 1]
+    got = in_batch_order(rank_by_rank, rows)
+    want = concat(chunks)  # one process: the batches in order
+    assert got["id"].tolist() == want["id"].tolist() == [0, 1, 2, 10, 11, 20, 21, 22, 30, 40, 41]
+    assert got["lengths"].tolist() == [0, 1, 2, 3, 4]
+    assert got["pair"][0].tolist() == [2 * i for i in want["id"].tolist()]
+    assert got["pair"][1] == [f"w{i}" for i in want["id"].tolist()]

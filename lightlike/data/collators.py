@@ -177,15 +177,15 @@ class PaddingCollator:
         if self.pad_to_multiple_of:
             longest = math.ceil(longest / self.pad_to_multiple_of) * self.pad_to_multiple_of
         dtype = _common_dtype(tensors)
-        if dtype == torch.bool:  # -100 (or any value but 0/1) in a bool tensor is True
+        if dtype.is_floating_point or dtype.is_complex:
+            pass
+        elif isinstance(value, float) and not value.is_integer():  # 0.5 became 0 (or True)
+            dtype = torch.get_default_dtype()
+        elif dtype == torch.bool:  # -100 (or any value but 0/1) in a bool tensor is True
             if long_ints or value not in (0, 1):
                 dtype = torch.int64
-        elif not (dtype.is_floating_point or dtype.is_complex):
-            info = torch.iinfo(dtype)
-            if isinstance(value, float) and not value.is_integer():  # 0.5 became 0
-                dtype = torch.get_default_dtype()
-            elif long_ints or not info.min <= value <= info.max:
-                dtype = torch.int64
+        elif long_ints or not torch.iinfo(dtype).min <= value <= torch.iinfo(dtype).max:
+            dtype = torch.int64
         out = torch.full((len(tensors), longest), value, dtype=dtype)
         for i, t in enumerate(tensors):
             n = len(t)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import logging
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,6 +17,7 @@ from torch.utils.data import (
     DistributedSampler,
     IterableDataset,
     RandomSampler,
+    Sampler,
     SequentialSampler,
 )
 
@@ -537,7 +538,9 @@ def _eval_changes(loader: DataLoader, batch_size: int | None = None) -> list[str
     if isinstance(loader.dataset, IterableDataset) and loader.num_workers > 1 \
             and not _already_split(loader):  # each worker would yield the whole stream
         changes.append(f"its IterableDataset is split over its {loader.num_workers} workers (each item once, in order)")
-    if not isinstance(loader.dataset, IterableDataset) and type(loader.sampler) is not SequentialSampler:
+    kept = type(loader.sampler) is SequentialSampler or (  # a sampler of ready-made batches says what they are
+        loader.batch_sampler is None and type(loader.sampler) is not RandomSampler)
+    if not isinstance(loader.dataset, IterableDataset) and not kept:
         changes.append(f"its sampler ({type(loader.sampler).__name__}) is replaced by an in-order one "
                        "(predictions come back in dataset order)")
     return changes
@@ -552,10 +555,27 @@ def _split_eval_loader(loader: DataLoader, *, batch_size: int, rank: int, world_
         log.warning("the %s DataLoader is %s: %s", name, how, "; ".join(changes))
     if iterable:
         dataset: Any = ShardedIterable(loader.dataset, rank, world_size, block=size or 1)  # type: ignore[arg-type]
-        sampler = None
+        sampler: Any = None
     else:
         dataset = loader.dataset
         n = _check_nonempty(dataset, name)
         assert n is not None
         sampler = ResumableSampler(n, shuffle=False, rank=rank, world_size=world_size)
+        if loader.batch_sampler is None:  # batch_size=None: each element is a batch (its sampler may yield lists)
+            order = SequentialSampler(dataset) if type(loader.sampler) is RandomSampler else loader.sampler
+            sampler = order if world_size == 1 else EveryNth(order, rank, world_size)
     return _loader_like(loader, dataset, sampler, size, False, torch.Generator(), in_order=True)
+
+
+class EveryNth(Sampler):
+    """The elements of ``sampler`` at positions ``rank``, ``rank + world_size``, ...: one rank's
+    share of a sampler whose elements are whole batches, dealt as evaluation deals items."""
+
+    def __init__(self, sampler: Any, rank: int, world_size: int):
+        self.sampler, self.rank, self.world_size = sampler, rank, world_size
+
+    def __iter__(self) -> Iterator[Any]:
+        return itertools.islice(iter(self.sampler), self.rank, None, self.world_size)
+
+    def __len__(self) -> int:
+        return len(range(self.rank, len(self.sampler), self.world_size))

@@ -59,6 +59,29 @@ class Record:
 PairNT = collections.namedtuple("PairNT", "pred index")
 
 
+class Batches(torch.utils.data.Dataset):
+    """Ready-made batches of 3 ``Indexed`` items (``DataLoader(batch_size=None)``); ``by_list``:
+    ``ds[list of indices]`` is the batch of those items (read with a BatchSampler as sampler)."""
+
+    def __init__(self, n, by_list=False):
+        self.data, self.by_list = Indexed(n=n, dtype=torch.float64), by_list
+
+    def __len__(self):
+        return len(self.data) if self.by_list else -(-len(self.data) // 3)
+
+    def __getitem__(self, k):
+        rows = k if self.by_list else range(3 * k, min(3 * k + 3, len(self.data)))
+        return torch.utils.data.default_collate([self.data[i] for i in rows])
+
+
+class BatchStream(IterableDataset):
+    def __init__(self, n):
+        self.batches = Batches(n)
+
+    def __iter__(self):
+        return (self.batches[k] for k in range(len(self.batches)))
+
+
 class Module(Classifier):
     """Predictions: (index, argmax) per item, so order and duplicates show; whole-set metrics
     see every item once."""
@@ -114,6 +137,14 @@ def main() -> None:
 
     pairs = fitter.predict(Pairs().double(), Indexed(n=7, dtype=torch.float64))
     res["pairs"] = [type(pairs.predictions).__name__, [t.tolist() for t in pairs.predictions]]
+    # ready-made batches (batch_size=None): whole batches dealt to ranks, joined back in batch order
+    sampled = torch.utils.data.BatchSampler(torch.utils.data.SequentialSampler(range(7)), 3, False)
+    for name, loader in (("map", DataLoader(Batches(7), batch_size=None)),
+                         ("stream", DataLoader(BatchStream(7), batch_size=None)),
+                         ("lists", DataLoader(Batches(7, by_list=True), batch_size=None, sampler=sampled))):
+        torch.manual_seed(0)  # the weights of the reference's module
+        got = fitter.predict(Pairs().double(), loader)
+        res[f"prebatched_{name}"] = [[t.tolist() for t in got.predictions], got.labels.tolist()]
 
     class Records(Module):  # a dataclass and a namedtuple inside an OrderedDict: the types back, fields in order
         def predictions(self, outputs, batch):
