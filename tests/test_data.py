@@ -297,3 +297,32 @@ def test_an_iterable_dataset_with_a_length_trains_by_epochs_with_workers(tmp_pat
         ll.Fitter(max_epochs=1, batch_size=2, grad_accum_steps=3, output_dir=str(tmp_path / "c"), loggers=[],
                   log_level="warning").fit(Module(), SizedCount(10, claims=4))
     assert seen == [0, 1, 2, 3] and "yields more than the 2 batch(es)" in caplog.text
+
+
+def test_ready_made_batches_from_index_lists_are_split_only_by_a_split_sampler():
+    """A training DataLoader(batch_size=None, sampler=BatchSampler(...)) on several processes: the
+    index lists cannot be dealt out (the sampler was replaced by one of single indices and every
+    rank failed on its first batch with "'int' object is not iterable"): refused naming the fix,
+    and that fix (the BatchSampler over a ResumableSampler of this rank) is kept as it is."""
+    from torch.utils.data import BatchSampler, SequentialSampler
+
+    from lightlike.data.loading import build_train_data
+    from lightlike.errors import DataError
+
+    class Rows(torch.utils.data.Dataset):  # data[list of indices] is a batch: the indices themselves
+        def __len__(self):
+            return 12
+
+        def __getitem__(self, rows):
+            return list(rows)
+
+    data = Rows()
+    plain = DataLoader(data, batch_size=None, sampler=BatchSampler(SequentialSampler(data), 3, False))
+    with pytest.raises(DataError, match=r"ready-made batches.*BatchSampler\(lightlike.data.ResumableSampler"):
+        build_train_data(plain, batch_size=3, shuffle=True, drop_last=False, seed=0, num_workers=0, pin_memory=False,
+                         rank=1, world_size=2)
+    split = DataLoader(data, batch_size=None,
+                       sampler=BatchSampler(ResumableSampler(12, shuffle=False, rank=1, world_size=2), 3, False))
+    kept = build_train_data(split, batch_size=3, shuffle=True, drop_last=False, seed=0, num_workers=0,
+                            pin_memory=False, rank=1, world_size=2).loader
+    assert kept is split and list(kept) == [[1, 3, 5], [7, 9, 11]]

@@ -451,7 +451,8 @@ def _already_split(loader: DataLoader, *, for_eval: bool = False, rank: int = 0,
         return (type(sampler) is ResumableSampler and not sampler.shuffle and not sampler.drop_last
                 and sampler.start == 0 and (sampler.rank, sampler.world_size) == (rank, world_size)
                 and _batching(loader)[1:] == (False, False))
-    for s in (sampler, getattr(loader.batch_sampler, "sampler", None)):
+    # a BatchSampler passed as sampler= (ready-made batches, batch_size=None) is split by its own sampler
+    for s in (sampler, getattr(loader.batch_sampler, "sampler", None), getattr(sampler, "sampler", None)):
         if isinstance(s, ResumableSampler) and s.world_size != world_size:
             raise DataError(f"the training DataLoader's {type(s).__name__} has world_size={s.world_size} but the "
                             f"job runs {world_size} processes: build it with rank=..., world_size=... of this job "
@@ -498,6 +499,13 @@ def _split_train_loader(loader: DataLoader, *, shuffle: bool, seed: int, rank: i
                  "on a dataset that shards itself)", world_size)
         return _loader_like(loader, ShardedIterable(loader.dataset, rank, world_size), None, batch_size, drop_last,
                             generator)
+    if loader.batch_sampler is None and isinstance(loader.sampler, BatchSampler):  # it yields index lists
+        raise DataError(f"cannot split the training DataLoader over {world_size} processes: it reads ready-made "
+                        "batches (batch_size=None) through a BatchSampler passed as sampler=, whose index lists "
+                        "lightlike cannot deal out. Build that BatchSampler over a sampler split for this job's "
+                        "ranks: sampler=BatchSampler(lightlike.data.ResumableSampler(len(dataset), shuffle=True, "
+                        "rank=RANK, world_size=WORLD_SIZE, even=True), batch_size, drop_last) (or a "
+                        "DistributedSampler in place of the ResumableSampler)")
     if custom and batch_size is None:
         raise DataError(f"cannot split the training DataLoader over {world_size} processes: its batch_sampler "
                         f"({type(loader.batch_sampler).__name__}) has no batch_size to keep. Pass the Dataset, a "
