@@ -1,0 +1,165 @@
+"""BE mutation round: what a training checkpoint holds (lightlike/checkpoint/training.py)."""
+import contextlib
+import json
+import random
+
+import numpy as np
+import pytest
+import torch
+from helpers import Classifier, DictDataset, flat_params
+
+import lightlike as ll
+
+
+class StopAt(ll.Callback):
+    def __init__(self, step):
+        self.step = step
+
+    def on_step_end(self, fitter, state, control):
+        if state.global_step == self.step:
+            raise KeyboardInterrupt
+
+
+class GaussNoise(Classifier):
+    """Draws ONE Python random.gauss and ONE legacy numpy normal per training forward: each
+    leaves a cached second Gaussian in its generator (Python's gauss_next, numpy's has_gauss),
+    which a checkpoint has to carry for the resumed stream to equal the uninterrupted one."""
+
+    def forward(self, batch):
+        x = batch["x"]
+        if self.training:
+            x = x + 0.1 * random.gauss(0.0, 1.0) + 0.1 * float(np.random.normal())
+        return self.net(x)
+
+
+def _fit(out, stop=None, resume=None):
+    torch.manual_seed(0)
+    model = GaussNoise()
+    with contextlib.suppress(KeyboardInterrupt):
+        ll.Fitter(max_steps=6, batch_size=4, save_every=3, output_dir=str(out), loggers=[], learning_rate=1e-1,
+                  seed=3, callbacks=[StopAt(stop)] if stop else []).fit(model, DictDataset(n=24), resume=resume)
+    return flat_params(model)
+
+
+def test_resume_keeps_cached_gaussians_of_python_and_numpy(tmp_path):
+    """Killed after step 4 (checkpoint-3), resumed: bit-identical weights to an uninterrupted
+    run, which needs Python's gauss_next and numpy's (has_gauss, cached) restored (mutants T18, T19)."""
+    reference = _fit(tmp_path / "ref")
+    _fit(tmp_path / "cut", stop=4)
+    assert torch.equal(_fit(tmp_path / "cut", resume=True), reference)
+
+
+def test_rng_file_holds_the_exact_streams_of_the_save(tmp_path):
+    """rng.pt of a checkpoint, loaded with weights_only=True and put back by hand, continues
+    python/numpy/torch exactly where the process stood when it saved."""
+    seen = {}
+
+    class Peek(ll.Callback):
+        def on_save(self, fitter, state, control, path):
+            if state.global_step == 2:
+                st = (random.getstate(), np.random.get_state(), torch.get_rng_state())
+                seen["next"] = (random.gauss(0, 1), float(np.random.normal()), torch.rand(3))
+                random.setstate(st[0])
+                np.random.set_state(st[1])
+                torch.set_rng_state(st[2])
+
+    class Draw(Classifier):
+        def forward(self, batch):
+            if self.training:
+                random.gauss(0, 1)
+                np.random.normal()
+            return self.net(batch["x"])
+
+    ll.Fitter(max_steps=2, batch_size=4, save_every=2, output_dir=str(tmp_path), loggers=[], seed=1,
+              callbacks=[Peek()]).fit(Draw(), DictDataset(n=16))
+    rngs = torch.load(tmp_path / "checkpoint-2" / "rng.pt", weights_only=True)
+    assert len(rngs) == 1
+    r = rngs[0]
+    version, internal, gauss = r["python"]
+    random.setstate((version, tuple(internal), gauss))
+    kind, keys, pos, has_gauss, cached = r["numpy"]
+    np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(r["torch"])
+    a, b, c = random.gauss(0, 1), float(np.random.normal()), torch.rand(3)
+    assert (a, b) == seen["next"][:2] and torch.equal(c, seen["next"][2])
+
+
+class OddHparams(Classifier):
+    def __init__(self, features: int = 8, classes: int = 3, width: int = 16, dtype=torch.float64, tags=("a", 1)):
+        super().__init__(features, classes, width)
+        self.hparams.clear()
+        self.save_hyperparameters()
+
+
+def test_hparams_that_json_cannot_hold_are_written_as_their_repr(tmp_path):
+    """hparams.json keeps every hyperparameter: JSON values as they are, others as repr()
+    (mutant T38 dropped them)."""
+    ll.Fitter(max_steps=1, batch_size=4, save_every=1, output_dir=str(tmp_path), loggers=[]).fit(
+        OddHparams(), DictDataset(n=8))
+    h = json.loads((tmp_path / "checkpoint-1" / "hparams.json").read_text())
+    assert h == {"features": 8, "classes": 3, "width": 16, "dtype": "torch.float64", "tags": ["a", 1]}
+
+
+class Evil:
+    ran = []
+
+    def __reduce__(self):
+        return (Evil.ran.append, ("executed",))
+
+
+def test_resume_loads_checkpoint_pickles_with_weights_only(tmp_path):
+    """A callbacks.pt holding an arbitrary pickled object (manifest updated to match, as a
+    tampered or foreign checkpoint would be) is refused on resume, and the object's code never
+    runs: the files are read with torch.load(weights_only=True) (mutant T39)."""
+    import zlib
+
+    out = tmp_path / "run"
+    ll.Fitter(max_steps=2, batch_size=4, save_every=2, output_dir=str(out), loggers=[]).fit(
+        Classifier(), DictDataset(n=16))
+    ckpt = out / "checkpoint-2"
+    torch.save({"x": Evil()}, ckpt / "callbacks.pt")
+    m = json.loads((ckpt / "manifest.json").read_text())
+    data = (ckpt / "callbacks.pt").read_bytes()
+    m["files"]["callbacks.pt"] = {"size": len(data), "crc32": f"{zlib.crc32(data):08x}"}
+    (ckpt / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(Exception, match="(?i)weights_only|unpickl|unsupported"):
+        ll.Fitter(max_steps=4, batch_size=4, save_every=2, output_dir=str(out), loggers=[]).fit(
+            Classifier(), DictDataset(n=16), resume=str(ckpt))
+    assert Evil.ran == []
+
+
+def test_pending_losses_go_to_their_own_rank_or_all_to_rank_0():
+    """trainer_state's pending_per_rank: on the same world size each rank takes its own list;
+    on another world size rank 0 takes all of them and the others none; an old checkpoint's
+    "pending" (rank 0's only) goes to rank 0 (mutants T30-T32)."""
+    from lightlike.checkpoint.training import _pending_for_this_rank
+
+    saved = {"pending_per_rank": [[[1.0, 2, 3, 0]], [[4.0, 5, 3, 0], [6.0, 1, 3, 1]]]}
+    assert _pending_for_this_rank(saved, 0, 2) == [[1.0, 2, 3, 0]]
+    assert _pending_for_this_rank(saved, 1, 2) == [[4.0, 5, 3, 0], [6.0, 1, 3, 1]]
+    assert _pending_for_this_rank(saved, 0, 3) == [[1.0, 2, 3, 0], [4.0, 5, 3, 0], [6.0, 1, 3, 1]]
+    assert _pending_for_this_rank(saved, 1, 3) == [] and _pending_for_this_rank(saved, 2, 1) == []
+    old = {"pending": [[7.0, 2, 1, 0]]}
+    assert _pending_for_this_rank(old, 0, 1) == [[7.0, 2, 1, 0]] and _pending_for_this_rank(old, 1, 2) == []
+
+
+def test_the_first_log_after_a_resume_averages_the_losses_saved_as_pending(tmp_path):
+    """log_every=4, save_every=2, killed after step 3: checkpoint-2 holds the unlogged losses
+    of steps 1-2 (trainer_state pending_per_rank), and the resumed run's step-4 train/loss is the
+    uninterrupted run's, which averages steps 1-4 (mutant T15 dropped them on load)."""
+    def run(out, stop=None, resume=None):
+        torch.manual_seed(0)
+        fitter = ll.Fitter(max_steps=4, batch_size=4, save_every=2, log_every=4, output_dir=str(out), loggers=[],
+                           learning_rate=1e-1, seed=2, callbacks=[StopAt(stop)] if stop else [])
+        with contextlib.suppress(KeyboardInterrupt):
+            return fitter.fit(Classifier(), DictDataset(n=32), resume=resume)
+
+    ref = run(tmp_path / "ref")
+    saved = json.loads((tmp_path / "ref" / "checkpoint-2" / "trainer_state.json").read_text())
+    assert [len(p) for p in saved["pending_per_rank"]] == [2]
+    run(tmp_path / "cut", stop=3)
+    resumed = run(tmp_path / "cut", resume=True)
+
+    def logs(r):
+        return [(h["step"], h["train/loss"]) for h in r.state.log_history if "train/loss" in h]
+    assert logs(resumed) == logs(ref) and [s for s, _ in logs(ref)] == [4]
