@@ -6,47 +6,10 @@ import random
 import numpy as np
 import pytest
 import torch
-from helpers import Classifier, DictDataset, flat_params
+from helpers import Classifier, DictDataset
+from test_resume import StopAt
 
 import lightlike as ll
-
-
-class StopAt(ll.Callback):
-    def __init__(self, step):
-        self.step = step
-
-    def on_step_end(self, fitter, state, control):
-        if state.global_step == self.step:
-            raise KeyboardInterrupt
-
-
-class GaussNoise(Classifier):
-    """Draws ONE Python random.gauss and ONE legacy numpy normal per training forward: each
-    leaves a cached second Gaussian in its generator (Python's gauss_next, numpy's has_gauss),
-    which a checkpoint has to carry for the resumed stream to equal the uninterrupted one."""
-
-    def forward(self, batch):
-        x = batch["x"]
-        if self.training:
-            x = x + 0.1 * random.gauss(0.0, 1.0) + 0.1 * float(np.random.normal())
-        return self.net(x)
-
-
-def _fit(out, stop=None, resume=None):
-    torch.manual_seed(0)
-    model = GaussNoise()
-    with contextlib.suppress(KeyboardInterrupt):
-        ll.Fitter(max_steps=6, batch_size=4, save_every=3, output_dir=str(out), loggers=[], learning_rate=1e-1,
-                  seed=3, callbacks=[StopAt(stop)] if stop else []).fit(model, DictDataset(n=24), resume=resume)
-    return flat_params(model)
-
-
-def test_resume_keeps_cached_gaussians_of_python_and_numpy(tmp_path):
-    """Killed after step 4 (checkpoint-3), resumed: bit-identical weights to an uninterrupted
-    run, which needs Python's gauss_next and numpy's (has_gauss, cached) restored (mutants T18, T19)."""
-    reference = _fit(tmp_path / "ref")
-    _fit(tmp_path / "cut", stop=4)
-    assert torch.equal(_fit(tmp_path / "cut", resume=True), reference)
 
 
 def test_rng_file_holds_the_exact_streams_of_the_save(tmp_path):

@@ -498,20 +498,52 @@ class HostNoise(Dropout):
         return self.net(self.drop(x))
 
 
-def test_resume_restores_numpy_and_python_random_streams(tmp_path):
-    """No other test drew from numpy or Python's random while training: restoring neither passed
-    the whole suite. Killed after step 5 (checkpoint-4), resumed: the same weights bit for bit."""
+def _killed_and_resumed(model_cls, tmp_path, stop, **settings):
+    """(uninterrupted run's weights, weights of a run killed after step ``stop`` and resumed)."""
     def fit(out, stop=None, resume=None):
         torch.manual_seed(0)
-        model = HostNoise()
+        model = model_cls()
         with contextlib.suppress(KeyboardInterrupt):
-            ll.Fitter(max_steps=8, batch_size=4, save_every=2, output_dir=str(out), loggers=[], learning_rate=1e-2,
-                      seed=5, callbacks=[StopAt(stop)] if stop else []).fit(model, DictDataset(n=22), resume=resume)
+            ll.Fitter(output_dir=str(out), loggers=[], callbacks=[StopAt(stop)] if stop else [],
+                      **settings).fit(model, DictDataset(n=22), resume=resume)
         return flat_params(model)
 
     reference = fit(tmp_path / "ref")
-    fit(tmp_path / "cut", stop=5)
-    assert torch.equal(fit(tmp_path / "cut", resume=True), reference)
+    fit(tmp_path / "cut", stop=stop)
+    return reference, fit(tmp_path / "cut", resume=True)
+
+
+def test_resume_restores_numpy_and_python_random_streams(tmp_path):
+    """No other test drew from numpy or Python's random while training: restoring neither passed
+    the whole suite. Killed after step 5 (checkpoint-4), resumed: the same weights bit for bit."""
+    reference, resumed = _killed_and_resumed(HostNoise, tmp_path, 5, max_steps=8, batch_size=4, save_every=2,
+                                             learning_rate=1e-2, seed=5)
+    assert torch.equal(resumed, reference)
+
+
+class GaussNoise(Classifier):
+    """Draws ONE Python random.gauss and ONE legacy numpy normal per training forward: each
+    leaves a cached second Gaussian in its generator (Python's gauss_next, numpy's has_gauss),
+    which a checkpoint has to carry for the resumed stream to equal the uninterrupted one."""
+
+    def forward(self, batch):
+        import random
+
+        import numpy as np
+
+        x = batch["x"]
+        if self.training:
+            x = x + 0.1 * random.gauss(0.0, 1.0) + 0.1 * float(np.random.normal())
+        return self.net(x)
+
+
+def test_resume_keeps_cached_gaussians_of_python_and_numpy(tmp_path):
+    """Killed after step 4 (checkpoint-3), resumed: bit-identical weights to an uninterrupted
+    run, which needs Python's gauss_next and numpy's (has_gauss, cached) restored (audit BE,
+    mutants T18, T19: the test above draws an even number of normals, leaving none cached)."""
+    reference, resumed = _killed_and_resumed(GaussNoise, tmp_path, 4, max_steps=6, batch_size=4, save_every=3,
+                                             learning_rate=1e-1, seed=3)
+    assert torch.equal(resumed, reference)
 
 
 def test_resume_with_other_parameter_groups_names_the_cause(tmp_path):
