@@ -318,7 +318,7 @@ def test_ready_made_batches_from_index_lists_are_split_only_by_a_split_sampler()
 
     data = Rows()
     plain = DataLoader(data, batch_size=None, sampler=BatchSampler(SequentialSampler(data), 3, False))
-    with pytest.raises(DataError, match=r"ready-made batches.*BatchSampler\(lightlike.data.ResumableSampler"):
+    with pytest.raises(DataError, match=r"ready-made batches.*batch_size=\.\.\..*BatchSampler\(DistributedSampler"):
         build_train_data(plain, batch_size=3, shuffle=True, drop_last=False, seed=0, num_workers=0, pin_memory=False,
                          rank=1, world_size=2)
     split = DataLoader(data, batch_size=None,
@@ -326,3 +326,39 @@ def test_ready_made_batches_from_index_lists_are_split_only_by_a_split_sampler()
     kept = build_train_data(split, batch_size=3, shuffle=True, drop_last=False, seed=0, num_workers=0,
                             pin_memory=False, rank=1, world_size=2).loader
     assert kept is split and list(kept) == [[1, 3, 5], [7, 9, 11]]
+
+
+def test_a_sampler_inside_a_batch_sampler_is_told_the_epoch(tmp_path):
+    """DataLoader(batch_sampler=BatchSampler(DistributedSampler(...))) and a BatchSampler passed as
+    sampler= over one: the DistributedSampler reshuffles each epoch only when told the epoch
+    (set_epoch was called on the loader's sampler alone: the same order every epoch)."""
+    from torch.utils.data import BatchSampler, DistributedSampler
+
+    class Indexed(torch.utils.data.Dataset):
+        def __len__(self):
+            return 8
+
+        def __getitem__(self, i):  # an index, or a list of them (a batched read)
+            rows = torch.as_tensor(i).reshape(-1)
+            return {"x": torch.ones(len(rows), 8) if isinstance(i, list) else torch.ones(8),
+                    "y": rows % 3 if isinstance(i, list) else rows[0] % 3, "i": rows if isinstance(i, list) else rows[0]}
+
+    class Seen(Classifier):
+        def forward(self, batch):
+            if self.training:
+                self.seen.append(batch["i"].tolist())
+            return super().forward(batch)
+
+    def want(epoch):
+        s = DistributedSampler(range(8), num_replicas=2, rank=0, seed=3)
+        s.set_epoch(epoch)
+        return [list(s)[k:k + 2] for k in (0, 2)]
+
+    for how in ("batch_sampler", "sampler"):
+        batches = BatchSampler(DistributedSampler(range(8), num_replicas=2, rank=0, seed=3), 2, False)
+        loader = DataLoader(Indexed(), batch_sampler=batches) if how == "batch_sampler" else \
+            DataLoader(Indexed(), batch_size=None, sampler=batches)
+        model = Seen()
+        model.seen = []
+        ll.Fitter(max_epochs=3, output_dir=str(tmp_path / how), loggers=[], save_strategy="no").fit(model, loader)
+        assert model.seen == want(0) + want(1) + want(2) and want(0) != want(1), how

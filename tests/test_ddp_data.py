@@ -70,7 +70,7 @@ def test_eval_and_data_on_several_processes(tmp_path, nproc):
     pred, _, _ = classify(7)
     for res in results:  # tuple predictions come back as a tuple of joined fields, in order
         assert res["pairs"] == ["tuple", [pred.tolist(), [10 * i for i in range(7)]]]
-        for name in ("map", "stream", "lists"):  # ready-made batches of 3: dealt whole, joined in order
+        for name in ("map", "stream", "lists", "lists_shuffled", "lists_split", "map_split"):  # ready-made batches of 3: dealt whole, joined in order
             want = [[pred.tolist(), [10 * i for i in range(7)]], DictDataset(n=7, dtype=torch.float64).y.tolist()]
             assert res[f"prebatched_{name}"] == want, name
     for n in (7, 1):  # dataclass and mapping types at any depth, fields in dataset order

@@ -148,10 +148,12 @@ class TrainData:
         elif start_sample:
             raise DataError(
                 "cannot resume mid-epoch: the training data is a DataLoader without lightlike's "
-                "ResumableSampler; pass a map-style Dataset, or build the DataLoader with a ResumableSampler"
-            )
-        elif hasattr(getattr(self.loader, "sampler", None), "set_epoch"):
-            self.loader.sampler.set_epoch(epoch)  # type: ignore[attr-defined]  # e.g. a DistributedSampler
+                "ResumableSampler as its sampler (one inside a BatchSampler is not followed); pass a map-style "
+                "Dataset, or build the DataLoader with batch_size=... and a ResumableSampler as sampler=")
+        else:  # e.g. a DistributedSampler, also inside a BatchSampler (batch_sampler= or sampler=)
+            for sampler in _samplers_of(self.loader):
+                if hasattr(sampler, "set_epoch"):
+                    sampler.set_epoch(epoch)
         return self._fresh_iterator(epoch)
 
     def _fresh_iterator(self, epoch: int) -> Any:
@@ -502,10 +504,11 @@ def _split_train_loader(loader: DataLoader, *, shuffle: bool, seed: int, rank: i
     if loader.batch_sampler is None and isinstance(loader.sampler, BatchSampler):  # it yields index lists
         raise DataError(f"cannot split the training DataLoader over {world_size} processes: it reads ready-made "
                         "batches (batch_size=None) through a BatchSampler passed as sampler=, whose index lists "
-                        "lightlike cannot deal out. Build that BatchSampler over a sampler split for this job's "
-                        "ranks: sampler=BatchSampler(lightlike.data.ResumableSampler(len(dataset), shuffle=True, "
-                        "rank=RANK, world_size=WORLD_SIZE, even=True), batch_size, drop_last) (or a "
-                        "DistributedSampler in place of the ResumableSampler)")
+                        "lightlike cannot deal out. Pass the dataset with batch_size=... (items read one by one: "
+                        "split, shuffled and resumable mid-epoch by lightlike), or build that BatchSampler over a "
+                        "sampler split for this job's ranks: sampler=BatchSampler(DistributedSampler(dataset, "
+                        "num_replicas=WORLD_SIZE, rank=RANK), batch_size, drop_last) (that one resumes only at "
+                        "epoch ends)")
     if custom and batch_size is None:
         raise DataError(f"cannot split the training DataLoader over {world_size} processes: its batch_sampler "
                         f"({type(loader.batch_sampler).__name__}) has no batch_size to keep. Pass the Dataset, a "
@@ -546,12 +549,31 @@ def _eval_changes(loader: DataLoader, batch_size: int | None = None) -> list[str
     if isinstance(loader.dataset, IterableDataset) and loader.num_workers > 1 \
             and not _already_split(loader):  # each worker would yield the whole stream
         changes.append(f"its IterableDataset is split over its {loader.num_workers} workers (each item once, in order)")
-    kept = type(loader.sampler) is SequentialSampler or (  # a sampler of ready-made batches says what they are
-        loader.batch_sampler is None and type(loader.sampler) is not RandomSampler)
-    if not isinstance(loader.dataset, IterableDataset) and not kept:
-        changes.append(f"its sampler ({type(loader.sampler).__name__}) is replaced by an in-order one "
+    lists = _index_lists(loader)
+    if lists is not None and lists.drop_last:
+        changes.append("its BatchSampler's drop_last is ignored (evaluation counts every item once)")
+    inner = loader.sampler if lists is None else lists.sampler
+    if not isinstance(loader.dataset, IterableDataset) and type(inner) is not SequentialSampler:
+        what = "sampler" if lists is None else "BatchSampler's sampler"
+        changes.append(f"its {what} ({type(inner).__name__}) is replaced by an in-order one "
                        "(predictions come back in dataset order)")
     return changes
+
+
+def _samplers_of(loader: DataLoader) -> list[Any]:
+    """The loader's sampler and batch sampler, and the samplers they wrap (each once)."""
+    found: list[Any] = []
+    for s in (loader.sampler, loader.batch_sampler):
+        for t in (s, getattr(s, "sampler", None)):
+            if t is not None and all(t is not f for f in found):
+                found.append(t)
+    return found
+
+
+def _index_lists(loader: DataLoader) -> BatchSampler | None:
+    """A BatchSampler passed as ``sampler=`` with ``batch_size=None``: the dataset reads a list of
+    indices at a time (a batched read), each element a ready-made batch."""
+    return loader.sampler if loader.batch_sampler is None and isinstance(loader.sampler, BatchSampler) else None
 
 
 def _split_eval_loader(loader: DataLoader, *, batch_size: int, rank: int, world_size: int, name: str) -> DataLoader:
@@ -569,9 +591,9 @@ def _split_eval_loader(loader: DataLoader, *, batch_size: int, rank: int, world_
         n = _check_nonempty(dataset, name)
         assert n is not None
         sampler = ResumableSampler(n, shuffle=False, rank=rank, world_size=world_size)
-        if loader.batch_sampler is None:  # batch_size=None: each element is a batch (its sampler may yield lists)
-            order = SequentialSampler(dataset) if type(loader.sampler) is RandomSampler else loader.sampler
-            sampler = order if world_size == 1 else EveryNth(order, rank, world_size)
+        if (lists := _index_lists(loader)) is not None:  # index lists, in order, dealt whole
+            sampler = BatchSampler(SequentialSampler(range(n)), lists.batch_size, drop_last=False)
+            sampler = sampler if world_size == 1 else EveryNth(sampler, rank, world_size)
     return _loader_like(loader, dataset, sampler, size, False, torch.Generator(), in_order=True)
 
 

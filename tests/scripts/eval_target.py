@@ -139,9 +139,17 @@ def main() -> None:
     res["pairs"] = [type(pairs.predictions).__name__, [t.tolist() for t in pairs.predictions]]
     # ready-made batches (batch_size=None): whole batches dealt to ranks, joined back in batch order
     sampled = torch.utils.data.BatchSampler(torch.utils.data.SequentialSampler(range(7)), 3, False)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    lists = torch.utils.data.BatchSampler  # samplers that are split already or differ by rank are put in order
+    shuffled = lists(torch.utils.data.RandomSampler(range(7), generator=torch.Generator().manual_seed(rank)), 3, False)
+    split = lists(ll.data.ResumableSampler(7, shuffle=False, rank=rank, world_size=world), 3, False)
+    dist = torch.utils.data.DistributedSampler(range(3), num_replicas=world, rank=rank, shuffle=False)
     for name, loader in (("map", DataLoader(Batches(7), batch_size=None)),
                          ("stream", DataLoader(BatchStream(7), batch_size=None)),
-                         ("lists", DataLoader(Batches(7, by_list=True), batch_size=None, sampler=sampled))):
+                         ("lists", DataLoader(Batches(7, by_list=True), batch_size=None, sampler=sampled)),
+                         ("lists_shuffled", DataLoader(Batches(7, by_list=True), batch_size=None, sampler=shuffled)),
+                         ("lists_split", DataLoader(Batches(7, by_list=True), batch_size=None, sampler=split)),
+                         ("map_split", DataLoader(Batches(7), batch_size=None, sampler=dist))):
         torch.manual_seed(0)  # the weights of the reference's module
         got = fitter.predict(Pairs().double(), loader)
         res[f"prebatched_{name}"] = [[t.tolist() for t in got.predictions], got.labels.tolist()]
