@@ -73,6 +73,8 @@ def test_eval_and_data_on_several_processes(tmp_path, nproc):
         for name in ("map", "stream", "lists", "lists_shuffled", "lists_split", "map_split"):  # ready-made batches of 3: dealt whole, joined in order
             want = [[pred.tolist(), [10 * i for i in range(7)]], DictDataset(n=7, dtype=torch.float64).y.tolist()]
             assert res[f"prebatched_{name}"] == want, name
+        for name, n in (("items", 5), ("batches", 6), ("lists", 5)):  # a SequentialSampler of the first n items
+            assert res[f"first_{name}"] == [[pred.tolist()[:n], [10 * i for i in range(n)]], want[1][:n]], name
     for n in (7, 1):  # dataclass and mapping types at any depth, fields in dataset order
         pred, _, _ = classify(n)
         want = ["OrderedDict", "Record", pred.tolist(), [1000 + i for i in range(n)], [2000 + 2 * i for i in range(n)],

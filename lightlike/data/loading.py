@@ -590,8 +590,12 @@ def _split_eval_loader(loader: DataLoader, *, batch_size: int, rank: int, world_
         dataset = loader.dataset
         n = _check_nonempty(dataset, name)
         assert n is not None
+        lists = _index_lists(loader)
+        inner = loader.sampler if lists is None else lists.sampler
+        if type(inner) is SequentialSampler:  # kept as it is on one process: the same items on several
+            n = len(inner)
         sampler = ResumableSampler(n, shuffle=False, rank=rank, world_size=world_size)
-        if (lists := _index_lists(loader)) is not None:  # index lists, in order, dealt whole
+        if lists is not None:  # index lists, in order, dealt whole
             sampler = BatchSampler(SequentialSampler(range(n)), lists.batch_size, drop_last=False)
             sampler = sampler if world_size == 1 else EveryNth(sampler, rank, world_size)
     return _loader_like(loader, dataset, sampler, size, False, torch.Generator(), in_order=True)

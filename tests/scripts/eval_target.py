@@ -153,6 +153,15 @@ def main() -> None:
         torch.manual_seed(0)  # the weights of the reference's module
         got = fitter.predict(Pairs().double(), loader)
         res[f"prebatched_{name}"] = [[t.tolist() for t in got.predictions], got.labels.tolist()]
+    # a SequentialSampler over the first items only: those items, on one process and on several
+    first = torch.utils.data.SequentialSampler
+    for name, loader in (("items", DataLoader(Indexed(n=7, dtype=torch.float64), batch_size=2, sampler=first(range(5)))),
+                         ("batches", DataLoader(Batches(7), batch_size=None, sampler=first(range(2)))),
+                         ("lists", DataLoader(Batches(7, by_list=True), batch_size=None,
+                                              sampler=lists(first(range(5)), 3, False)))):
+        torch.manual_seed(0)
+        got = fitter.predict(Pairs().double(), loader)
+        res[f"first_{name}"] = [[t.tolist() for t in got.predictions], got.labels.tolist()]
 
     class Records(Module):  # a dataclass and a namedtuple inside an OrderedDict: the types back, fields in order
         def predictions(self, outputs, batch):
