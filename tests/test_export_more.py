@@ -37,15 +37,21 @@ def test_an_output_dir_is_refused_naming_its_newest_valid_checkpoint(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-def test_each_exported_file_is_fsynced_then_renamed_into_place(tmp_path, monkeypatch):
-    """Every exported file lands by os.replace of a temp file that was fsynced first: readers
-    see the old file or the whole new one, also after a power cut."""
-    ckpt = _ckpt(tmp_path / "run", 3)
+def record_fsync_and_replace(monkeypatch):
+    """A list that os.fsync (as ("fsync", path)) and os.replace (("replace", src, dst)) append to."""
     events = []
     fsync, replace = os.fsync, os.replace
     monkeypatch.setattr(os, "fsync", lambda fd: (events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}"))),
                                                  fsync(fd))[1])
     monkeypatch.setattr(os, "replace", lambda a, b: (events.append(("replace", str(a), str(b))), replace(a, b))[1])
+    return events
+
+
+def test_each_exported_file_is_fsynced_then_renamed_into_place(tmp_path, monkeypatch):
+    """Every exported file lands by os.replace of a temp file that was fsynced first: readers
+    see the old file or the whole new one, also after a power cut."""
+    ckpt = _ckpt(tmp_path / "run", 3)
+    events = record_fsync_and_replace(monkeypatch)
     out = tmp_path / "out"
     export_weights(ckpt, out)
     for name in ("model.safetensors", "config.json"):
