@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import logging
 import math
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,12 +17,11 @@ from torch.utils.data import (
     DistributedSampler,
     IterableDataset,
     RandomSampler,
-    Sampler,
     SequentialSampler,
 )
 
 from lightlike.data.iterable import ShardedIterable
-from lightlike.data.sampler import ResumableSampler
+from lightlike.data.sampler import EveryNth, ResumableSampler
 from lightlike.data.workers import end_with_parent, start_workers
 from lightlike.errors import ConfigError, DataError
 
@@ -453,8 +452,8 @@ def _already_split(loader: DataLoader, *, for_eval: bool = False, rank: int = 0,
         return (type(sampler) is ResumableSampler and not sampler.shuffle and not sampler.drop_last
                 and sampler.start == 0 and (sampler.rank, sampler.world_size) == (rank, world_size)
                 and _batching(loader)[1:] == (False, False))
-    # a BatchSampler passed as sampler= (ready-made batches, batch_size=None) is split by its own sampler
-    for s in (sampler, getattr(loader.batch_sampler, "sampler", None), getattr(sampler, "sampler", None)):
+    # also a sampler inside a BatchSampler (batch_sampler=, or sampler= for ready-made batches)
+    for s in _samplers_of(loader):
         if isinstance(s, ResumableSampler) and s.world_size != world_size:
             raise DataError(f"the training DataLoader's {type(s).__name__} has world_size={s.world_size} but the "
                             f"job runs {world_size} processes: build it with rank=..., world_size=... of this job "
@@ -549,10 +548,9 @@ def _eval_changes(loader: DataLoader, batch_size: int | None = None) -> list[str
     if isinstance(loader.dataset, IterableDataset) and loader.num_workers > 1 \
             and not _already_split(loader):  # each worker would yield the whole stream
         changes.append(f"its IterableDataset is split over its {loader.num_workers} workers (each item once, in order)")
-    lists = _index_lists(loader)
+    lists, inner = _element_order(loader)
     if lists is not None and lists.drop_last:
         changes.append("its BatchSampler's drop_last is ignored (evaluation counts every item once)")
-    inner = loader.sampler if lists is None else lists.sampler
     if not isinstance(loader.dataset, IterableDataset) and type(inner) is not SequentialSampler:
         what = "sampler" if lists is None else "BatchSampler's sampler"
         changes.append(f"its {what} ({type(inner).__name__}) is replaced by an in-order one "
@@ -570,10 +568,13 @@ def _samplers_of(loader: DataLoader) -> list[Any]:
     return found
 
 
-def _index_lists(loader: DataLoader) -> BatchSampler | None:
-    """A BatchSampler passed as ``sampler=`` with ``batch_size=None``: the dataset reads a list of
-    indices at a time (a batched read), each element a ready-made batch."""
-    return loader.sampler if loader.batch_sampler is None and isinstance(loader.sampler, BatchSampler) else None
+def _element_order(loader: DataLoader) -> tuple[BatchSampler | None, Any]:
+    """``(lists, inner)``: ``lists`` is a BatchSampler passed as ``sampler=`` with ``batch_size=None``
+    (the dataset reads a list of indices at a time, each element a ready-made batch), else None;
+    ``inner`` the sampler whose order the items follow (that BatchSampler's, else the loader's)."""
+    if loader.batch_sampler is None and isinstance(loader.sampler, BatchSampler):
+        return loader.sampler, loader.sampler.sampler
+    return None, loader.sampler
 
 
 def _split_eval_loader(loader: DataLoader, *, batch_size: int, rank: int, world_size: int, name: str) -> DataLoader:
@@ -590,8 +591,7 @@ def _split_eval_loader(loader: DataLoader, *, batch_size: int, rank: int, world_
         dataset = loader.dataset
         n = _check_nonempty(dataset, name)
         assert n is not None
-        lists = _index_lists(loader)
-        inner = loader.sampler if lists is None else lists.sampler
+        lists, inner = _element_order(loader)
         if type(inner) is SequentialSampler:  # kept as it is on one process: the same items on several
             n = len(inner)
         sampler = ResumableSampler(n, shuffle=False, rank=rank, world_size=world_size)
@@ -600,16 +600,3 @@ def _split_eval_loader(loader: DataLoader, *, batch_size: int, rank: int, world_
             sampler = sampler if world_size == 1 else EveryNth(sampler, rank, world_size)
     return _loader_like(loader, dataset, sampler, size, False, torch.Generator(), in_order=True)
 
-
-class EveryNth(Sampler):
-    """The elements of ``sampler`` at positions ``rank``, ``rank + world_size``, ...: one rank's
-    share of a sampler whose elements are whole batches, dealt as evaluation deals items."""
-
-    def __init__(self, sampler: Any, rank: int, world_size: int):
-        self.sampler, self.rank, self.world_size = sampler, rank, world_size
-
-    def __iter__(self) -> Iterator[Any]:
-        return itertools.islice(iter(self.sampler), self.rank, None, self.world_size)
-
-    def __len__(self) -> int:
-        return len(range(self.rank, len(self.sampler), self.world_size))

@@ -9,7 +9,9 @@ saved on one world size maps onto another.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch.utils.data import Sampler
@@ -97,3 +99,17 @@ class ResumableSampler(Sampler[int]):
     def __len__(self) -> int:
         remaining = max(0, self._global_end() - self.start - self.rank)
         return (remaining + self.world_size - 1) // self.world_size
+
+
+class EveryNth(Sampler):
+    """The elements of ``sampler`` at positions ``rank``, ``rank + world_size``, ...: one rank's
+    share of a sampler whose elements are whole batches, dealt as evaluation deals items."""
+
+    def __init__(self, sampler: Any, rank: int, world_size: int):
+        self.sampler, self.rank, self.world_size = sampler, rank, world_size
+
+    def __iter__(self) -> Iterator[Any]:
+        return itertools.islice(iter(self.sampler), self.rank, None, self.world_size)
+
+    def __len__(self) -> int:
+        return len(range(self.rank, len(self.sampler), self.world_size))
