@@ -21,6 +21,7 @@ import re
 import sys
 import types
 import typing
+from collections import abc
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -180,7 +181,8 @@ def kinds_of(annotation: Any, default: Any = REQUIRED) -> frozenset[str]:
         return frozenset().union(*(_kind_of_value(a) for a in typing.get_args(annotation)))
     base = origin or annotation
     for kind, types_ in (("bool", (bool,)), ("int", (int,)), ("float", (float,)), ("str", (str, os.PathLike)),
-                         ("list", (list, tuple, set)), ("dict", (dict,))):
+                         ("any", (bytes, bytearray)),  # Sequences, but not lists on a command line
+                         ("list", (list, tuple, set, abc.Sequence, abc.Set)), ("dict", (abc.Mapping,))):
         if isinstance(base, type) and issubclass(base, types_):
             return frozenset({kind})
     return frozenset({"any"})
@@ -444,6 +446,17 @@ def split_config(data: dict[str, Any], source: str, fit_opts: dict[str, Option],
     return fit, model
 
 
+def _fspaths(v: Any) -> Any:
+    """Paths as strings, inside lists and dicts too (YAML writes no ``Path``)."""
+    if isinstance(v, os.PathLike):
+        return os.fspath(v)
+    if isinstance(v, (list, tuple)):
+        return [_fspaths(x) for x in v]
+    if isinstance(v, dict):
+        return {k: _fspaths(x) for k, x in v.items()}
+    return v
+
+
 def dump_config(fit: dict[str, Any], model: dict[str, Any] | None, fmt: str,
                 helps: dict[str, str] | None = None, defaults: dict[str, Any] | None = None) -> str:
     """The resolved settings as TOML, YAML or JSON that ``--config`` reads back; ``helps``
@@ -471,7 +484,7 @@ def dump_config(fit: dict[str, Any], model: dict[str, Any] | None, fmt: str,
             else:
                 yaml = _yaml()
                 try:
-                    dumped = yaml.safe_dump({key: v}, default_flow_style=False, sort_keys=False).rstrip("\n")
+                    dumped = yaml.safe_dump({key: _fspaths(v)}, default_flow_style=False, sort_keys=False).rstrip("\n")
                 except yaml.YAMLError:
                     raise ConfigError(f"cannot write {key}={v!r} to YAML: use --format json") from None
                 lines.extend(indent + line for line in dumped.splitlines())

@@ -170,7 +170,8 @@ class FitConfig:
                 raise ConfigError(msg, settings=settings)
 
         for f in fields(self):  # types first: the checks below compare numbers
-            _check_type(f.name, getattr(self, f.name), str(f.type), f.default)
+            default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+            _check_type(f.name, getattr(self, f.name), str(f.type), default)
         for name in ("max_epochs", "max_steps"):
             v = getattr(self, name)
             need(v is None or (isinstance(v, int) and v > 0), f"{name} must be a positive int, got {v!r}", name)
@@ -454,16 +455,24 @@ def _read_if_path(path_or_text: str | Path) -> str:
     return s
 
 
+def _toml_str(s: str) -> str:
+    # JSON escapes every control character but DEL, which TOML also refuses raw; ensure_ascii=False
+    # because a JSON \ud83d escape of a non-BMP character is not TOML
+    return json.dumps(s, ensure_ascii=False).replace("\x7f", "\\u007f")
+
+
 def toml_value(v: Any) -> str:
     """One value as TOML (``FitConfig.to_toml`` and ``lightlike config``)."""
     if isinstance(v, bool):
         return "true" if v else "false"
     if isinstance(v, (int, float)):
         return repr(v)
+    if isinstance(v, os.PathLike):
+        v = os.fspath(v)
     if isinstance(v, str):
-        return json.dumps(v, ensure_ascii=False)  # a JSON \ud83d escape of a non-BMP character is not TOML
+        return _toml_str(v)
     if isinstance(v, (list, tuple)):
         return "[" + ", ".join(toml_value(x) for x in v) + "]"
     if isinstance(v, dict):
-        return "{" + ", ".join(f"{json.dumps(str(k), ensure_ascii=False)} = {toml_value(x)}" for k, x in v.items()) + "}"
+        return "{" + ", ".join(f"{_toml_str(str(k))} = {toml_value(x)}" for k, x in v.items()) + "}"
     raise ConfigError(f"cannot write {v!r} to TOML: write JSON or YAML instead (lightlike config --format json|yaml)")
