@@ -62,3 +62,45 @@ def flat_params(module: nn.Module) -> torch.Tensor:
 
 def flat_grads(module: nn.Module) -> torch.Tensor:
     return torch.cat([p.grad.detach().reshape(-1) for p in module.parameters()])
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (Linux /proc): torchrun starts each rank in a session of its own."""
+    import os
+    parents: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            parents.setdefault(ppid, []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        children = parents.get(todo.pop(), [])
+        found.extend(children)
+        todo.extend(children)
+    return found
+
+
+def run_killing_group(cmd, *, timeout, **kwargs):
+    """``subprocess.run(cmd, capture_output=True, text=True, ...)``, but on a timeout the command
+    and every process below it are SIGKILLed: a hung torchrun's ranks (sessions of their own, which
+    ignore SIGTERM while a preemption handler is set) do not stay behind loading the machine, nor
+    hold the output pipes open."""
+    import os
+    import signal
+    import subprocess
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kwargs) as p:
+        try:
+            out, err = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for pid in [p.pid, *_descendants(p.pid)]:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            out, err = p.communicate()
+            raise subprocess.TimeoutExpired(cmd, timeout, out, err) from None
+    return subprocess.CompletedProcess(cmd, p.returncode, out, err)

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import run_killing_group
 
 SCRIPT = Path(__file__).parent / "scripts" / "ddp_target.py"
 
@@ -32,7 +33,7 @@ def launch(nproc, out, *args, timeout=240, script=SCRIPT):
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
                "--master_addr", "127.0.0.1", "--master_port", str(free_port()), str(script), str(out), *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    return run_killing_group(cmd, timeout=timeout)
 
 
 def weights(out, rank=0):

@@ -90,7 +90,7 @@ def test_iterable_datasets_whose_length_is_wrong_train_by_epochs_without_losing_
     on 2 ranks with accumulation 2: rank 1 ran out inside a window, ended its epoch alone and
     the ranks fell out of step (a DataError on one, a closed connection on the other). 13
     items claiming 9: rank 0 (7 items) took batches beyond the 4 every rank takes, and nothing
-    said the data held more than its length."""
+    said the data held more than its length. Last, a stream empty on one rank in its first epoch."""
     p = launch(2, tmp_path, script=Path(__file__).parent / "scripts" / "iterable_len_target.py", timeout=240)
     assert p.returncode == 0, p.stderr[-3000:]
     r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
@@ -104,3 +104,7 @@ def test_iterable_datasets_whose_length_is_wrong_train_by_epochs_without_losing_
     assert r0[fewer]["steps"] == r1[fewer]["steps"] == 4
     assert r0[fewer]["seen"] == [0, 2, 4, 6] * 2 and r1[fewer]["seen"] == [1, 3, 5, 7] * 2
     assert any("yields more than the 4 batch(es)" in w for w in r1[fewer]["warnings"])
+    # rank 1's first epoch is empty: every rank stops before a step (rank 0 alone trained a step,
+    # then lost its peer, when only the empty rank noticed)
+    assert r0["empty_first"] == r1["empty_first"]
+    assert "epoch 0 of the training data produced no batch" in r0["empty_first"], r0["empty_first"]

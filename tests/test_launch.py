@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import run_killing_group
 
 from lightlike.errors import ConfigError
 from lightlike.strategies import environment
@@ -243,7 +244,7 @@ def test_slurm_nodelist(monkeypatch, nodelist, first):
 def test_torchrun_recipe_runs(tmp_path):
     env = {**CLEAN, "NPROC": "2", "PATH": f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}"}
     cmd = ["bash", str(ROOT / "strategies" / "torchrun.sh"), str(SCRIPT), str(tmp_path), "--steps", "3"]
-    p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=240)
+    p = run_killing_group(cmd, env=env, timeout=240)
     assert p.returncode == 0, p.stderr[-3000:]
     assert (tmp_path / "final-rank0.pt").exists() and (tmp_path / "final-rank1.pt").exists()
 
@@ -256,11 +257,10 @@ def test_torchrun_restart_resumes_from_the_newest_checkpoint(tmp_path):
     env = {**CLEAN, "NPROC": "2", "PATH": f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}"}
     common = ["--steps", "9", "--save-every", "2", "--items", "40"]
     recipe = ["bash", str(ROOT / "strategies" / "torchrun.sh"), str(SCRIPT)]
-    p = subprocess.run([*recipe, str(tmp_path / "ref"), *common], capture_output=True, text=True, env=env, timeout=240)
+    p = run_killing_group([*recipe, str(tmp_path / "ref"), *common], env=env, timeout=240)
     assert p.returncode == 0, p.stderr[-3000:]
-    p = subprocess.run([*recipe, str(tmp_path / "run"), *common, "--mode", "fail-once", "--fail-step", "5",
-                        "--resume", "auto"], capture_output=True, text=True, env={**env, "MAX_RESTARTS": "1"},
-                       timeout=240)
+    p = run_killing_group([*recipe, str(tmp_path / "run"), *common, "--mode", "fail-once", "--fail-step", "5",
+                           "--resume", "auto"], env={**env, "MAX_RESTARTS": "1"}, timeout=240)
     assert p.returncode == 0, p.stderr[-3000:]
     assert "injected failure on rank 1, first attempt only" in p.stderr
     for rank in (0, 1):

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import Classifier, DictDataset
+from helpers import Classifier, DictDataset, run_killing_group
 
 import lightlike as ll
 from lightlike.preemption import EXIT_PREEMPTED, Preempted, PreemptionHandler, requeue_slurm_job
@@ -100,7 +100,7 @@ def test_every_vote_a_rank_starts_is_waited_for_before_fit_ends_or_exits(tmp_pat
 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
            "--master_port", str(free_port()), str(SCRIPTS / "ao_vote_target.py"), str(tmp_path)]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    p = run_killing_group(cmd, timeout=240)
     assert p.returncode == 0, p.stderr[-3000:]
     for rank in (0, 1):
         got = json.loads((tmp_path / f"votes-rank{rank}.json").read_text())

@@ -1,7 +1,7 @@
 """A script tests/test_ddp_data.py launches with torchrun: IterableDatasets whose ``__len__``
 is wrong, trained by epochs with accumulation on several ranks. Each rank writes
 ``OUT/rank<r>.json``: per case, the steps taken, the items each rank trained on, and the
-warnings it logged.
+warnings it logged; last, the error of a fit in which one rank's first epoch is empty.
 
     torchrun --nproc_per_node 2 iterable_len_target.py OUT
 """
@@ -32,6 +32,18 @@ class Stream(IterableDataset):
 
     def __iter__(self):
         for i in range(self.items):
+            yield {"x": torch.full((4,), float(i)), "y": torch.tensor(i % 3), "i": torch.tensor(i)}
+
+
+class EmptyOnRank1First(IterableDataset):
+    """Shards itself: rank 1 yields nothing in its first epoch, rank 0 two items."""
+
+    shards_itself = True
+
+    def __iter__(self):
+        if int(os.environ["RANK"]) == 1:
+            return
+        for i in range(2):
             yield {"x": torch.full((4,), float(i)), "y": torch.tensor(i % 3), "i": torch.tensor(i)}
 
 
@@ -70,6 +82,12 @@ def main() -> None:
                            log_level="warning").fit(module, Stream(items, claims))
         logging.getLogger("lightlike").removeHandler(warnings)
         res[name] = {"steps": result.global_step, "seen": module.seen, "warnings": warnings.lines}
+    try:  # last: one rank's share of the first epoch is empty, so no rank may take a step
+        ll.Fitter(max_steps=4, batch_size=1, output_dir=str(out / "empty_first"), loggers=[],
+                  log_level="error").fit(Module(), EmptyOnRank1First())
+        res["empty_first"] = "trained"
+    except ll.errors.DataError as e:
+        res["empty_first"] = str(e)
     (out / f"rank{rank}.json").write_text(json.dumps(res))
 
 
