@@ -61,6 +61,14 @@ def test_export_hf_refuses_tied_weights_that_differ(tmp_path):
     with pytest.raises(ll.CheckpointError, match=differ):
         export_hf(ckpt, tmp_path / "tied", config={**hf_config, "tie_word_embeddings": True})
     assert not (tmp_path / "tied" / "model.safetensors").exists()
+    as_object = transformers.AutoConfig.for_model(**{**hf_config, "tie_word_embeddings": True})
+    with pytest.raises(ll.CheckpointError, match=differ):  # a PretrainedConfig is used as given, too
+        export_hf(ckpt, tmp_path / "tied", config=as_object)
+    untyped = {k: v for k, v in hf_config.items() if k != "model_type"}
+    with pytest.raises(ll.CheckpointError, match="the Hugging Face config for .* has no model_type"):
+        export_hf(ckpt, tmp_path / "tied", config=untyped)
+    with pytest.raises(ll.CheckpointError, match=r"has no weights under 'nope\.' .*e\.g\. prefix=''"):
+        export_hf(ckpt, tmp_path / "tied", prefix="nope.")
 
     out = export_hf(ckpt, tmp_path / "untied")  # its own config: untied, both kept
     loaded = transformers.AutoModelForCausalLM.from_pretrained(out)
