@@ -152,3 +152,24 @@ def test_ddp_collectives_pass_their_source_and_operation_through(monkeypatch):
     assert seen == [("broadcast", 1), ("broadcast", 0), ("all_reduce", dist.ReduceOp.SUM),
                     ("all_reduce", dist.ReduceOp.MAX), ("all_reduce", dist.ReduceOp.MIN),
                     ("all_reduce", dist.ReduceOp.MAX)]
+
+
+@pytest.mark.parametrize("attempt", ["0", "3"])
+def test_a_torchrun_attempt_keeps_its_keys_under_its_own_prefix(monkeypatch, attempt):
+    """Under torchrun --max-restarts, the agent's store outlives an attempt: each attempt's process
+    group keeps its keys under /lightlike/attempt_<TORCHELASTIC_RESTART_COUNT>, so a restarted
+    attempt does not read the dead one's addresses."""
+    from lightlike.strategies.ddp import DDPStrategy
+
+    server = dist.TCPStore("127.0.0.1", 0, 1, is_master=True)
+    _env(monkeypatch, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+         MASTER_PORT=str(server.port), TORCHELASTIC_USE_AGENT_STORE="True", TORCHELASTIC_RESTART_COUNT=attempt)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    given = {}
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)  # (whatever an earlier test left up)
+    monkeypatch.setattr(dist, "init_process_group", lambda backend, **kw: given.update(kw))
+    DDPStrategy(accelerator="cpu").setup_environment()
+    given["store"].set("key", "value")
+    assert server.check([f"/lightlike/attempt_{attempt}/key"])  # (check does not wait for the key; get does)
+    assert server.get(f"/lightlike/attempt_{attempt}/key") == b"value"
+    assert not server.check([f"/lightlike/attempt_{int(attempt) + 1}/key"])
