@@ -447,7 +447,7 @@ def split_config(data: dict[str, Any], source: str, fit_opts: dict[str, Option],
 
 
 def _fspaths(v: Any) -> Any:
-    """Paths as strings, inside lists and dicts too (YAML writes no ``Path``)."""
+    """Paths as strings, inside lists and dicts too (TOML and YAML have no path)."""
     if isinstance(v, os.PathLike):
         return os.fspath(v)
     if isinstance(v, (list, tuple)):
@@ -473,6 +473,7 @@ def dump_config(fit: dict[str, Any], model: dict[str, Any] | None, fmt: str,
             lines.append(f"[{table}]" if fmt == "toml" else f"{table}:")
         indent = "  " if (table is not None and fmt == "yaml") else ""
         for key, v in values.items():
+            v = _fspaths(v)
             if helps and helps.get(key if table is None else f"{table}.{key}"):
                 lines.append(f"{indent}# {helps[key if table is None else f'{table}.{key}']}")
             if fmt == "toml":
@@ -484,7 +485,7 @@ def dump_config(fit: dict[str, Any], model: dict[str, Any] | None, fmt: str,
             else:
                 yaml = _yaml()
                 try:
-                    dumped = yaml.safe_dump({key: _fspaths(v)}, default_flow_style=False, sort_keys=False).rstrip("\n")
+                    dumped = yaml.safe_dump({key: v}, default_flow_style=False, sort_keys=False).rstrip("\n")
                 except yaml.YAMLError:
                     raise ConfigError(f"cannot write {key}={v!r} to YAML: use --format json") from None
                 lines.extend(indent + line for line in dumped.splitlines())

@@ -170,8 +170,10 @@ class FitConfig:
                 raise ConfigError(msg, settings=settings)
 
         for f in fields(self):  # types first: the checks below compare numbers
-            default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
-            _check_type(f.name, getattr(self, f.name), str(f.type), default)
+            value, default = getattr(self, f.name), f.default
+            if value is None and f.default_factory is not dataclasses.MISSING:  # for the None hint only
+                default = f.default_factory()
+            _check_type(f.name, value, str(f.type), default)
         for name in ("max_epochs", "max_steps"):
             v = getattr(self, name)
             need(v is None or (isinstance(v, int) and v > 0), f"{name} must be a positive int, got {v!r}", name)
@@ -467,8 +469,6 @@ def toml_value(v: Any) -> str:
         return "true" if v else "false"
     if isinstance(v, (int, float)):
         return repr(v)
-    if isinstance(v, os.PathLike):
-        v = os.fspath(v)
     if isinstance(v, str):
         return _toml_str(v)
     if isinstance(v, (list, tuple)):
