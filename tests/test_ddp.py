@@ -40,6 +40,11 @@ def weights(out, rank=0):
     return torch.load(out / f"final-rank{rank}.pt", weights_only=True)
 
 
+#: the uninterrupted 2-rank run whose final weights the resumes across world sizes (here and in
+#: test_fsdp.py) and the resume from rank 0's choice must reach; launched once for all (``shared_run``)
+REF_8_STEPS = ["--steps", "8", "--items", "40", "--batch", "4", "--save-every", "2"]
+
+
 def assert_close(a, b, tol=1e-12):
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=tol, atol=tol, msg=k)
@@ -81,19 +86,18 @@ def test_exact_evaluation_on_one_two_three_processes(tmp_path):
 
 
 @pytest.mark.parametrize("before,after", [(2, 1), (1, 2)])
-def test_resume_on_another_world_size(tmp_path, before, after):
+def test_resume_on_another_world_size(shared_run, tmp_path, before, after):
     """Stop at step 4 on `before` processes, resume on `after` with the same global batch:
     the run continues on the right sample (positions are global)."""
     common = ["--steps", "8", "--items", "40", "--save-every", "4"]
-    ref = launch(2, tmp_path / "ref", "--batch", "4", *common)
-    assert ref.returncode == 0, ref.stderr[-3000:]
+    ref = shared_run(2, *REF_8_STEPS)
     out = tmp_path / "run"
     p = launch(before, out, "--batch", str(8 // before), "--stop", "4", *common)
     assert p.returncode == 0, p.stderr[-3000:]
     p = launch(after, out, "--batch", str(8 // after), "--resume", *common)
     assert p.returncode == 0, p.stderr[-3000:]
     assert "not a bit-exact continuation" in p.stderr or after == before
-    assert_close(weights(out), weights(tmp_path / "ref"), tol=1e-10)
+    assert_close(weights(out), weights(ref), tol=1e-10)
 
 
 @pytest.mark.parametrize("before,after", [(1, 2), (2, 1)])
@@ -270,41 +274,39 @@ def test_uneven_data_does_not_hang(tmp_path):
 
 
 @pytest.mark.parametrize("kill_step", [3, 6])
-def test_kill_one_rank_and_resume_is_bit_identical(tmp_path, kill_step):
+def test_kill_one_rank_and_resume_is_bit_identical(shared_run, tmp_path, kill_step):
     """SIGKILL rank 1 mid-run (after step 3: mid-epoch; after 6: past an epoch boundary), let
     torchrun end rank 0, resume on 2 processes: the same weights, bit for bit, as without the kill,
     and the same logs: a log every 4 steps, so each checkpoint holds losses not yet logged, every
     rank's (only rank 0's were kept, so the resumed run logged a wrong mean)."""
     common = ["--steps", "9", "--items", "40", "--batch", "4", "--accum", "2", "--save-every", "2", "--task", "token",
               "--log-every", "4"]
-    ref = launch(2, tmp_path / "ref", *common)
-    assert ref.returncode == 0, ref.stderr[-3000:]
+    ref = shared_run(2, *common)
     out = tmp_path / "run"
     killed = launch(2, out, *common, "--kill-step", str(kill_step))
     assert killed.returncode != 0
     resumed = launch(2, out, *common, "--resume")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     for rank in (0, 1):
-        a, b = weights(out, rank), weights(tmp_path / "ref", rank)
+        a, b = weights(out, rank), weights(ref, rank)
         assert all(torch.equal(a[k], b[k]) for k in a), f"rank {rank} differs"
-    logs = [(tmp_path / d / "logs" / "metrics.jsonl").read_text() for d in ("run", "ref")]
+    logs = [(d / "logs" / "metrics.jsonl").read_text() for d in (out, ref)]
     assert logs[0] == logs[1]
 
 
-def test_every_rank_resumes_from_the_checkpoint_the_main_rank_chose(tmp_path):
+def test_every_rank_resumes_from_the_checkpoint_the_main_rank_chose(shared_run, tmp_path):
     """resume=True: rank 1's checksum pass over checkpoint-6 fails (an I/O error). The choice
     is made once, on rank 0, for every rank: both resume from checkpoint-6 and end with the
     uninterrupted run's weights. Each rank chose for itself before: rank 1 fell back to
     checkpoint-4, the ranks trained two steps apart in the same all-reduces, and rank 1 hung."""
-    common = ["--steps", "8", "--items", "40", "--batch", "4", "--save-every", "2"]
-    ref = launch(2, tmp_path / "ref", *common)
-    assert ref.returncode == 0, ref.stderr[-3000:]
+    common = REF_8_STEPS
+    ref = shared_run(2, *common)
     out = tmp_path / "run"
     assert launch(2, out, *common, "--stop", "6").returncode == 0
     resumed = launch(2, out, *common, "--resume", "--unreadable-on-rank1", "checkpoint-6", timeout=90)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     for rank in (0, 1):
-        a, b = weights(out, rank), weights(tmp_path / "ref", rank)
+        a, b = weights(out, rank), weights(ref, rank)
         assert all(torch.equal(a[k], b[k]) for k in a), f"rank {rank} differs"
 
 

@@ -462,18 +462,25 @@ def test_evaluating_a_zero3_partitioned_module_without_fit_is_a_clear_error(tmp_
         p.stderr[-3000:]
 
 
-def test_moves_the_universal_checkpoint_cannot_make_are_refused_by_name(tmp_path):
+def copied_checkpoint(run, out, name="checkpoint-2"):
+    """``out`` holding a copy of a shared run's checkpoint, to resume from (the run stays as it is)."""
+    out.mkdir()
+    shutil.copytree(run / name, out / name)
+    return out
+
+
+def test_moves_the_universal_checkpoint_cannot_make_are_refused_by_name(runs, tmp_path):
     """ZeRO-2 -> ZeRO-3 (DeepSpeed failed on a bare AssertionError: the model-state file names
     differ) and SGD across world sizes (KeyError: 'exp_avg' inside the conversion): each one
     clear error before anything is loaded."""
-    short = ["--dtype", "float32", "--width", "16", "--items", "32", "--batch", "4", "--steps", "4",
-             "--save-every", "2", "--stop", "2"]
-    run_ok(2, tmp_path / "z2", "--strategy", "deepspeed_zero2", *short)
-    p = launch(2, tmp_path / "z2", "--strategy", "deepspeed_zero3", *short[:-2], "--resume")
+    out = copied_checkpoint(runs("deepspeed_zero2"), tmp_path / "z2")
+    p = launch(2, out, "--strategy", "deepspeed_zero3", *COMMON, *SAVES, "--resume")
     assert p.returncode != 0
     assert "saved with ZeRO-2 and this run uses ZeRO-3" in p.stderr, p.stderr[-3000:]
-    run_ok(2, tmp_path / "sgd", "--strategy", "deepspeed_zero2", "--optimizer", "sgd", *short)
-    p = launch(1, tmp_path / "sgd", "--strategy", "deepspeed_zero2", "--optimizer", "sgd", *short[:-2], "--resume")
+    short = ["--dtype", "float32", "--width", "16", "--items", "32", "--batch", "4", "--steps", "4",
+             "--save-every", "2"]
+    run_ok(2, tmp_path / "sgd", "--strategy", "deepspeed_zero2", "--optimizer", "sgd", *short, "--stop", "2")
+    p = launch(1, tmp_path / "sgd", "--strategy", "deepspeed_zero2", "--optimizer", "sgd", *short, "--resume")
     assert p.returncode != 0
     assert "carries Adam-family state only, not SGD's" in p.stderr, p.stderr[-3000:]
 
@@ -493,21 +500,19 @@ def test_resume_one_rank_on_two(runs, tmp_path, strategy):
     assert_close(weights(out), weights(ref), tol=TOL)
 
 
-def test_a_checkpoint_of_another_layout_is_refused_by_name(tmp_path):
+def test_a_checkpoint_of_another_layout_is_refused_by_name(runs, tmp_path):
     """A DeepSpeed checkpoint resumed under single/DDP failed on a bare FileNotFoundError
     (model.safetensors), under FSDP with a message calling it a full-state checkpoint; a
     single/DDP checkpoint resumed under DeepSpeed dropped the Adam moments with a warning only
     (FSDP refuses that move). Each one error naming who wrote it and what to do instead."""
-    short = ["--dtype", "float32", "--width", "16", "--items", "32", "--batch", "4", "--steps", "4",
-             "--save-every", "2"]
-    run_ok(1, tmp_path / "z2", "--strategy", "deepspeed_zero2", *short, "--stop", "2")
+    out = copied_checkpoint(runs("deepspeed_zero2"), tmp_path / "z2")
     for strategy in ("single", "fsdp"):
-        p = launch(1, tmp_path / "z2", "--strategy", strategy, *short, "--resume")
+        p = launch(1, out, "--strategy", strategy, *COMMON, *SAVES, "--resume")
         assert p.returncode != 0
         assert "was written by a DeepSpeed ZeRO strategy, and the " + strategy in p.stderr, p.stderr[-3000:]
         assert "`lightlike export" in p.stderr and "FileNotFoundError" not in p.stderr, p.stderr[-3000:]
-    run_ok(1, tmp_path / "single", "--strategy", "single", *short, "--stop", "2")
-    p = launch(1, tmp_path / "single", "--strategy", "deepspeed_zero2", *short, "--resume")
+    out = copied_checkpoint(runs("ddp"), tmp_path / "ddp")
+    p = launch(1, out, "--strategy", "deepspeed_zero2", *COMMON, *SAVES, "--resume")
     assert p.returncode != 0
     assert "was written by a strategy that gathers the full state" in p.stderr, p.stderr[-3000:]
     assert "module.load_weights(path) before fit()" in p.stderr, p.stderr[-3000:]

@@ -11,7 +11,7 @@ import pytest
 import tomllib
 import torch
 from helpers import Classifier
-from test_ddp import assert_close, launch, weights
+from test_ddp import REF_8_STEPS, assert_close, launch, weights
 from torch import nn
 
 from lightlike.errors import CheckpointError, ConfigError
@@ -19,6 +19,10 @@ from lightlike.strategies import get_strategy
 
 ROOT = Path(__file__).resolve().parent.parent
 COMMON = ["--items", "46", "--accum", "2", "--max-grad-norm", "0.5", "--task", "token", "--steps", "7"]
+#: the DDP reference and the sharded runs compared with it (checkpoints at 2, 4, 6 and the last, 7);
+#: launched once (``shared_run``) for every test that reads them
+DDP_RUN = ["--strategy", "ddp", "--batch", "4", *COMMON]
+FSDP_ARGS = ["--batch", "4", *COMMON, "--save-every", "2"]
 
 
 def run_ok(nproc, out, *args):
@@ -28,47 +32,43 @@ def run_ok(nproc, out, *args):
 
 
 @pytest.mark.parametrize("strategy", ["fsdp", "hsdp:1"])
-def test_same_weights_as_ddp(tmp_path, strategy):
+def test_same_weights_as_ddp(shared_run, strategy):
     """FSDP (shard over 2) and HSDP (replicate 2 × shard 1) against DDP on 2 ranks, float64,
     with accumulation, norm clipping, uneven item counts and a partial last window: to 1e-12.
     The logged training loss is the same too."""
-    run_ok(2, tmp_path / "ddp", "--strategy", "ddp", "--batch", "4", *COMMON)
-    run_ok(2, tmp_path / "fsdp", "--strategy", strategy, "--batch", "4", *COMMON)
-    ref, got = weights(tmp_path / "ddp"), weights(tmp_path / "fsdp")
-    assert all(torch.equal(got[k], weights(tmp_path / "fsdp", 1)[k]) for k in got), "ranks disagree"
+    ddp, fsdp = shared_run(2, *DDP_RUN), shared_run(2, "--strategy", strategy, *FSDP_ARGS)
+    ref, got = weights(ddp), weights(fsdp)
+    assert all(torch.equal(got[k], weights(fsdp, 1)[k]) for k in got), "ranks disagree"
     assert_close(got, ref, tol=1e-12)
-    losses = [[json.loads(x)["train/loss"] for x in (tmp_path / d / "logs" / "metrics.jsonl").read_text().splitlines()
-               if "train/loss" in x] for d in ("ddp", "fsdp")]
+    losses = [[json.loads(x)["train/loss"] for x in (d / "logs" / "metrics.jsonl").read_text().splitlines()
+               if "train/loss" in x] for d in (ddp, fsdp)]
     assert losses[1] == pytest.approx(losses[0], rel=1e-12)
 
 
-def test_ranks_that_built_other_weights_start_from_rank_0s(tmp_path):
+def test_ranks_that_built_other_weights_start_from_rank_0s(shared_run, tmp_path):
     """Each rank seeds its module's build with its rank (rank 0 with 0, as the reference runs).
     DDP takes rank 0's weights as it wraps the module; FSDP kept each rank's own shard, a mix of
     two initialisations, in a fit and in a validate() outside one."""
-    run_ok(2, tmp_path / "ddp", "--strategy", "ddp", "--batch", "4", *COMMON)
     run_ok(2, tmp_path / "fsdp", "--strategy", "fsdp", "--batch", "4", *COMMON, "--rank-seed")
-    assert_close(weights(tmp_path / "fsdp"), weights(tmp_path / "ddp"), tol=1e-12)
+    assert_close(weights(tmp_path / "fsdp"), weights(shared_run(2, *DDP_RUN)), tol=1e-12)
     args = ["--mode", "eval", "--items", "9", "--batch", "4", "--task", "blocks"]
-    run_ok(1, tmp_path / "one", *args)
     run_ok(2, tmp_path / "two", *args, "--strategy", "fsdp", "--rank-seed")
-    one, two = (json.loads((tmp_path / d / "eval.json").read_text()) for d in ("one", "two"))
+    one, two = (json.loads((d / "eval.json").read_text()) for d in (shared_run(1, *args), tmp_path / "two"))
     assert two["predictions"] == one["predictions"]
     for k, v in one["metrics"].items():
         assert two["metrics"][k] == pytest.approx(v, rel=1e-9), k
 
 
 @pytest.mark.parametrize("strategy, items", [("fsdp", 9), ("fsdp", 1)])
-def test_exact_evaluation_when_ranks_hold_different_numbers_of_batches(tmp_path, strategy, items):
+def test_exact_evaluation_when_ranks_hold_different_numbers_of_batches(shared_run, tmp_path, strategy, items):
     """9 items in batches of 4 on 2 ranks: rank 0 takes 2 batches, rank 1 one (1 item: rank 1
     none). A sharded forward gathers parameters collectively, so the rank that is done must keep
     the other company (it aborted on a collective mismatch); metrics and predictions equal one
     process's. (ZeRO-3 takes the same path, ``forward_is_collective``; checked by hand in a fit
     with partitioned parameters, not here: a validate() without fit does not partition them.)"""
     args = ["--mode", "eval", "--items", str(items), "--batch", "4", "--task", "blocks"]
-    run_ok(1, tmp_path / "one", *args)
     run_ok(2, tmp_path / "two", *args, "--strategy", strategy)
-    one, two = (json.loads((tmp_path / d / "eval.json").read_text()) for d in ("one", "two"))
+    one, two = (json.loads((d / "eval.json").read_text()) for d in (shared_run(1, *args), tmp_path / "two"))
     assert two["predictions"] == one["predictions"] and two["labels"] == one["labels"]
     for k, v in one["metrics"].items():
         assert two["metrics"][k] == pytest.approx(v, rel=1e-6), k
@@ -99,7 +99,7 @@ def test_memory_per_rank_is_half_of_ddp(tmp_path):
 
 @pytest.mark.parametrize("strategy,kill_step,task", [("fsdp", 3, "token"), ("fsdp", 6, "token"),
                                                      ("fsdp:async", 5, "token"), ("fsdp", 5, "norm-blocks")])
-def test_kill_and_resume_is_bit_identical(tmp_path, strategy, kill_step, task):
+def test_kill_and_resume_is_bit_identical(shared_run, tmp_path, strategy, kill_step, task):
     """SIGKILL rank 1 after step 3 (mid-epoch) or 6 (past an epoch boundary); torchrun ends rank
     0; resume from the newest sharded checkpoint: the same weights and logs, bit for bit. With
     asynchronous saves, a checkpoint whose write was in flight at the kill is not committed and
@@ -108,35 +108,35 @@ def test_kill_and_resume_is_bit_identical(tmp_path, strategy, kill_step, task):
     holds rank 0's, which every rank takes at the save."""
     common = ["--strategy", strategy, "--steps", "9", "--items", "40", "--batch", "4", "--accum", "2",
               "--save-every", "2", "--task", task, "--dtype", "float32"]
-    run_ok(2, tmp_path / "ref", *common)
+    ref = shared_run(2, *common)
     out = tmp_path / "run"
     killed = launch(2, out, *common, "--kill-step", str(kill_step))
     assert killed.returncode != 0
     run_ok(2, out, *common, "--resume")
     for rank in (0, 1):
-        a, b = weights(out, rank), weights(tmp_path / "ref", rank)
+        a, b = weights(out, rank), weights(ref, rank)
         assert all(torch.equal(a[k], b[k]) for k in a), f"rank {rank} differs"
-    logs = [(tmp_path / d / "logs" / "metrics.jsonl").read_text() for d in ("run", "ref")]
+    logs = [(d / "logs" / "metrics.jsonl").read_text() for d in (out, ref)]
     assert logs[0] == logs[1]
 
 
 @pytest.mark.parametrize("before,after,resume_strategy", [(2, 1, "fsdp"), (1, 2, "fsdp"), (2, 2, "ddp")])
-def test_resume_reshards(tmp_path, before, after, resume_strategy):
+def test_resume_reshards(shared_run, tmp_path, before, after, resume_strategy):
     """Stop at step 4 on `before` FSDP ranks, resume on `after` ranks (same global batch): DCP
     reshards weights and AdamW state onto the new layout, and the run ends where the
     uninterrupted one does. The sharded checkpoint also resumes under DDP (same names)."""
     common = ["--steps", "8", "--items", "40", "--save-every", "4"]
-    run_ok(2, tmp_path / "ref", "--strategy", "ddp", "--batch", "4", *common)
+    ref = shared_run(2, *REF_8_STEPS)
     out = tmp_path / "run"
     run_ok(before, out, "--strategy", "fsdp", "--batch", str(8 // before), "--stop", "4", *common)
     manifest = json.loads((out / "checkpoint-4" / "manifest.json").read_text())
     assert manifest["meta"]["state_format"] == "dcp"
     assert not (out / "checkpoint-4" / "model.safetensors").exists()  # sharded: nothing gathered
     run_ok(after, out, "--strategy", resume_strategy, "--batch", str(8 // after), "--resume", *common)
-    assert_close(weights(out), weights(tmp_path / "ref"), tol=1e-10)
+    assert_close(weights(out), weights(ref), tol=1e-10)
 
 
-def test_export_consolidates_shards(tmp_path):
+def test_export_consolidates_shards(shared_run, tmp_path):
     """``lightlike export`` on a sharded checkpoint writes one model.safetensors equal to the
     run's full weights, which loads into a fresh module."""
     import subprocess
@@ -144,8 +144,7 @@ def test_export_consolidates_shards(tmp_path):
 
     from safetensors.torch import load_file
 
-    out = tmp_path / "run"
-    run_ok(2, out, "--strategy", "fsdp", "--batch", "4", *COMMON, "--save-every", "7")
+    out = shared_run(2, "--strategy", "fsdp", *FSDP_ARGS)
     exported = tmp_path / "export"
     cli = subprocess.run([sys.executable, "-m", "lightlike.cli", "export", str(out / "checkpoint-7"), str(exported)],
                          capture_output=True, text=True)
@@ -160,13 +159,12 @@ def test_export_consolidates_shards(tmp_path):
 
 
 @pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed", "bf16-true"])
-def test_precisions(tmp_path, precision):
+def test_precisions(shared_run, tmp_path, precision):
     """Each precision this CPU supports trains under FSDP: finite losses, ranks agree, and the
     result is close to the fp32 run (the low-precision error, not a different computation)."""
     args = ["--strategy", "fsdp", "--dtype", "float32", "--batch", "4", "--steps", "6", "--items", "48"]
-    run_ok(2, tmp_path / "ref", *args)
     run_ok(2, tmp_path / "low", *args, "--precision", precision)
-    got, ref = weights(tmp_path / "low"), weights(tmp_path / "ref")
+    got, ref = weights(tmp_path / "low"), weights(shared_run(2, *args))
     assert all(torch.equal(got[k], weights(tmp_path / "low", 1)[k]) for k in got)
     for k in ref:
         assert torch.isfinite(got[k]).all()
@@ -195,15 +193,14 @@ def test_offload_on_cpu_is_a_clear_error(tmp_path):
 
 
 @pytest.mark.parametrize("how", ["--meta", "--init-module"])
-def test_meta_device_init_materialises_shards(tmp_path, how):
+def test_meta_device_init_materialises_shards(shared_run, tmp_path, how):
     """A module built on the meta device (by hand, or in ``fitter.init_module()``) is sharded
     first, then each rank allocates and initialises only its shard, with exactly the values of
     ``torch.manual_seed(seed); Model()``: the run is bit-identical to one with an eagerly built
     module (on the CPU, DTensor random ops would give every shard the same values)."""
     args = ["--strategy", "fsdp", "--width", "64", "--steps", "3", "--batch", "4", "--dtype", "float32"]
     run_ok(2, tmp_path / "meta", *args, how)
-    run_ok(2, tmp_path / "eager", *args)
-    w0, w1, eager = weights(tmp_path / "meta", 0), weights(tmp_path / "meta", 1), weights(tmp_path / "eager")
+    w0, w1, eager = weights(tmp_path / "meta", 0), weights(tmp_path / "meta", 1), weights(shared_run(2, *args))
     assert w0["net.0.weight"].shape == (64, 8)
     for k in eager:
         assert torch.equal(w0[k], w1[k]) and torch.equal(w0[k], eager[k]), k
@@ -337,19 +334,18 @@ def test_preset_files_agree_with_named_presets(tmp_path):
         get_strategy(str(tmp_path / "missing.json"), "cpu", None)
 
 
-def test_async_save_commits_every_checkpoint(tmp_path):
+def test_async_save_commits_every_checkpoint(shared_run, tmp_path):
     """With async_save, every checkpoint is committed (the last at the end of the fit), verifies,
     and holds the same shards as a synchronous save of the same run."""
     from lightlike.checkpoint.manifest import list_checkpoints, verify_checkpoint
 
-    args = ["--batch", "4", *COMMON, "--save-every", "2"]
-    run_ok(2, tmp_path / "sync", "--strategy", "fsdp", *args)
-    run_ok(2, tmp_path / "async", "--strategy", "fsdp:async", *args)
+    sync = shared_run(2, "--strategy", "fsdp", *FSDP_ARGS)
+    run_ok(2, tmp_path / "async", "--strategy", "fsdp:async", *FSDP_ARGS)
     done = [p.name for p in list_checkpoints(tmp_path / "async")]
-    assert done == [p.name for p in list_checkpoints(tmp_path / "sync")] == [f"checkpoint-{s}" for s in (2, 4, 6, 7)]
+    assert done == [p.name for p in list_checkpoints(sync)] == [f"checkpoint-{s}" for s in (2, 4, 6, 7)]
     for name in done:
         a = verify_checkpoint(tmp_path / "async" / name)["files"]
-        b = verify_checkpoint(tmp_path / "sync" / name)["files"]
+        b = verify_checkpoint(sync / name)["files"]
         shards = [f for f in b if f.startswith("dcp/__")]
         assert shards and all(a[f]["crc32"] == b[f]["crc32"] for f in shards), name
 

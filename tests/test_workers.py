@@ -93,7 +93,12 @@ STUCK = textwrap.dedent("""
     import sys, time
     sys.path.insert(0, {tests!r})
     import lightlike as ll
+    import torch.utils.data._utils as loader_utils
     from helpers import Classifier, DictDataset
+
+    # torch waits this long for each worker to stop before its SIGTERM (5 s; the default made the test
+    # take 25 s): shorter, the same steps (join, SIGTERM, the exit hook)
+    loader_utils.MP_STATUS_CHECK_INTERVAL = 0.5
 
     class Stuck(DictDataset):
         def __getitem__(self, i):
