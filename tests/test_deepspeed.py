@@ -74,18 +74,10 @@ def assert_close(a, b, tol=TOL):
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """Uninterrupted 2-process runs with COMMON, each launched once per module when first asked for."""
-    base = tmp_path_factory.mktemp("runs")
-    done: dict[tuple[str, ...], Path] = {}
-
+def runs(shared_run):
+    """Uninterrupted 2-process runs with COMMON (``shared_run``: each launched once, when first asked for)."""
     def get(strategy, *extra):
-        key = (strategy, *extra)
-        if key not in done:
-            out = base / f"{strategy}-{len(done)}"
-            run_ok(2, out, "--strategy", strategy, *COMMON, *SAVES, *extra)
-            done[key] = out
-        return done[key]
+        return shared_run(2, "--strategy", strategy, *COMMON, *SAVES, *extra, script=SCRIPT)
 
     return get
 
