@@ -444,18 +444,18 @@ class Fitter:
     # ==== evaluation and prediction outside fit ===================================================
     def validate(self, module: TaskModule, data: Any) -> dict[str, float]:
         """Evaluate on ``data`` (or a dict of sets); keys ``val/<name>`` (or ``<set>/<name>``)."""
-        with guarded(self):
+        with guarded(self), rng_kept():  # as in fit: the caller's random streams go on untouched
             return self._evaluate_standalone(module, data, "val")
 
     def test(self, module: TaskModule, data: Any) -> dict[str, float]:
         """Like ``validate`` with keys ``test/<name>``."""
-        with guarded(self):
+        with guarded(self), rng_kept():
             return self._evaluate_standalone(module, data, "test")
 
     def predict(self, module: TaskModule, data: Any) -> PredictionResult:
         """Predictions (``TaskModule.predictions``) in dataset order, labels if the batches carry
         them, and the metrics over the whole set (keys ``predict/<name>``)."""
-        with guarded(self):
+        with guarded(self), rng_kept():
             return self._predict(module, data)
 
     def _predict(self, module: TaskModule, data: Any) -> PredictionResult:

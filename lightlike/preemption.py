@@ -45,7 +45,7 @@ class PreemptionHandler:
     """Installs flag-only handlers for the given signals while a fit runs."""
 
     def __init__(self, signals: list[str] | tuple[str, ...]):
-        self.signals = [_signal(name) for name in signals]
+        self.signals = list(dict.fromkeys(_signal(name) for name in signals))  # "TERM" and "SIGTERM" once
         self.received: int | None = None  # kept over an out-of-memory retry (auto_find_batch_size)
         self.vote: Any = None  # the every-10-steps vote in flight (several processes, equal shares)
         self._previous: dict[int, Any] = {}

@@ -1,8 +1,11 @@
 import logging
+import os
+import signal
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
@@ -22,6 +25,68 @@ def lightlike_logger_as_found():
     yield
     logger.setLevel(level)
     logger.handlers[:] = handlers
+
+
+def _process_state() -> dict[str, object]:
+    """Process-wide settings a fit, an evaluation or a prediction might change and must leave as
+    it found them (signal handlers, torch's global switches, the environment). Left out: what
+    torch itself sets for good (its DataLoader's SIGCHLD handler, the excepthook of
+    ``init_process_group``, the inductor's cache variables) and ``import deepspeed``."""
+    signals = [s for s in ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT", "SIGHUP") if hasattr(signal, s)]
+    return {
+        **{f"handler of {s}": signal.getsignal(getattr(signal, s)) for s in signals},
+        "torch default dtype": torch.get_default_dtype(),
+        "torch grad mode": torch.is_grad_enabled(),
+        "torch inference mode": torch.is_inference_mode_enabled(),
+        "torch anomaly mode": torch.is_anomaly_enabled(),
+        "torch deterministic algorithms": (torch.are_deterministic_algorithms_enabled(),
+                                           torch.is_deterministic_algorithms_warn_only_enabled()),
+        "cudnn deterministic/benchmark": (torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark),
+        "torch threads": torch.get_num_threads(),
+        "cpu autocast": torch.is_autocast_enabled("cpu"),
+        "float32 matmul precision": torch.get_float32_matmul_precision(),
+        "os.environ": {k: v for k, v in os.environ.items()
+                       if k not in ("PYTEST_CURRENT_TEST", "PYTORCH_NVML_BASED_CUDA_CHECK")
+                       and not k.lstrip("_").startswith("TORCHINDUCTOR_")},
+    }
+
+
+@pytest.fixture(autouse=True)
+def process_state_as_found():
+    """Every test leaves the process as it found it (set up before, so it checks after every
+    other fixture, monkeypatch included, has undone its changes): a fit that left a signal handler,
+    torch's default dtype or deterministic mode behind would change every later fit in a notebook.
+    A change fails the test that made it, naming what changed, and is undone for the next one."""
+    before = _process_state()
+    yield
+    after = _process_state()
+    changed = sorted(k for k in before if before[k] != after[k])
+    if not changed:
+        return
+    detail = []
+    for key in changed:
+        if key == "os.environ":
+            was, now = before[key], after[key]
+            diff = sorted(k for k in was.keys() | now.keys() if was.get(k) != now.get(k))  # type: ignore[union-attr]
+            detail.append(f"os.environ: {', '.join(f'{k}: {was.get(k)!r} -> {now.get(k)!r}' for k in diff)}")  # type: ignore[union-attr]
+            for k in diff:
+                if k in was:  # type: ignore[operator]
+                    os.environ[k] = was[k]  # type: ignore[index]
+                else:
+                    os.environ.pop(k, None)
+        else:
+            detail.append(f"{key}: {before[key]!r} -> {after[key]!r}")
+    for sig in [k for k in changed if k.startswith("handler of ")]:
+        signal.signal(getattr(signal, sig.removeprefix("handler of ")), before[sig])  # type: ignore[arg-type]
+    torch.set_default_dtype(before["torch default dtype"])  # type: ignore[arg-type]
+    torch.set_grad_enabled(before["torch grad mode"])  # type: ignore[arg-type]
+    torch.set_anomaly_enabled(before["torch anomaly mode"])  # type: ignore[arg-type]
+    det, warn = before["torch deterministic algorithms"]  # type: ignore[misc]
+    torch.use_deterministic_algorithms(det, warn_only=warn)
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = before["cudnn deterministic/benchmark"]  # type: ignore[misc]
+    torch.set_num_threads(before["torch threads"])  # type: ignore[arg-type]
+    torch.set_float32_matmul_precision(before["float32 matmul precision"])  # type: ignore[arg-type]
+    pytest.fail("the test left process-wide state changed: " + "; ".join(detail), pytrace=False)
 
 
 @pytest.fixture(scope="session")

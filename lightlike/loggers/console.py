@@ -33,6 +33,8 @@ class _StderrHandler(logging.StreamHandler):  # type: ignore[type-arg]
         super().__init__(sys.stderr)
 
     def emit(self, record: logging.LogRecord) -> None:
+        if logging.root.handlers and logging.getLogger("lightlike").propagate:
+            return  # the application configured logging after set-up: its handlers print the line
         bar = _StderrHandler.bar
         if bar is None:
             super().emit(record)

@@ -60,6 +60,24 @@ FILE_KEYS = ("offload", "hybrid", "reshard_after_forward", "shard_units", "shard
              "async_save", "timeout_s", "backend")
 
 
+_MADE: dict[Any, Any] = {}  # what _per_process_group made, for the default group under "world"
+
+
+def _per_process_group(key: tuple, make: Callable[[], Any]) -> Any:
+    """A mesh or subgroup made once per default process group, and reused by every later Fitter:
+    each one's set-up made new ones, whose gloo sockets lived as long as the process group (a
+    notebook, ``Fitter.search``'s trials). Every rank sets up its Fitters in the same order, so
+    the collective ``make`` runs on all ranks or on none."""
+    import torch.distributed as dist
+
+    if _MADE.get("world") is not dist.group.WORLD:  # a new default group: nothing made is its
+        _MADE.clear()
+        _MADE["world"] = dist.group.WORLD
+    if key not in _MADE:
+        _MADE[key] = make()
+    return _MADE[key]
+
+
 class FSDPStrategy(DDPStrategy):
     name = "fsdp"
     checkpoint_format = "dcp"
@@ -132,16 +150,14 @@ class FSDPStrategy(DDPStrategy):
         if self.offload and self.root_device.type == "cpu":
             raise ConfigError(f"strategy={'fsdp_offload'!r} offloads to the CPU from an accelerator, but this run "
                               "is on the CPU already; use strategy='fsdp'")
-        world = self.world_size
-        if self.hybrid:
-            self.mesh = init_device_mesh(self.root_device.type, self._hybrid_shape(),
-                                         mesh_dim_names=("replicate", "shard"))
-        else:
-            self.mesh = init_device_mesh(self.root_device.type, (world,), mesh_dim_names=("shard",))
-        if self.async_save:  # the background writer's collectives get their own (CPU) group
-            import torch.distributed as dist
+        import torch.distributed as dist
 
-            self._checkpoint_group = dist.new_group(backend="gloo")
+        device = self.root_device.type
+        shape, names = (self._hybrid_shape(), ("replicate", "shard")) if self.hybrid else ((self.world_size,), ("shard",))
+        self.mesh = _per_process_group(("mesh", device, shape, names),
+                                       lambda: init_device_mesh(device, shape, mesh_dim_names=names))
+        if self.async_save:  # the background writer's collectives get their own (CPU) group
+            self._checkpoint_group = _per_process_group(("checkpoint group",), lambda: dist.new_group(backend="gloo"))
         if self.precision.name == "16-mixed":
             from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
