@@ -160,12 +160,12 @@ def _parse(cmd: str, argv: list[str]) -> dict[str, Any]:
         check_flags,
         fit_options,
         generic_option,
-        load_target,
         model_options,
         normalise_argv,
         read_config_file,
         split_config,
     )
+    from lightlike.cli_targets import load_target
     from lightlike.config import FitConfig
     from lightlike.module import TaskModule
 
@@ -237,8 +237,7 @@ def _parse(cmd: str, argv: list[str]) -> dict[str, Any]:
     if cls is not None or file_model:
         model = {o.key.split(".", 1)[1]: o.default for o in model_list if o.default is not REQUIRED}
         if checkpoint is not None and (checkpoint / "hparams.json").is_file():
-            saved = json.loads((checkpoint / "hparams.json").read_text())
-            model.update({k: v for k, v in saved.items() if var_kw or f"{MODEL}.{k}" in model_opts})
+            model.update(_saved_hparams(checkpoint / "hparams.json", model_opts, var_kw))
         model.update(file_model)
         model.update({k.split(".", 1)[1]: v for k, v in given.items() if k.startswith(f"{MODEL}.")})
         missing = [o.key.split(".", 1)[1] for o in model_list if o.key.split(".", 1)[1] not in model]
@@ -249,6 +248,28 @@ def _parse(cmd: str, argv: list[str]) -> dict[str, Any]:
             "fit_help": {k: o.help for k, o in fit_opts.items()},
             "model_help": {k: o.help for k, o in model_opts.items()},
             "defaults": {**{k: o.default for k, o in fit_opts.items()}, **{k: o.default for k, o in model_opts.items()}}}
+
+
+def _saved_hparams(path: Path, model_opts: dict[str, Any], var_kw: bool) -> dict[str, Any]:
+    """A checkpoint's hparams.json as constructor arguments, each given back through its option
+    as a flag's value is: JSON has no path or enum, so a ``Path`` or an ``Enum`` argument (saved
+    as its text or value) is given to the constructor as one again."""
+    from lightlike.cli_args import MODEL
+
+    try:
+        saved = json.loads(path.read_text())
+    except ValueError as e:
+        raise CheckpointError(f"{path} is unreadable ({e})") from None
+    if not isinstance(saved, dict):
+        raise CheckpointError(f"{path} holds a JSON {type(saved).__name__}, not the constructor's arguments")
+    out = {}
+    for k, v in saved.items():
+        opt = model_opts.get(f"{MODEL}.{k}")
+        if opt is not None:
+            out[k] = opt.to_cast(v, strict=False)  # a value that is none of the class's: left as saved
+        elif var_kw:
+            out[k] = v
+    return out
 
 
 def _resolve_checkpoint(spec: str, config: Any) -> Path:
@@ -285,6 +306,9 @@ def _cmd_run(cmd: str, argv: list[str]) -> int:
         sys.stdout.write(dump_config(r["config"].to_dict(), r["model"], r["args"]["cli_format"], helps, r["defaults"]))
         return 0
     config, cls, kwargs, args = r["config"], r["cls"], r["model"], r["args"]
+    if cmd == "predict":  # where the predictions go is checked before anything is built or predicted
+        path = Path(args.get("cli_predictions_file") or Path(config.output_dir) / "predictions.pt")
+        _check_predictions_path(path, named=bool(args.get("cli_predictions_file")))
     fitter = Fitter(config)
     if cmd == "fit":
         with fitter.init_module():  # FSDP: on the meta device; ZeRO-3: partitioned as built
@@ -309,7 +333,6 @@ def _cmd_run(cmd: str, argv: list[str]) -> int:
     if cmd == "predict":
         predicted = fitter.predict(module, data)
         if fitter.strategy.is_global_zero:  # type: ignore[union-attr]
-            path = Path(args.get("cli_predictions_file") or Path(config.output_dir) / "predictions.pt")
             _write_predictions(path, predicted)
             _print_json({"metrics": predicted.metrics, "predictions_file": str(path)})
         return 0
@@ -328,7 +351,13 @@ def _record_hparams(module: Any, kwargs: dict[str, Any]) -> None:
 
 def _load_weights(module: Any, checkpoint: Path, config: Any) -> None:
     if (checkpoint / "model.safetensors").is_file():
-        module.load_weights(checkpoint)
+        from safetensors import SafetensorError
+
+        try:
+            module.load_weights(checkpoint)
+        except SafetensorError as e:  # a torn or foreign file: named, as a checkpoint's torn file is
+            raise CheckpointError(f"--checkpoint {str(checkpoint)!r}: {checkpoint / 'model.safetensors'} is not a "
+                                  f"readable safetensors file (cut short by an interrupted copy?): {e}") from None
         return
     from lightlike.checkpoint import export_weights
 
@@ -348,7 +377,8 @@ def _data_source(spec: str | None, module: Any, config: Any, primary: str) -> tu
             return (f"{type(module).__name__} has no {role}_data() method: define {role}_data(self) returning a "
                     "torch Dataset or DataLoader, or pass --data FILE.py:FUNCTION")
         return from_module, no_method
-    from lightlike.cli_args import call_with_known, load_target, nearest
+    from lightlike.cli_args import nearest
+    from lightlike.cli_targets import call_with_known, load_target
 
     out = call_with_known(load_target(spec, "--data", None), {"config": config, "module": module})
     roles = ["train", "val", "test", "predict"]
@@ -390,19 +420,39 @@ def _eval_data(cmd: str, spec: str | None, module: Any, config: Any) -> Any:
     raise DataError(missing(roles[0]))
 
 
+def _check_predictions_path(path: Path, named: bool) -> None:
+    """A one-line error, before anything is predicted, where the predictions cannot be written:
+    a path that is a directory, or one under a file (an ``output_dir`` that is a file)."""
+    what = f"--predictions_file {str(path)!r}" if named else f"the predictions file {str(path)!r}"
+    if path.is_dir():
+        raise ConfigError(f"{what} is a directory: name a file (e.g. {str(path / 'predictions.pt')!r})")
+    for parent in path.parents:
+        if parent.exists():
+            if parent.is_dir():
+                return
+            if not named and parent == path.parent:
+                raise OutputDirError(f"output_dir {str(parent)!r} is a file, not a directory: choose another "
+                                     "--output_dir (predict writes OUTPUT_DIR/predictions.pt)")
+            raise ConfigError(f"{what}: {str(parent)!r} is a file, not a directory")
+
+
 def _write_predictions(path: Path, result: Any) -> None:
+    _check_predictions_path(path, named=True)  # again: it may have changed while predicting
     path.parent.mkdir(parents=True, exist_ok=True)
     if path.exists():  # replaced whole (written aside, then renamed), and said so
         print(f"lightlike predict: replacing {path} (pass --predictions_file to keep it)", file=sys.stderr)
     payload = {"predictions": result.predictions, "labels": result.labels, "metrics": result.metrics}
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    if path.suffix.lower() == ".json":
-        tmp.write_text(json.dumps(_plain(payload)) + "\n")
-    else:
-        import torch
+    try:
+        if path.suffix.lower() == ".json":
+            tmp.write_text(json.dumps(_plain(payload)) + "\n")
+        else:
+            import torch
 
-        torch.save(payload, tmp)
-    os.replace(tmp, path)
+            torch.save(payload, tmp)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)  # a write or rename that failed leaves no temp file behind
 
 
 def _plain(obj: Any) -> Any:

@@ -1,4 +1,4 @@
-"""What the ``lightlike`` command line generates: flags, config files and targets.
+"""What the ``lightlike`` command line generates: flags and config files (targets: ``cli_targets.py``).
 
 Nothing here is written per setting. ``FitConfig``'s fields become ``--FIELD`` flags (type from
 the annotation, help from the field's ``metadata["help"]``); the TaskModule's constructor
@@ -12,18 +12,16 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
-import importlib
-import importlib.util
+import enum
 import inspect
 import json
 import os
 import re
-import sys
 import types
 import typing
 from collections import abc
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePath
 from typing import Any
 
 from lightlike.config import FitConfig, toml_value
@@ -48,6 +46,9 @@ class Option:
     default: Any
     help: str = ""
     choices: tuple[Any, ...] | None = None  # a ``Literal[...]`` annotation's values
+    #: a ``Path`` or ``Enum`` annotation's class: a value read as text (or as the enum's value, or
+    #: its member's name) is given to the constructor as one, as the signature's default is
+    cast: type | None = None
 
     def check_choice(self, value: Any) -> Any:
         """``value``, or ``ArgumentTypeError`` when a ``Literal`` annotation does not list it."""
@@ -104,7 +105,28 @@ class Option:
 
     def convert(self, raw: str) -> Any:
         """A command-line string as this option's value, or ``ArgumentTypeError``."""
-        return self.check_choice(convert(raw, self.kinds, self.default))
+        return self.to_cast(self.check_choice(convert(raw, self.kinds, self.default)))
+
+    def to_cast(self, value: Any, strict: bool = True) -> Any:
+        """``value`` as the annotation's ``Path`` or ``Enum`` class (``cast``), where it has one:
+        a path from its text, an enum member from its value or name. A value that is none of the
+        class's is an ``ArgumentTypeError`` (``strict``) or left as it is."""
+        t = self.cast
+        if t is None or value is None or isinstance(value, t):
+            return value
+        if issubclass(t, enum.Enum):
+            try:
+                return t(value)
+            except (ValueError, TypeError):
+                if isinstance(value, str) and value in t.__members__:
+                    return t[value]
+            if not strict:
+                return value
+            valid = ", ".join(repr(m.value) for m in t)
+            raise argparse.ArgumentTypeError(f"expected one of {valid} ({t.__name__}), got {value!r}")
+        if isinstance(value, (str, os.PathLike)):
+            return t(value)  # type: ignore[call-arg]  # a PurePath class
+        return value
 
     def coerce(self, value: Any, source: str | None = None) -> Any:
         """A config-file value: strings are converted as flags are where the option takes no
@@ -119,7 +141,9 @@ class Option:
                 if source is None:
                     return value  # FitConfig's validation names the setting
                 raise ConfigError(f"{source}: {self.key}: {e}") from None
-        if source is not None and not self.takes(value):
+        if source is None:
+            return self.to_cast(value, strict=False)
+        if not self.takes(value):
             want = " or ".join(sorted(self.kinds))
             hint = ""
             if isinstance(value, float) and "int" in self.kinds and value.is_integer():
@@ -127,12 +151,11 @@ class Option:
             elif not isinstance(value, str) and "str" in self.kinds:
                 hint = f"; write it as a string: {json.dumps(str(value))}"
             raise ConfigError(f"{source}: {self.key}: expected {want}, got {value!r} ({type(value).__name__}){hint}")
-        if source is not None:
-            try:
-                self.check_choice(value)
-            except argparse.ArgumentTypeError as e:
-                raise ConfigError(f"{source}: {self.key}: {e}") from None
-        return value
+        try:
+            self.check_choice(value)
+            return self.to_cast(value)
+        except argparse.ArgumentTypeError as e:
+            raise ConfigError(f"{source}: {self.key}: {e}") from None
 
     def takes(self, value: Any) -> bool:
         """Whether a value read from a config file is of a kind this option takes (``int`` for
@@ -288,8 +311,21 @@ def model_options(cls: type) -> tuple[list[Option], bool]:
             continue
         ann = hints.get(p.name, p.annotation)
         out.append(Option(f"{MODEL}.{p.name}", kinds_of(ann, p.default), p.default,
-                          doc.get(p.name, f"{cls.__name__}(..., {p.name}=...)"), literal_choices(ann)))
+                          doc.get(p.name, f"{cls.__name__}(..., {p.name}=...)"), literal_choices(ann),
+                          cast_class(ann)))
     return out, var_kw
+
+
+def cast_class(annotation: Any) -> type | None:
+    """The ``Path`` (any ``PurePath``) or ``Enum`` class an annotation (or its ``Optional``)
+    names, whose values are read as text (or as the enum's value); None for any other."""
+    origin = typing.get_origin(annotation)
+    if origin is typing.Union or (hasattr(types, "UnionType") and isinstance(annotation, types.UnionType)):
+        args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        return cast_class(args[0]) if len(args) == 1 else None
+    if isinstance(annotation, type) and issubclass(annotation, (PurePath, enum.Enum)):
+        return annotation
+    return None
 
 
 def _param_docs(doc: str) -> dict[str, str]:
@@ -339,9 +375,10 @@ def normalise_argv(argv: list[str], options: dict[str, Option], optional_value: 
     return out
 
 
-def nearest(name: str, valid: list[str]) -> str:
+def nearest(name: str, valid: list[str], shown: dict[str, str] | None = None) -> str:
     """The hint for an unknown flag or key: the field an HF Trainer / Lightning name maps to
-    (``config.OTHER_NAMES``), else the closest valid name."""
+    (``config.OTHER_NAMES``), else the closest valid name (named as ``shown`` says, where it
+    names it: a constructor argument ``width`` as ``model.width``)."""
     from lightlike.config import other_name_hint
 
     # --fp16 -> --precision 16-mixed, --resume_from_checkpoint -> --resume
@@ -351,7 +388,9 @@ def nearest(name: str, valid: list[str]) -> str:
     # compared without the '--' every flag shares (it made --devices look like --metric_for_best)
     bare = {v.lstrip("-"): v for v in valid}
     close = difflib.get_close_matches(name.lstrip("-"), list(bare), n=1, cutoff=0.5)
-    return f" (did you mean {bare[close[0]]!r}?)" if close else ""
+    if not close:
+        return ""
+    return f" (did you mean {(shown or {}).get(close[0], bare[close[0]])!r}?)"
 
 
 def check_flags(extras: list[str], valid_flags: list[str], prog: str) -> None:
@@ -425,6 +464,8 @@ def split_config(data: dict[str, Any], source: str, fit_opts: dict[str, Option],
     model: dict[str, Any] = {}
     for key, value in data.items():
         if key == MODEL:
+            if value is None:  # YAML's bare "model:": an empty table
+                value = {}
             if not isinstance(value, dict):
                 raise ConfigError(f"{source}: '{MODEL}' must be a table of constructor arguments, got {value!r}")
             for name, v in value.items():
@@ -442,14 +483,31 @@ def split_config(data: dict[str, Any], source: str, fit_opts: dict[str, Option],
             raise ConfigError(f"{source}: unknown key {key!r} (a constructor argument of the module: put it in "
                               f"the '{MODEL}' table, [{MODEL}] in TOML)")
         else:
-            raise ConfigError(f"{source}: unknown key {key!r}{nearest(key, [*fit_opts, MODEL])}")
+            # a misspelt constructor argument is compared by its own name (widht ~ width), and
+            # named as the model table's key
+            args = {o.split(".", 1)[1]: o for o in (model_opts or {})}
+            args = {k: v for k, v in args.items() if k not in fit_opts and k != MODEL}
+            hint = nearest(key, [*fit_opts, MODEL, *args], shown=args)
+            if hint in {f" (did you mean {full!r}?)" for full in args.values()}:
+                hint = f"{hint[:-1]} constructor arguments go in the '{MODEL}' table)"
+            raise ConfigError(f"{source}: unknown key {key!r}{hint}")
     return fit, model
 
 
 def _fspaths(v: Any) -> Any:
-    """Paths as strings, inside lists and dicts too (TOML and YAML have no path)."""
+    """Paths as strings, enums as their values, sets (sorted, where they sort) and tuples as
+    lists, inside lists and dicts too: TOML, YAML and JSON have none of them, and ``--config``
+    reads these back (a set as a list, as documented; a path or an enum as the argument's class)."""
+    if isinstance(v, enum.Enum):
+        v = v.value
     if isinstance(v, os.PathLike):
         return os.fspath(v)
+    if isinstance(v, (set, frozenset)):
+        items = [_fspaths(x) for x in v]
+        try:
+            return sorted(items)
+        except TypeError:
+            return items
     if isinstance(v, (list, tuple)):
         return [_fspaths(x) for x in v]
     if isinstance(v, dict):
@@ -462,7 +520,8 @@ def dump_config(fit: dict[str, Any], model: dict[str, Any] | None, fmt: str,
     """The resolved settings as TOML, YAML or JSON that ``--config`` reads back; ``helps``
     (key → text) adds each field's help as a comment (TOML, YAML)."""
     if fmt == "json":
-        return json.dumps({**fit, **({MODEL: model} if model is not None else {})}, indent=2, default=str) + "\n"
+        doc = _fspaths({**fit, **({MODEL: model} if model is not None else {})})
+        return json.dumps(doc, indent=2, default=str) + "\n"
     lines: list[str] = []
     sections: list[tuple[str | None, dict[str, Any]]] = [(None, fit)]
     if model is not None:
@@ -470,7 +529,8 @@ def dump_config(fit: dict[str, Any], model: dict[str, Any] | None, fmt: str,
     for table, values in sections:
         if table is not None:
             lines.append("")
-            lines.append(f"[{table}]" if fmt == "toml" else f"{table}:")
+            # YAML reads a bare "model:" as null: an empty table is written as one
+            lines.append(f"[{table}]" if fmt == "toml" else f"{table}:" if values else f"{table}: {{}}")
         indent = "  " if (table is not None and fmt == "yaml") else ""
         for key, v in values.items():
             v = _fspaths(v)
@@ -490,75 +550,3 @@ def dump_config(fit: dict[str, Any], model: dict[str, Any] | None, fmt: str,
                     raise ConfigError(f"cannot write {key}={v!r} to YAML: use --format json") from None
                 lines.extend(indent + line for line in dumped.splitlines())
     return "\n".join(lines) + "\n"
-
-
-# -- targets: "path/to/file.py:Name" or "package.module:Name" ----------------------------------
-def load_target(spec: str, what: str, want: type | None = None) -> Any:
-    """The object ``spec`` names. Without ``:Name``, the one subclass of ``want`` defined in it."""
-    where, sep, name = spec.rpartition(":") if ":" in spec else (spec, "", "")
-    if len(where) == 1 and sep and os.sep == "\\":  # a Windows drive letter, not a separator
-        where, name = spec, ""
-    module = _import(where, what, spec)
-    if not name:
-        found = [v for v in vars(module).values() if isinstance(v, type) and want is not None
-                 and issubclass(v, want) and v is not want and v.__module__ == module.__name__]
-        if len(found) != 1:
-            names = ", ".join(sorted(c.__name__ for c in found)) or "none"
-            raise ConfigError(f"{what} {spec!r}: name one as {where}:NAME (defined there: {names})")
-        return found[0]
-    obj = getattr(module, name, None)
-    if obj is None:
-        pool = [k for k, v in vars(module).items() if not k.startswith("_")
-                and (want is None or (isinstance(v, type) and issubclass(v, want)) or callable(v))]
-        raise ConfigError(f"{what} {spec!r}: {where} has no {name!r}{nearest(name, pool)}")
-    if want is not None and not (isinstance(obj, type) and issubclass(obj, want)):
-        raise ConfigError(f"{what} {spec!r}: {name} is not a {want.__module__.split('.')[0]}.{want.__name__} subclass")
-    if want is None and not callable(obj):
-        raise ConfigError(f"{what} {spec!r}: {name} is not callable")
-    return obj
-
-
-def _import(where: str, what: str, spec: str) -> types.ModuleType:
-    if where.endswith(".py") or "/" in where or os.sep in where:
-        path = Path(where).resolve()
-        if not path.is_file():
-            raise ConfigError(f"{what} {spec!r}: no such file {where!r}")
-        if str(path.parent) not in sys.path:
-            sys.path.insert(0, str(path.parent))  # as `python file.py` would: sibling imports work
-        found = importlib.util.find_spec(path.stem) if path.stem.isidentifier() else None
-        if found is not None and found.origin and Path(found.origin).resolve() == path:
-            # importable by its own name: classes defined there pickle (DataLoader workers that spawn)
-            return importlib.import_module(path.stem)
-        name = f"_lightlike_user_{path.stem}_{abs(hash(str(path))) % 10**8}"
-        if name in sys.modules:
-            return sys.modules[name]
-        loader_spec = importlib.util.spec_from_file_location(name, path)
-        assert loader_spec is not None and loader_spec.loader is not None
-        module = importlib.util.module_from_spec(loader_spec)
-        sys.modules[name] = module
-        try:
-            loader_spec.loader.exec_module(module)
-        except BaseException:
-            del sys.modules[name]
-            raise
-        return module
-    if os.getcwd() not in sys.path and "" not in sys.path:
-        sys.path.insert(0, os.getcwd())  # as `python -m` would
-    try:
-        return importlib.import_module(where)
-    except ModuleNotFoundError as e:
-        if e.name is not None and where.startswith(e.name) and where[len(e.name):][:1] in ("", "."):
-            raise ConfigError(f"{what} {spec!r}: no module {e.name!r} (give a file path, e.g. "
-                              "examples/cli_module.py:Classifier, or a dotted module importable from here)") from None
-        raise
-
-
-def call_with_known(fn: Any, available: dict[str, Any]) -> Any:
-    """``fn(**subset)``: pass those of ``available`` (e.g. ``config``, ``module``) it names."""
-    try:
-        params = inspect.signature(fn).parameters
-    except (TypeError, ValueError):
-        return fn()
-    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
-        return fn(**available)
-    return fn(**{k: v for k, v in available.items() if k in params})

@@ -135,7 +135,6 @@ from typing import Literal  # noqa: E402
 from lightlike.cli_args import (  # noqa: E402
     REQUIRED,
     Option,
-    call_with_known,
     convert,
     dump_config,
     kinds_of,
@@ -222,6 +221,8 @@ def test_dump_config_toml_refuses_none_over_a_default():
 
 
 def test_call_with_known():
+    from lightlike.cli_targets import call_with_known
+
     assert call_with_known(lambda **kw: kw, {"config": 1, "module": 2}) == {"config": 1, "module": 2}
     assert call_with_known(lambda config: config, {"config": 1, "module": 2}) == 1
 
@@ -293,7 +294,7 @@ def test_a_required_constructor_argument_missing(tmp_path):
 
 
 def test_a_file_with_two_modules_needs_the_name(tmp_path):
-    from lightlike.cli_args import load_target
+    from lightlike.cli_targets import load_target
     from lightlike.module import TaskModule
 
     (tmp_path / "two.py").write_text("import lightlike as ll\nclass B(ll.TaskModule): pass\nclass A(ll.TaskModule): pass\n")

@@ -33,9 +33,12 @@ def export_weights(checkpoint_dir: str | Path, out_dir: str | Path, hashes: bool
     ``out_dir`` is new, empty, an earlier export (it holds nothing but those three files: they
     are replaced, with a warning, and an earlier ``hparams.json``/``config.json`` that this
     checkpoint lacks is removed, so the folder describes one model), or ``checkpoint_dir``
-    itself (its files are left as they are). Any other folder, a checkpoint above all, is
-    refused with a ``CheckpointError`` before anything is written: nothing that an export did not
-    write is overwritten. Each file lands atomically.
+    itself when it is a full checkpoint (its files are left as they are; a sharded one is refused:
+    a ``model.safetensors`` its manifest does not list would make loading it refuse it). Any other
+    folder, a checkpoint above all, is refused with a ``CheckpointError`` before anything is
+    written: nothing that an export did not write is overwritten. Every file is written aside
+    first and renamed into place only when all are written, so a failure part-way (a full disk)
+    leaves an earlier export as it was.
 
     Sharded checkpoints (FSDP's DCP shards, DeepSpeed's ZeRO partitions) are consolidated into
     the same single file by the consolidator their ``state_format`` names."""
@@ -64,7 +67,7 @@ def export_weights(checkpoint_dir: str | Path, out_dir: str | Path, hashes: bool
             raise CheckpointError(f"export: {str(src)!r} is a run's output_dir, not one checkpoint: pass one of "
                                   f"its checkpoints, e.g. its newest valid one, {str(newest)!r}")
     manifest = verify_checkpoint(src, hashes=hashes)
-    fmt = manifest.get("meta", {}).get("state_format", "full")
+    fmt = (manifest.get("meta") or {}).get("state_format", "full")
     out = Path(out_dir)
     in_place = out.is_dir() and out.samefile(src)
     if not in_place:
@@ -74,27 +77,40 @@ def export_weights(checkpoint_dir: str | Path, out_dir: str | Path, hashes: bool
         raise CheckpointError(f"{src} has no model.safetensors to export (state_format={fmt!r})")
     if consolidated and in_place:  # a file its manifest does not list: loading the checkpoint would refuse it
         raise CheckpointError(f"export: {str(src)!r} is sharded ({fmt}); export it into another folder, not into "
-                              "the checkpoint itself")
+                              f"the checkpoint itself (a model.safetensors its {MANIFEST} does not list would make "
+                              "loading the checkpoint refuse it)")
+    if in_place:  # a full checkpoint: its own files are already there, and are left as they are
+        return out / "model.safetensors"
     # decided before anything is written: what of an earlier export this one replaces or removes
-    replaced = [] if in_place else [name for name in EXPORTED if (out / name).is_file()]
+    replaced = [name for name in EXPORTED if (out / name).is_file()]
     out.mkdir(parents=True, exist_ok=True)
-    if consolidated:
-        module_name, fn_name = CONSOLIDATORS[fmt].split(":")
-        consolidate = getattr(importlib.import_module(module_name), fn_name)
-        tmp = out / f".model.safetensors.tmp-{os.getpid()}"
-        try:
-            consolidate(src, tmp)
-            fsync_replace(tmp, out / "model.safetensors")
-        finally:
-            tmp.unlink(missing_ok=True)
-    if not in_place:  # in place, the checkpoint's own files are already there
+    # every file is written aside first, and only then are all renamed into place: a failure
+    # while writing (a full disk, a consolidation error) leaves an earlier export whole, never
+    # this checkpoint's weights beside that export's hparams.json/config.json
+    temps: dict[str, Path] = {}
+    try:
         for name in EXPORTED:
-            if (src / name).is_file():
-                tmp = out / f".{name}.tmp-{os.getpid()}"
+            tmp = out / f".{name}.tmp-{os.getpid()}"
+            if name == "model.safetensors" and consolidated:
+                module_name, fn_name = CONSOLIDATORS[fmt].split(":")
+                temps[name] = tmp
+                getattr(importlib.import_module(module_name), fn_name)(src, tmp)
+            elif (src / name).is_file():
+                temps[name] = tmp
                 shutil.copyfile(src / name, tmp)
-                fsync_replace(tmp, out / name)
+        for tmp in temps.values():
+            with open(tmp, "rb") as fh:
+                os.fsync(fh.fileno())
+        # the renames follow one another at once (only a kill between two of them could still
+        # mix the two exports; loading would then name the shapes that do not fit)
+        for name in ("hparams.json", "config.json", "model.safetensors"):
+            if name in temps:
+                os.replace(temps.pop(name), out / name)
             elif name != "model.safetensors" and (out / name).is_file():
                 (out / name).unlink()  # an earlier export's: it would describe another model
+    finally:
+        for tmp in temps.values():
+            tmp.unlink(missing_ok=True)
     if replaced:
         log.warning("export into %s replaced %s of an earlier export", out, ", ".join(replaced))
     return out / "model.safetensors"

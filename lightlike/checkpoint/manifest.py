@@ -147,10 +147,13 @@ def verify_checkpoint(path: str | Path, hashes: bool = True) -> dict[str, Any]:
         raise CheckpointError(f"{p} is not a complete checkpoint: {MANIFEST} is missing (an interrupted save?)")
     try:
         manifest = json.loads(mpath.read_text())
-        files = manifest["files"]
+        if not isinstance(manifest, dict):
+            raise ValueError(f"a JSON {type(manifest).__name__}, not an object")
         if manifest.get("format") != FORMAT:
             raise ValueError(f"format {manifest.get('format')!r}")
-    except (ValueError, KeyError, TypeError) as e:
+        files = manifest["files"]
+        _check_structure(manifest, files)
+    except (ValueError, KeyError, TypeError) as e:  # a structure the checks below would trip over, too
         raise CheckpointError(f"{p}: {MANIFEST} is unreadable or not a lightlike manifest ({e})") from e
     if not isinstance(manifest.get("version", 1), int) or manifest.get("version", 1) > VERSION:
         raise CheckpointError(f"{p} was written by a newer lightlike (manifest version {manifest.get('version')!r}; "
@@ -170,6 +173,25 @@ def verify_checkpoint(path: str | Path, hashes: bool = True) -> dict[str, Any]:
             if digest != files[rel][algo]:
                 raise CheckpointError(f"{p}: file {rel} has changed contents ({algo} mismatch: a bit flip?)")
     return manifest
+
+
+def _check_structure(manifest: dict[str, Any], files: Any) -> None:
+    """``ValueError`` where a manifest that parses is not shaped as the writer shapes one (a
+    ``files`` object of ``{"size": int, CHECKSUM: hex}`` entries, a ``meta`` object), so that a
+    damaged one is refused by name, as a truncated one is, not met later as a ``KeyError``."""
+    if not isinstance(files, dict):
+        raise ValueError(f"'files' is a {type(files).__name__}, not an object")
+    for rel, info in files.items():
+        if not isinstance(info, dict):
+            raise ValueError(f"the entry of {rel!r} is a {type(info).__name__}, not an object")
+        size = info.get("size")
+        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+            raise ValueError(f"the entry of {rel!r} has no size" if "size" not in info
+                             else f"the entry of {rel!r} has size {size!r}")
+        if not any(isinstance(info.get(algo), str) for algo in (CHECKSUM, "sha256")):
+            raise ValueError(f"the entry of {rel!r} has no checksum ({CHECKSUM})")
+    if "meta" in manifest and not isinstance(manifest["meta"], dict):
+        raise ValueError(f"'meta' is {manifest['meta']!r}, not an object")
 
 
 def list_checkpoints(output_dir: str | Path) -> list[Path]:

@@ -346,11 +346,35 @@ def _native_rng(state: dict[str, Any]) -> dict[str, Any]:
 
 
 def _jsonable(obj: Any) -> Any:
+    """The module's hparams as JSON that rebuilds it: paths as their text, enums by value,
+    sets (and tuples) as lists, inside lists and dicts too; anything else JSON has no form for
+    as its repr (kept for a reader, not read back)."""
     try:
         json.dumps(obj)
         return obj
     except TypeError:
-        return {k: (v if _is_json(v) else repr(v)) for k, v in obj.items()}
+        return {k: _json_value(v) for k, v in obj.items()}
+
+
+def _json_value(v: Any) -> Any:
+    import enum
+    import os
+
+    if isinstance(v, enum.Enum):
+        v = v.value
+    if isinstance(v, os.PathLike):
+        return os.fspath(v)
+    if isinstance(v, dict):
+        return {k if isinstance(k, str) else str(k): _json_value(x) for k, x in v.items()}
+    if isinstance(v, (set, frozenset)):
+        items = [_json_value(x) for x in v]
+        try:
+            return sorted(items)
+        except TypeError:
+            return items
+    if isinstance(v, (list, tuple)):
+        return [_json_value(x) for x in v]
+    return v if _is_json(v) else repr(v)
 
 
 def _is_json(v: Any) -> bool:

@@ -51,7 +51,7 @@ def _normalise(spec: Any) -> list[str | Logger]:
                 log.warning("tensorboard is not installed: logging to CSV only "
                             "(pip install 'lightlike[tensorboard]')")
             return list(names)
-        if text in ("", "none"):
+        if text in ("", "none", "null"):  # the command line's words for None
             return []
         spec = [part.strip() for part in text.split(",") if part.strip()]  # "csv,tensorboard"
     if not isinstance(spec, Iterable) or isinstance(spec, (bytes, dict)):
