@@ -19,7 +19,8 @@ import torch
 
 from lightlike.callbacks.base import Callback, CallbackList
 from lightlike.config import FitConfig, check_keys
-from lightlike.data.loading import TrainData, build_eval_loader, build_train_data, normalise_eval_sets
+from lightlike.data.eval_loading import build_eval_loader, normalise_eval_sets
+from lightlike.data.loading import TrainData, build_train_data
 from lightlike.errors import ConfigError, DataError, NonFiniteLossError
 from lightlike.evaluation import call_loss, call_module, greater_is_better, is_improvement, run_evaluation
 from lightlike.module import TaskModule, check_task_module

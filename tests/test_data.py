@@ -106,7 +106,7 @@ def test_user_eval_loader_is_split_over_ranks_in_order(caplog):
     """A DataLoader passed for evaluation is rebuilt on each rank over a disjoint, in-order share
     (round-robin, so gathered outputs interleave back into dataset order), keeping its
     batch_size and collate_fn; a sampler it had is replaced, with a warning."""
-    from lightlike.data.loading import build_eval_loader
+    from lightlike.data.eval_loading import build_eval_loader
 
     user = DataLoader(Items(7), batch_size=2, shuffle=True, collate_fn=tagged_collate)
     with caplog.at_level(logging.WARNING, logger="lightlike"):
@@ -134,7 +134,7 @@ def test_user_eval_loader_is_split_over_ranks_in_order(caplog):
 def test_iterable_eval_data_is_sharded_in_order_over_ranks_and_workers():
     """An IterableDataset for evaluation: each item once, and in order on each rank, with
     DataLoader workers too (one process with 2 workers used to evaluate every item twice)."""
-    from lightlike.data.loading import build_eval_loader
+    from lightlike.data.eval_loading import build_eval_loader
 
     one = build_eval_loader(Count(11), batch_size=2, num_workers=2, pin_memory=False)
     assert ids(one) == list(range(11))
@@ -173,7 +173,8 @@ def test_a_plain_batch_sampler_keeps_its_batch_size_drop_last_and_order():
     shuffle; evaluation never drops an item)."""
     from torch.utils.data import BatchSampler, RandomSampler, SequentialSampler
 
-    from lightlike.data.loading import build_eval_loader, build_train_data
+    from lightlike.data.eval_loading import build_eval_loader
+    from lightlike.data.loading import build_train_data
 
     ordered = DataLoader(Items(10), batch_sampler=BatchSampler(SequentialSampler(range(10)), 3, True))
     shares = [build_eval_loader(ordered, batch_size=2, num_workers=0, pin_memory=False, rank=r, world_size=2)

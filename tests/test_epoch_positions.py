@@ -11,7 +11,8 @@ from helpers import Classifier, DictDataset
 from torch.utils.data import DataLoader, Dataset, RandomSampler
 
 import lightlike as ll
-from lightlike.data.loading import build_eval_loader, build_train_data
+from lightlike.data.eval_loading import build_eval_loader
+from lightlike.data.loading import build_train_data
 from lightlike.data.sampler import ResumableSampler
 
 

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import itertools
 import logging
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.utils.data import (
@@ -18,12 +17,17 @@ from torch.utils.data import (
     IterableDataset,
     RandomSampler,
     SequentialSampler,
+    SubsetRandomSampler,
+    WeightedRandomSampler,
 )
 
 from lightlike.data.iterable import ShardedIterable
-from lightlike.data.sampler import EveryNth, ResumableSampler
+from lightlike.data.sampler import ResumableSampler
 from lightlike.data.workers import end_with_parent, start_workers
 from lightlike.errors import ConfigError, DataError
+
+if TYPE_CHECKING:
+    from lightlike.data.position import EpochPosition
 
 log = logging.getLogger("lightlike")
 
@@ -39,9 +43,9 @@ class TrainData:
     generator: torch.Generator | None
     world_size: int = 1
     #: set when the ranks' shares may differ (``agree_on_length``): the smallest over the ranks,
-    #: and whether a flag is set on any rank
+    #: and the sums over the ranks of a few ints (one all-reduce)
     min_over_ranks: Callable[[int], int] | None = None
-    any_over_ranks: Callable[[bool], bool] | None = None
+    sum_over_ranks: Callable[[list[int]], list[int]] | None = None
 
     @property
     def deals_evenly(self) -> bool:
@@ -53,8 +57,9 @@ class TrainData:
         """The ranks' shares may differ: an epoch with a length lasts the shortest share's batches on
         every rank (one all-reduce per epoch); one without ends when a rank runs out, which the loop
         agrees on every step. Collective."""
-        self.min_over_ranks = lambda n: int(strategy.all_reduce(torch.tensor(n, device=strategy.root_device), "min"))
-        self.any_over_ranks = strategy.reduce_flag
+        device = strategy.root_device
+        self.min_over_ranks = lambda n: int(strategy.all_reduce(torch.tensor(n, device=device), "min"))
+        self.sum_over_ranks = lambda values: strategy.all_reduce(torch.tensor(values, device=device), "sum").tolist()
 
     def replays(self) -> bool:
         """Whether a mid-epoch resume reaches its position by reading the epoch's first batches
@@ -125,6 +130,8 @@ class TrainData:
     def position(self, start: int, batches_in_epoch: int, world_size: int) -> EpochPosition:
         """The loop's position in the epoch whose iterator ``epoch_iterator`` just began at
         global sample ``start``."""
+        from lightlike.data.position import EpochPosition  # (it reads this module's helpers)
+
         return EpochPosition(self, start, batches_in_epoch, world_size)
 
     def epoch_iterator(self, epoch: int, start_sample: int = 0, start_batch: int = 0) -> Any:
@@ -170,135 +177,6 @@ class TrainData:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(self.seed + epoch)
             return start_workers(self.loader)
-
-
-class EpochPosition:
-    """Where the loop is in an epoch, advanced once per optimizer step.
-
-    Positions are global samples, counted from where the epoch's iterator began: batches are
-    dealt round-robin from the global order, so after k batches per rank the position is
-    ``start + k * batch_size * world_size``, capped at the epoch's end (the last batch may be
-    short). Counting from the iterator's own start keeps the position right when a resumed run
-    uses another batch size or world size. Everything the step needs comes from one call."""
-
-    __slots__ = ("_start", "_here", "_batches", "_global_batch", "_end", "_done_below", "_per_epoch",
-                 "_batches_per_epoch", "_agreed_left", "_ahead", "_any_rank", "follows", "_promised")
-
-    def __init__(self, data: TrainData, start: int, batches_in_epoch: int, world_size: int):
-        self._start, self._here, self._batches = start, 0, batches_in_epoch
-        batch_size = data.loader.batch_size or 1
-        self._global_batch = batch_size * world_size
-        self._batches_per_epoch = data.batches_per_epoch() if data.sampler is None else None
-        # shares that may differ by rank: the epoch ends at the same step everywhere, once every
-        # rank has taken the shortest share's batches left from here (without a length, an empty
-        # window, agreed by all ranks, ends it)
-        self._agreed_left: int | None = None
-        # an IterableDataset's own __len__: the epoch is planned on it, but the data may end
-        # sooner (or go on longer): read one batch ahead, the epoch ends at whichever comes first
-        self._promised = data.own_batches() if data.replays() and self._batches_per_epoch is not None else None
-        if data.min_over_ranks is not None:
-            self._agreed_left = left = self._batches_per_epoch if data.sampler is None else data.batches_per_epoch()
-            own = data.own_batches() if left is not None else 0
-            if left is not None and own > left:
-                log.warning("this rank's share of the epoch holds %d batch(es) and another rank's %d: its last %d "
-                            "are left out, so that every rank takes the same steps", own, left, own - left)
-        sampler = data.sampler
-        if sampler is not None:
-            self._end: int | None = sampler.global_end()  # the rest from start splits evenly
-            # no batch left once fewer than one sample per rank (or, with drop_last, fewer than
-            # a whole batch per rank) remains
-            self._done_below = self._global_batch if data.loader.drop_last else 1
-            n = sampler.n
-            self._per_epoch = n - n % sampler.world_size if sampler.drop_last else n
-        else:
-            self._end, self._done_below, self._per_epoch = data.num_samples, 0, 0
-        self._ahead: Lookahead | None = None
-        self._any_rank = data.any_over_ranks
-        #: every rank has another batch (read ahead, agreed): the next window needs no agreement
-        self.follows = False
-
-    def watch(self, batches: Any) -> Any:
-        """The epoch's batches, read one ahead where the epoch's length is unknown (an
-        IterableDataset): ``advance`` then knows that a step took the epoch's last batch, and the
-        epoch ends at that step's boundary, before its checkpoint, as a sized epoch does (else it
-        ended at the next, empty, window: its evaluation came after the checkpoint, so a run
-        resumed from it evaluated and logged that step again)."""
-        left = self._agreed_left
-        if self._promised is not None or not (self._per_epoch or self._batches_per_epoch is not None or left is not None):
-            batches = self._ahead = Lookahead(batches)  # (it peeks past the cap below)
-        cap = left if left is not None else self._promised  # (an IterableDataset's own __len__)
-        if cap is not None:  # a longer share (or stream) stops at the cap, in every window too
-            batches = itertools.islice(batches, max(0, cap - (self._batches if self._per_epoch == 0 else 0)))
-        return batches
-
-    def advance(self, batches: int) -> tuple[int, float, bool]:
-        """After a step that took ``batches`` batches on each rank: (global samples consumed in
-        the epoch, the fraction of the epoch done, whether the epoch has no batch left; False
-        where that is unknown, and an empty accumulation window then ends the epoch)."""
-        self._here += batches
-        self._batches += batches
-        samples = self._start + self._here * self._global_batch
-        end = self._end
-        if end is not None and samples > end:
-            samples = end
-        if self._per_epoch:  # lightlike's sampler
-            assert end is not None
-            fraction, done = min(1.0, samples / self._per_epoch), end - samples < self._done_below
-        else:
-            per_epoch = self._batches_per_epoch
-            fraction = min(1.0, self._batches / per_epoch) if per_epoch else 0.0
-            done = per_epoch is not None and per_epoch > 0 and self._batches >= per_epoch
-        left = self._agreed_left
-        if self._promised is not None:  # an IterableDataset's __len__: agreed, or the data, ends it
-            assert self._ahead is not None
-            ended = self._ahead.ended()
-            reached = self._batches >= (left if left is not None else self._promised)
-            if ended and self._batches < self._promised:
-                log.warning("the training data's length promised %d batch(es) of this epoch to this process and it "
-                            "ended after %d: the schedule and the epoch count are planned on its __len__, so make "
-                            "__len__ return the number of items it yields", self._promised, self._batches)
-            elif reached and not ended and self._batches >= self._promised:
-                log.warning("the training data yields more than the %d batch(es) of this epoch its __len__ promised to "
-                            "this process: the epoch ends there (the rest is not trained on); make __len__ return "
-                            "the number of items it yields", self._promised)
-            done = reached or ended
-            done = self._any_rank(done) if self._any_rank is not None else done
-            self.follows = not done
-        elif left is not None:
-            done = self._here >= left
-        elif self._ahead is not None:
-            ended = self._ahead.ended()
-            done = self._any_rank(ended) if self._any_rank is not None else ended
-            if done and not ended:
-                log.warning("another rank ran out of training data: skipping the rest of this rank's share "
-                            "of the epoch")
-            self.follows = not done
-        return samples, fraction, done
-
-
-class Lookahead:
-    """An iterator that reads one item ahead when asked whether another follows."""
-
-    __slots__ = ("_it", "_next")
-    _EMPTY = object()
-
-    def __init__(self, it: Any):
-        self._it, self._next = iter(it), Lookahead._EMPTY
-
-    def __iter__(self) -> Lookahead:
-        return self
-
-    def __next__(self) -> Any:
-        item = self._next
-        if item is Lookahead._EMPTY:
-            return next(self._it)
-        self._next = Lookahead._EMPTY
-        return item
-
-    def ended(self) -> bool:
-        if self._next is Lookahead._EMPTY:
-            self._next = next(self._it, Lookahead._EMPTY)
-        return self._next is Lookahead._EMPTY
 
 
 def _check_nonempty(data: Any, what: str) -> int | None:
@@ -370,67 +248,6 @@ def build_train_data(
     return TrainData(loader, sampler, n, seed, generator, world_size)
 
 
-def build_eval_loader(
-    data: Any,
-    *,
-    batch_size: int,
-    num_workers: int,
-    pin_memory: bool,
-    rank: int = 0,
-    world_size: int = 1,
-    collate_fn: Callable | None = None,
-    name: str = "eval",
-) -> DataLoader:
-    """In-order loader; on several ranks each takes a disjoint, unpadded share. It has its own
-    generator: starting an iterator must not draw from the global RNG (that would perturb the
-    training run's dropout stream every time it evaluates).
-
-    A DataLoader of the user's is used as it is on one process; on several it is rebuilt over
-    the same dataset and settings with this split (``_split_eval_loader``), unless it already
-    has one (an in-order ``ResumableSampler`` of this rank, or an IterableDataset with
-    ``shards_itself = True``)."""
-    if isinstance(data, DataLoader):  # one process or many: the same items, in the same order
-        if world_size > 1 and not _already_split(data, for_eval=True, rank=rank, world_size=world_size) \
-                or world_size == 1 and _eval_changes(data):
-            return _split_eval_loader(data, batch_size=batch_size, rank=rank, world_size=world_size, name=name)
-        return data
-    if not isinstance(data, Dataset) and not hasattr(data, "__getitem__"):
-        raise DataError(f"{name} data of type {type(data).__name__} is neither a Dataset nor a DataLoader")
-    if isinstance(data, IterableDataset):
-        if (world_size > 1 or num_workers > 1) and not getattr(data, "shards_itself", False):
-            data = ShardedIterable(data, rank, world_size, block=batch_size)  # each item once, in order
-        return DataLoader(data, batch_size=batch_size, num_workers=num_workers, collate_fn=collate_fn,
-                          pin_memory=pin_memory, generator=torch.Generator(),
-                          worker_init_fn=end_with_parent(None, num_workers))
-    n = _check_nonempty(data, name)
-    assert n is not None
-    sampler = ResumableSampler(n, shuffle=False, rank=rank, world_size=world_size)
-    return DataLoader(data, batch_size=batch_size, sampler=sampler, num_workers=num_workers,
-                      pin_memory=pin_memory, collate_fn=collate_fn, generator=torch.Generator(),
-                      worker_init_fn=end_with_parent(None, num_workers))
-
-
-def normalise_eval_sets(data: Any, default_name: str = "val") -> dict[str, Any]:
-    """``None`` → {}, a mapping → itself, anything else → ``{default_name: data}``."""
-    if data is None:
-        return {}
-    if isinstance(data, Mapping):
-        for k in data:
-            if not isinstance(k, str) or not k or "/" in k:
-                raise DataError(f"evaluation set names must be non-empty strings without '/', got {k!r}")
-            if k == "train":  # its keys would mix with the training loss's (train/loss)
-                raise DataError("an evaluation set may not be named 'train' (its train/loss would mix with the "
-                                "training loss): name it e.g. 'train_eval'")
-        return dict(data)
-    return {default_name: data}
-
-
-# -- a DataLoader of the user's, on several processes ----------------------------------------------
-# Like Lightning's use_distributed_sampler and Accelerate's prepare: the loader is rebuilt over
-# the same dataset with the same settings and lightlike's split, so every rank takes its own
-# share instead of the whole set.
-
-
 def _batching(loader: DataLoader) -> tuple[int | None, bool, bool]:
     """``(batch_size, drop_last, custom)``: ``custom`` when the loader has a batch_sampler of the
     user's, whose own ``batch_size``/``drop_last`` are read when it has them."""
@@ -441,6 +258,43 @@ def _batching(loader: DataLoader) -> tuple[int | None, bool, bool]:
         return bs.batch_size, bool(bs.drop_last), False
     size = getattr(bs, "batch_size", None)
     return (size if isinstance(size, int) else None), bool(getattr(bs, "drop_last", False)), True
+
+
+def _batch_items(loader: DataLoader) -> int:
+    """Items in a full batch of ``loader`` (a batch sampler's own ``batch_size``); 1 where each
+    element is a ready-made batch (``batch_size=None``), or the batch sampler tells no size."""
+    if loader.batch_size is not None:
+        return loader.batch_size
+    bs: Any = loader.batch_sampler
+    if bs is None and isinstance(loader.sampler, BatchSampler):  # index lists, each read at once
+        bs = loader.sampler
+    size = getattr(bs, "batch_size", None)
+    return size if isinstance(size, int) and size > 0 else 1
+
+
+def _epoch_items(loader: DataLoader, world_size: int) -> int | None:
+    """The items (global) the sampler of a DataLoader of the user's gives in an epoch, where it
+    tells: its length on one process; a ``DistributedSampler``'s items without its padding, a
+    ``ResumableSampler``'s dealt samples. None where unknown (an IterableDataset's items are
+    counted batch by batch instead)."""
+    if isinstance(loader.dataset, IterableDataset):
+        return None
+    bs = loader.batch_sampler
+    sampler: Any = None
+    if bs is None:  # ready-made batches: a BatchSampler's items, else the sampler's elements
+        sampler = loader.sampler.sampler if isinstance(loader.sampler, BatchSampler) else loader.sampler
+    else:  # torch's BatchSampler holds the loader's sampler; the user's may hold one
+        sampler = getattr(bs, "sampler", None)
+    try:
+        if sampler is None:
+            return None
+        if isinstance(sampler, DistributedSampler):  # its padding repeats items: left out
+            return min(len(sampler.dataset), sampler.total_size)  # type: ignore[arg-type]
+        if isinstance(sampler, ResumableSampler):
+            return sampler.global_end()
+        return len(sampler) if world_size == 1 else None
+    except TypeError:
+        return None
 
 
 def _already_split(loader: DataLoader, *, for_eval: bool = False, rank: int = 0, world_size: int = 1) -> bool:
@@ -500,9 +354,10 @@ def _split_train_loader(loader: DataLoader, *, shuffle: bool, seed: int, rank: i
                  "on a dataset that shards itself)", world_size)
         return _loader_like(loader, ShardedIterable(loader.dataset, rank, world_size), None, batch_size, drop_last,
                             generator)
-    if loader.batch_sampler is None and isinstance(loader.sampler, BatchSampler):  # it yields index lists
+    if loader.batch_sampler is None and _yields_lists(loader.sampler):  # it yields index lists
         raise DataError(f"cannot split the training DataLoader over {world_size} processes: it reads ready-made "
-                        "batches (batch_size=None) through a BatchSampler passed as sampler=, whose index lists "
+                        f"batches (batch_size=None) through a sampler of index lists ({type(loader.sampler).__name__}"
+                        ", such as a BatchSampler passed as sampler=), whose index lists "
                         "lightlike cannot deal out. Pass the dataset with batch_size=... (items read one by one: "
                         "split, shuffled and resumable mid-epoch by lightlike), or build that BatchSampler over a "
                         "sampler split for this job's ranks: sampler=BatchSampler(DistributedSampler(dataset, "
@@ -535,27 +390,39 @@ def _split_train_loader(loader: DataLoader, *, shuffle: bool, seed: int, rank: i
                                world_size=world_size, even=True)
     return _loader_like(loader, loader.dataset, sampler, batch_size, drop_last, generator)
 
+def _known_order(sampler: Any) -> range | list[int] | None:
+    """The elements evaluation takes from one of torch's samplers or lightlike's, each once and in
+    order (a shuffling one's items in their order, a ``DistributedSampler`` without its padding,
+    a ``SubsetRandomSampler``'s indices in the order given); None for any other sampler."""
+    kind = type(sampler)
+    if kind is SequentialSampler:
+        return range(len(sampler))
+    if kind is RandomSampler:
+        return range(len(sampler.data_source))  # type: ignore[arg-type]
+    if kind is WeightedRandomSampler:
+        return range(len(sampler.weights))
+    if kind is SubsetRandomSampler:
+        return [int(i) for i in sampler.indices]
+    if kind is DistributedSampler:
+        return range(len(sampler.dataset))  # type: ignore[arg-type]
+    if isinstance(sampler, ResumableSampler):
+        return range(sampler.n)
+    return None
 
-def _eval_changes(loader: DataLoader, batch_size: int | None = None) -> list[str]:
-    """What evaluation changes in a DataLoader of the user's: every item once, in dataset order."""
-    own, drop_last, custom = _batching(loader)
-    changes = []
-    if custom:
-        size = own if own is not None else batch_size
-        changes.append(f"its batch_sampler ({type(loader.batch_sampler).__name__}) is replaced by batches of {size}")
-    if drop_last:
-        changes.append("drop_last is ignored (evaluation counts every item once)")
-    if isinstance(loader.dataset, IterableDataset) and loader.num_workers > 1 \
-            and not _already_split(loader):  # each worker would yield the whole stream
-        changes.append(f"its IterableDataset is split over its {loader.num_workers} workers (each item once, in order)")
-    lists, inner = _element_order(loader)
-    if lists is not None and lists.drop_last:
-        changes.append("its BatchSampler's drop_last is ignored (evaluation counts every item once)")
-    if not isinstance(loader.dataset, IterableDataset) and type(inner) is not SequentialSampler:
-        what = "sampler" if lists is None else "BatchSampler's sampler"
-        changes.append(f"its {what} ({type(inner).__name__}) is replaced by an in-order one "
-                       "(predictions come back in dataset order)")
-    return changes
+
+def _yields_lists(sampler: Any) -> bool:
+    """Whether ``sampler`` gives index lists (ready-made batches): a BatchSampler, or a sampler of
+    the user's whose first element is a list (told by reading it)."""
+    if isinstance(sampler, BatchSampler):
+        return True
+    if _known_order(sampler) is not None:
+        return False
+    try:
+        with torch.random.fork_rng(devices=[]):
+            first = next(iter(sampler), None)
+    except Exception:  # noqa: BLE001 (it is read again where it is used, and fails there if it fails)
+        return False
+    return isinstance(first, (list, tuple)) or (isinstance(first, torch.Tensor) and first.ndim > 0)
 
 
 def _samplers_of(loader: DataLoader) -> list[Any]:
@@ -571,32 +438,10 @@ def _samplers_of(loader: DataLoader) -> list[Any]:
 def _element_order(loader: DataLoader) -> tuple[BatchSampler | None, Any]:
     """``(lists, inner)``: ``lists`` is a BatchSampler passed as ``sampler=`` with ``batch_size=None``
     (the dataset reads a list of indices at a time, each element a ready-made batch), else None;
-    ``inner`` the sampler whose order the items follow (that BatchSampler's, else the loader's)."""
+    ``inner`` the sampler whose order the items follow (that BatchSampler's, torch's BatchSampler's
+    (``batch_sampler=BatchSampler(...)``), else the loader's)."""
     if loader.batch_sampler is None and isinstance(loader.sampler, BatchSampler):
         return loader.sampler, loader.sampler.sampler
+    if type(loader.batch_sampler) is BatchSampler:
+        return None, loader.batch_sampler.sampler
     return None, loader.sampler
-
-
-def _split_eval_loader(loader: DataLoader, *, batch_size: int, rank: int, world_size: int, name: str) -> DataLoader:
-    own, _, custom = _batching(loader)
-    size = own if own is not None or not custom else batch_size
-    iterable = isinstance(loader.dataset, IterableDataset)
-    if changes := _eval_changes(loader, batch_size):
-        how = f"split over {world_size} processes" if world_size > 1 else "rebuilt for evaluation"
-        log.warning("the %s DataLoader is %s: %s", name, how, "; ".join(changes))
-    if iterable:
-        dataset: Any = ShardedIterable(loader.dataset, rank, world_size, block=size or 1)  # type: ignore[arg-type]
-        sampler: Any = None
-    else:
-        dataset = loader.dataset
-        n = _check_nonempty(dataset, name)
-        assert n is not None
-        lists, inner = _element_order(loader)
-        if type(inner) is SequentialSampler:  # kept as it is on one process: the same items on several
-            n = len(inner)
-        sampler = ResumableSampler(n, shuffle=False, rank=rank, world_size=world_size)
-        if lists is not None:  # index lists, in order, dealt whole
-            sampler = BatchSampler(SequentialSampler(range(n)), lists.batch_size, drop_last=False)
-            sampler = sampler if world_size == 1 else EveryNth(sampler, rank, world_size)
-    return _loader_like(loader, dataset, sampler, size, False, torch.Generator(), in_order=True)
-
