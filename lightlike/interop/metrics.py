@@ -16,8 +16,12 @@ Every evaluation resets the metric, calls ``metric.update(predictions, labels)``
 On several processes each rank updates with its own share of the evaluation set and
 ``compute()`` reduces the metric *states* over all ranks (torchmetrics' own synchronisation:
 summed counts, concatenated lists), so the value is the whole-set value, equal on every rank and
-to a one-process run, whatever the split. A ``MetricCollection`` contributes one value per
-member, under the collection's keys.
+to a one-process run, whatever the split, as long as an update does not depend on its batch:
+feed probabilities, not logits (torchmetrics softmaxes or sigmoids a batch only when one of its
+values lies outside [0, 1], so a small batch of logits in [0, 1] is taken as probabilities; the
+inputs are passed on unchanged). A ``MetricCollection`` contributes one value per member, under
+the collection's keys; the metrics inside a composition (``metric + 0.0``) or a wrapper are
+checked and synchronised as the outer one.
 
 This module does not import torchmetrics: an object is recognised as a torchmetrics metric only
 when torchmetrics is already imported (it must be, for the object to exist).
@@ -46,12 +50,18 @@ class TorchMetric:
     def __init__(self, metric: Any, inputs: Callable[[Any, Any], tuple] | None = None, module: Any = None):
         if not _is_torchmetric(metric):
             raise ModuleContractError(f"TorchMetric wraps a torchmetrics.Metric, got {type(metric).__name__}")
-        if getattr(metric, "sync_on_compute", True) is False:
-            raise ModuleContractError(
-                f"{type(metric).__name__}(sync_on_compute=False) would report each process's own share of "
-                "the evaluation set; leave sync_on_compute at its default (True)")
-        if getattr(metric, "dist_sync_fn", None) is None:
-            metric.dist_sync_fn = gather_states  # a rank without a share of the set joins with an empty state
+        # a composition (``metric + 0.0``) or a wrapper holds the metrics that reduce across ranks
+        # inside: each of them (and the outer one) is checked and gathers with gather_states
+        inner = [m for m in metric.modules() if _is_torchmetric(m)]
+        for m in inner:
+            if getattr(m, "sync_on_compute", True) is False:
+                within = "" if m is metric else f" inside {type(metric).__name__}"
+                raise ModuleContractError(
+                    f"{type(m).__name__}(sync_on_compute=False){within} would report each process's own share "
+                    "of the evaluation set; leave sync_on_compute at its default (True)")
+        for m in inner:
+            if getattr(m, "dist_sync_fn", None) is None:
+                m.dist_sync_fn = gather_states  # a rank without a share of the set joins with an empty state
         self.metric = metric
         self.inputs = inputs
         self.module = module

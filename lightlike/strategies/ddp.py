@@ -128,8 +128,10 @@ class DDPStrategy(Strategy):
             if not self._failed:  # after a failure, a peer may sit in another collective: no barrier
                 try:
                     dist.barrier()
-                except Exception:  # a peer is gone already: nothing to wait for
-                    pass
+                except Exception as error:  # a peer is gone already: nothing to wait for, but say so
+                    log.warning("rank %d of %d: a peer process failed or exited after the last lightlike call "
+                                "(outside fit/validate/test/predict; its own output says why): %s: %s",
+                                self.global_rank, self.world_size, type(error).__name__, error)
             dist.destroy_process_group()
             self._owns_group = False
 

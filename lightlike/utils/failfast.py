@@ -1,5 +1,6 @@
 """Failing fast on several processes: every rank says who failed where, and teardown waits for
-no peer after a failure (the launcher ends the others, whose collectives then fail at once)."""
+no peer after a failure (the launcher ends the others, whose collectives then fail at once). A
+call that succeeded on one rank returns only once every rank's did (one agreement at its end)."""
 
 from __future__ import annotations
 
@@ -80,11 +81,27 @@ def _peer_lost(error: BaseException) -> bool:
 
 @contextlib.contextmanager
 def guarded(fitter: Fitter) -> Iterator[None]:
-    """Around fit/validate/test/predict: every rank fails fast (``failing_fast``); torch's
-    deterministic algorithms for the call only (``deterministic=True``); a failure's traceback
-    keeps no DataLoader worker alive."""
+    """Around fit/validate/test/predict: every rank fails fast (``failing_fast``), also when a
+    peer fails after the call's last collective (``all_ranks_succeeded``); torch's deterministic
+    algorithms for the call only (``deterministic=True``); a failure's traceback keeps no
+    DataLoader worker alive."""
     from lightlike.data.workers import workers_released_on_error
     from lightlike.utils.seed import deterministic_mode
 
-    with failing_fast(fitter), deterministic_mode(fitter.config.deterministic), workers_released_on_error():
-        yield
+    with failing_fast(fitter):
+        with deterministic_mode(fitter.config.deterministic), workers_released_on_error():
+            yield
+        all_ranks_succeeded(fitter)
+
+
+def all_ranks_succeeded(fitter: Fitter) -> None:
+    """The end of a call that succeeded on this rank: one flag all-reduce on several processes,
+    which every rank joins only after its own call succeeded. A peer that failed after the call's
+    last collective (in ``on_evaluate`` of a fit's last evaluation, in ``compute_metrics``) never
+    joins; its process exits and this rank's all-reduce fails at once: it raises, as a rank in any
+    other collective does ("stopped ... a peer process failed"), instead of returning normally
+    into the caller's code (an export, a push) until the launcher ends it. Once per call, never
+    per step."""
+    strategy = fitter.strategy
+    if strategy is not None and strategy.world_size > 1:
+        strategy.reduce_flag(False)
