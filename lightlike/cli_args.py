@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path, PurePath
 from typing import Any
 
-from lightlike.config import FitConfig, toml_value
+from lightlike.config import FitConfig, plain_value, toml_value
 from lightlike.errors import ConfigError
 
 REQUIRED = inspect.Parameter.empty
@@ -494,33 +494,12 @@ def split_config(data: dict[str, Any], source: str, fit_opts: dict[str, Option],
     return fit, model
 
 
-def _fspaths(v: Any) -> Any:
-    """Paths as strings, enums as their values, sets (sorted, where they sort) and tuples as
-    lists, inside lists and dicts too: TOML, YAML and JSON have none of them, and ``--config``
-    reads these back (a set as a list, as documented; a path or an enum as the argument's class)."""
-    if isinstance(v, enum.Enum):
-        v = v.value
-    if isinstance(v, os.PathLike):
-        return os.fspath(v)
-    if isinstance(v, (set, frozenset)):
-        items = [_fspaths(x) for x in v]
-        try:
-            return sorted(items)
-        except TypeError:
-            return items
-    if isinstance(v, (list, tuple)):
-        return [_fspaths(x) for x in v]
-    if isinstance(v, dict):
-        return {k: _fspaths(x) for k, x in v.items()}
-    return v
-
-
 def dump_config(fit: dict[str, Any], model: dict[str, Any] | None, fmt: str,
                 helps: dict[str, str] | None = None, defaults: dict[str, Any] | None = None) -> str:
     """The resolved settings as TOML, YAML or JSON that ``--config`` reads back; ``helps``
     (key → text) adds each field's help as a comment (TOML, YAML)."""
     if fmt == "json":
-        doc = _fspaths({**fit, **({MODEL: model} if model is not None else {})})
+        doc = plain_value({**fit, **({MODEL: model} if model is not None else {})})
         return json.dumps(doc, indent=2, default=str) + "\n"
     lines: list[str] = []
     sections: list[tuple[str | None, dict[str, Any]]] = [(None, fit)]
@@ -533,7 +512,7 @@ def dump_config(fit: dict[str, Any], model: dict[str, Any] | None, fmt: str,
             lines.append(f"[{table}]" if fmt == "toml" else f"{table}:" if values else f"{table}: {{}}")
         indent = "  " if (table is not None and fmt == "yaml") else ""
         for key, v in values.items():
-            v = _fspaths(v)
+            v = plain_value(v)
             if helps and helps.get(key if table is None else f"{table}.{key}"):
                 lines.append(f"{indent}# {helps[key if table is None else f'{table}.{key}']}")
             if fmt == "toml":

@@ -457,6 +457,30 @@ def _read_if_path(path_or_text: str | Path) -> str:
     return s
 
 
+def plain_value(v: Any, leaf: Any = None, key: Any = None) -> Any:
+    """``v`` in the forms TOML, YAML and JSON have: paths as their text, enums as their values,
+    sets (sorted, where they sort) and tuples as lists, inside lists and dicts too (``lightlike
+    config`` and a checkpoint's hparams.json; both read back through the annotations). ``leaf``
+    and ``key``, where given, map every other value and every dict key."""
+    import enum
+
+    if isinstance(v, enum.Enum):
+        v = v.value
+    if isinstance(v, os.PathLike):
+        return os.fspath(v)
+    if isinstance(v, (set, frozenset)):
+        items = [plain_value(x, leaf, key) for x in v]
+        try:
+            return sorted(items)
+        except TypeError:
+            return items
+    if isinstance(v, (list, tuple)):
+        return [plain_value(x, leaf, key) for x in v]
+    if isinstance(v, dict):
+        return {(key(k) if key else k): plain_value(x, leaf, key) for k, x in v.items()}
+    return leaf(v) if leaf else v
+
+
 def _toml_str(s: str) -> str:
     # JSON escapes every control character but DEL, which TOML also refuses raw; ensure_ascii=False
     # because a JSON \ud83d escape of a non-BMP character is not TOML

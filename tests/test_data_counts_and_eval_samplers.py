@@ -9,8 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from scripts.data_counts_target import Items, Lists, Stream  # the datasets the two-rank script runs
-from torch import nn
+from scripts.data_counts_target import Items, Lists, Model, Stream  # what the two-rank script runs
 from torch.utils.data import (
     BatchSampler,
     DataLoader,
@@ -23,25 +22,6 @@ from lightlike.data.eval_loading import build_eval_loader
 from lightlike.data.loading import build_train_data
 
 SCRIPT = Path(__file__).parent / "scripts" / "data_counts_target.py"
-
-
-class Model(ll.TaskModule):
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.net = nn.Linear(4, 3)
-        self.items = 0
-
-    def forward(self, batch):
-        if self.training:
-            self.items += len(batch["y"])
-        return self.net(batch["x"])
-
-    def loss(self, outputs, batch):
-        return nn.functional.cross_entropy(outputs, batch["y"])
-
-    def predictions(self, outputs, batch):  # which items, in the order they come back
-        return batch["i"]
 
 
 def fit(tmp_path, data, **kw):

@@ -99,8 +99,7 @@ def export_weights(checkpoint_dir: str | Path, out_dir: str | Path, hashes: bool
                 temps[name] = tmp
                 shutil.copyfile(src / name, tmp)
         for tmp in temps.values():
-            with open(tmp, "rb") as fh:
-                os.fsync(fh.fileno())
+            fsync_file(tmp)
         # the renames follow one another at once (only a kill between two of them could still
         # mix the two exports; loading would then name the shapes that do not fit)
         for name in ("hparams.json", "config.json", "model.safetensors"):
@@ -136,8 +135,13 @@ def _check_out_dir(out: Path) -> None:
             "choose another OUT_DIR, or move those files away")
 
 
+def fsync_file(path: Path) -> None:
+    """Flush ``path``'s data to disk."""
+    with open(path, "rb") as fh:
+        os.fsync(fh.fileno())
+
+
 def fsync_replace(tmp: Path, dest: Path) -> None:
     """Flush ``tmp`` to disk, then rename it over ``dest`` (readers see the old file or the new one)."""
-    with open(tmp, "rb") as fh:
-        os.fsync(fh.fileno())
+    fsync_file(tmp)
     os.replace(tmp, dest)

@@ -353,28 +353,10 @@ def _jsonable(obj: Any) -> Any:
         json.dumps(obj)
         return obj
     except TypeError:
-        return {k: _json_value(v) for k, v in obj.items()}
+        from lightlike.config import plain_value
 
-
-def _json_value(v: Any) -> Any:
-    import enum
-    import os
-
-    if isinstance(v, enum.Enum):
-        v = v.value
-    if isinstance(v, os.PathLike):
-        return os.fspath(v)
-    if isinstance(v, dict):
-        return {k if isinstance(k, str) else str(k): _json_value(x) for k, x in v.items()}
-    if isinstance(v, (set, frozenset)):
-        items = [_json_value(x) for x in v]
-        try:
-            return sorted(items)
-        except TypeError:
-            return items
-    if isinstance(v, (list, tuple)):
-        return [_json_value(x) for x in v]
-    return v if _is_json(v) else repr(v)
+        return {k: plain_value(v, leaf=lambda x: x if _is_json(x) else repr(x),
+                               key=lambda k: k if isinstance(k, str) else str(k)) for k, v in obj.items()}
 
 
 def _is_json(v: Any) -> bool:

@@ -90,12 +90,6 @@ def normalise_eval_sets(data: Any, default_name: str = "val") -> dict[str, Any]:
     return {default_name: data}
 
 
-# -- a DataLoader of the user's, on several processes ----------------------------------------------
-# Like Lightning's use_distributed_sampler and Accelerate's prepare: the loader is rebuilt over
-# the same dataset with the same settings and lightlike's split, so every rank takes its own
-# share instead of the whole set.
-
-
 def _eval_changes(loader: DataLoader, batch_size: int | None = None, world_size: int = 1) -> list[str]:
     """What evaluation changes in a DataLoader of the user's: every element its sampler gives is
     evaluated once, in the sampler's order (a shuffling torch sampler's items in their order)."""
@@ -131,8 +125,6 @@ def _eval_changes(loader: DataLoader, batch_size: int | None = None, world_size:
         changes.append(f"its {what} ({type(inner).__name__}) is replaced by {whose} (its {len(order)} items each "
                        "once; predictions come back in that order)")
     return changes
-
-
 
 
 def _in_order(sampler: Any) -> bool:

@@ -45,7 +45,7 @@ class TrainData:
     #: set when the ranks' shares may differ (``agree_on_length``): the smallest over the ranks,
     #: and the sums over the ranks of a few ints (one all-reduce)
     min_over_ranks: Callable[[int], int] | None = None
-    sum_over_ranks: Callable[[list[int]], list[int]] | None = None
+    sum_over_ranks: Callable[[list[float]], list[float]] | None = None
 
     @property
     def deals_evenly(self) -> bool:
@@ -59,7 +59,7 @@ class TrainData:
         agrees on every step. Collective."""
         device = strategy.root_device
         self.min_over_ranks = lambda n: int(strategy.all_reduce(torch.tensor(n, device=device), "min"))
-        self.sum_over_ranks = lambda values: strategy.all_reduce(torch.tensor(values, device=device), "sum").tolist()
+        self.sum_over_ranks = strategy.sum_floats
 
     def replays(self) -> bool:
         """Whether a mid-epoch resume reaches its position by reading the epoch's first batches
@@ -246,6 +246,11 @@ def build_train_data(
                         drop_last=drop_last, pin_memory=pin_memory, collate_fn=collate_fn,
                         generator=generator, worker_init_fn=end_with_parent(None, num_workers))
     return TrainData(loader, sampler, n, seed, generator, world_size)
+
+# -- a DataLoader of the user's, on several processes ----------------------------------------------
+# Like Lightning's use_distributed_sampler and Accelerate's prepare: the loader is rebuilt over
+# the same dataset with the same settings and lightlike's split, so every rank takes its own
+# share instead of the whole set.
 
 
 def _batching(loader: DataLoader) -> tuple[int | None, bool, bool]:

@@ -35,7 +35,7 @@ class EpochPosition:
 
     __slots__ = ("_start", "_here", "_batches", "_global_batch", "_end", "_done_below", "_per_epoch",
                  "_batches_per_epoch", "_agreed_left", "_ahead", "_sum", "follows", "_promised", "_counts",
-                 "_items", "_start_batches", "_world_size")
+                 "_items", "_start_batches", "_world_size", "_reads_ahead")
 
     def __init__(self, data: TrainData, start: int, batches_in_epoch: int, world_size: int):
         self._start, self._here, self._batches = start, 0, batches_in_epoch
@@ -70,8 +70,8 @@ class EpochPosition:
         self._sum = data.sum_over_ranks
         # read one ahead (an IterableDataset, or no length): the ranks agree every step whether
         # the epoch ended, and the item counts ride along
-        agrees = self._promised is not None or not (self._per_epoch or self._batches_per_epoch is not None
-                                                     or self._agreed_left is not None)
+        self._reads_ahead = agrees = self._promised is not None or not (
+            self._per_epoch or self._batches_per_epoch is not None or self._agreed_left is not None)
         own_batches = sampler is None and loader.batch_sampler is not None and type(loader.batch_sampler) is not BatchSampler
         #: count the items of each batch taken (batches whose length the sampler does not tell)
         self._counts = (data.replays() or own_batches) and (world_size == 1 or (agrees and self._sum is not None))
@@ -86,7 +86,7 @@ class EpochPosition:
         ended at the next, empty, window: its evaluation came after the checkpoint, so a run
         resumed from it evaluated and logged that step again)."""
         left = self._agreed_left
-        if self._promised is not None or not (self._per_epoch or self._batches_per_epoch is not None or left is not None):
+        if self._reads_ahead:
             batches = self._ahead = Lookahead(batches)  # (it peeks past the cap below)
         cap = left if left is not None else self._promised  # (an IterableDataset's own __len__)
         if cap is not None:  # a longer share (or stream) stops at the cap, in every window too
@@ -159,7 +159,7 @@ class EpochPosition:
         every rank, though each took its own batches this step (a rank's data may end sooner):
         one all-reduce, the one this step makes anyway to agree on the flag."""
         assert self._sum is not None
-        flags, items, batches = self._sum([int(flag), self._items, self._here])
+        flags, items, batches = (int(v) for v in self._sum([int(flag), self._items, self._here]))
         if self._counts:
             samples = self._start + items
         else:
