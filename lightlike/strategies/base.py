@@ -59,8 +59,15 @@ class Strategy:
     def teardown(self) -> None:
         """Release the process group and anything else set up."""
 
-    def note_failure(self) -> None:
-        """The loop is unwinding after an error: teardown must not wait for the other ranks."""
+    def note_failure(self, report: str | None = None, call: int = 0) -> None:
+        """The loop is unwinding after an error of this rank's: teardown must not wait for the
+        other ranks. ``report`` (this rank's one-line account of call number ``call``) is left
+        where the peers can read it (``failed_peers``)."""
+
+    def failed_peers(self, call: int = 0) -> list[str]:
+        """The reports other ranks left with ``note_failure`` for call number ``call``, in rank
+        order (none that cannot be read)."""
+        return []
 
     # -- module and optimizer ------------------------------------------------------------------
     def module_init_context(self) -> contextlib.AbstractContextManager:

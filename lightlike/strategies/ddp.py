@@ -135,8 +135,23 @@ class DDPStrategy(Strategy):
             dist.destroy_process_group()
             self._owns_group = False
 
-    def note_failure(self) -> None:
+    def note_failure(self, report: str | None = None, call: int = 0) -> None:
         self._failed = True
+        if report is not None and self.world_size > 1 and dist.is_initialized():
+            # the process group's store outlives this process under torchrun (its agent keeps
+            # it); a store that cannot be reached only costs the peers the name
+            with contextlib.suppress(Exception):
+                _store().set(f"lightlike/failed/{call}/{self.global_rank}", report[:4000])
+
+    def failed_peers(self, call: int = 0) -> list[str]:
+        if self.world_size == 1 or not dist.is_initialized():
+            return []
+        try:
+            store = _store()
+            keys = [f"lightlike/failed/{call}/{r}" for r in range(self.world_size) if r != self.global_rank]
+            return [store.get(k).decode() for k in keys if store.check([k])]
+        except Exception:  # the store went with the failed process (it was rank 0's)
+            return []
 
     # -- module and optimizer ------------------------------------------------------------------
     def setup_module(self, module: nn.Module) -> nn.Module:
@@ -274,6 +289,11 @@ class DDPStrategy(Strategy):
     def __repr__(self) -> str:
         return (f"DDPStrategy(rank={self.global_rank}/{self.world_size}, device={self.root_device}, "
                 f"precision={self.precision.name!r})")
+
+
+def _store() -> Any:
+    """The default process group's key-value store (torch keeps no public accessor)."""
+    return dist.distributed_c10d._get_default_store()
 
 
 def _reassemble(parts: list[Any], dealt: bool = True) -> Any:

@@ -5,6 +5,7 @@ call that succeeded on one rank returns only once every rank's did (one agreemen
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -19,6 +20,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("lightlike")
 T = TypeVar("T")
+_calls = itertools.count(1)  # every rank enters the same calls in the same order: one number each
 
 
 @contextlib.contextmanager
@@ -26,21 +28,29 @@ def failing_fast(fitter: Fitter) -> Iterator[None]:
     """Around fit/validate/test/predict: on an error, every rank says who failed where, and
     the strategy is told not to wait for its peers at teardown; the launcher (torchrun /
     srun) then ends the others, whose pending collectives fail instead of waiting."""
+    call = next(_calls)
     try:
         yield
     except BaseException as error:
         strategy = fitter.strategy
-        if strategy is not None and not isinstance(error, Preempted) and not getattr(error, "on_every_rank", False):
-            strategy.note_failure()  # a peer may sit in another collective: teardown waits for none
         rank, world = (strategy.global_rank, strategy.world_size) if strategy else (0, 1)
+        # in a train step, the step being taken (as lightlike's own errors number it)
+        step = fitter.state.global_step + (fitter._phase == "train step")
+        lost = _peer_lost(error)  # a peer's failure ended this rank's collective: not where the fault is
+        line = f"rank {rank} of {world} {'stopped' if lost else 'failed'} during {fitter._phase} at step {step}: "
+        alone = not isinstance(error, Preempted) and not getattr(error, "on_every_rank", False)
+        if strategy is not None and alone:
+            # a peer may sit in another collective: teardown waits for none; the peers read this
+            # rank's line where they stopped (the process group's store)
+            strategy.note_failure(None if lost else f"{line}{type(error).__name__}: {error}", call)
         if world > 1 and not isinstance(error, (Preempted, KeyboardInterrupt)) \
                 and not getattr(error, "_lightlike_logged", False):  # one process: its traceback says it
-            # in a train step, the step being taken (as lightlike's own errors number it)
-            step = fitter.state.global_step + (fitter._phase == "train step")
-            what = "stopped" if _peer_lost(error) else "failed"  # the first is not where the fault is
-            log.error("rank %d of %d %s during %s at step %d: %s%s: %s", rank, world, what, fitter._phase, step,
-                      "a peer process failed or exited (its own line says why): " if what == "stopped" else "",
-                      type(error).__name__, error)
+            peers = "; ".join(strategy.failed_peers(call)) if lost else ""  # type: ignore[union-attr]
+            if peers and hasattr(error, "add_note"):  # the traceback names the failed rank too
+                error.add_note(f"lightlike: {peers}")
+            cause = (f"{peers} (here: " if peers else "a peer process failed or exited (its own line says why): ") \
+                if lost else ""
+            log.error("%s%s%s: %s%s", line, cause, type(error).__name__, error, ")" if peers else "")
             with contextlib.suppress(AttributeError):  # once (a search trial's fit logged it already)
                 error._lightlike_logged = True  # type: ignore[attr-defined]
         if getattr(fitter, "_checkpoint_in_flight", None) is not None:  # a checkpoint written before it failed
