@@ -90,6 +90,37 @@ def test_fp16_overflow_skips_step_and_not_scheduler(tmp_path):
     assert precision.state_dict()["scaler"]["scale"] < 2.0**40
 
 
+class InfiniteGradient(Classifier):
+    """A finite loss whose gradient is inf at every step (d sqrt(z)/dz at z = 0)."""
+
+    def __init__(self):
+        super().__init__()
+        self.z = nn.Parameter(torch.zeros(1))
+
+    def loss(self, outputs, batch):
+        return super().loss(outputs, batch) + self.z.sqrt().sum()
+
+
+def test_fp16_overflow_steps_are_counted_after_the_loss_scale_reached_zero(tmp_path):
+    """Halving the loss scale on every overflow takes it to exactly 0.0 (166 overflows in a row
+    from 2**16; here 10 from 2**-140), and 0.0 halved is not lower: a skip was inferred from a
+    lowered scale, so from then on every skipped update counted as a step taken and advanced the
+    scheduler (torch warned of lr_scheduler.step() before optimizer.step()). Now every one of the
+    20 skipped updates is counted and the schedule stays at its first value."""
+    torch.manual_seed(0)
+    model = InfiniteGradient()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    precision = MixedPrecision("16", init_scale=2.0 ** -140)
+    fitter = ll.Fitter(precision=precision, max_steps=20, batch_size=8, optimizer="sgd", learning_rate=0.1,
+                       lr_scheduler="linear", output_dir=str(tmp_path), loggers=[], model_summary=False,
+                       save_strategy="no")
+    result = fitter.fit(model, DictDataset(n=8))
+    assert precision.scaler.get_scale() == 0.0
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())  # torch skipped every update
+    assert result.skipped_steps == 20
+    assert fitter.scheduler.last_epoch == 0
+
+
 def test_fp16_true_warns_about_tiny_adam_epsilon(tmp_path, caplog):
     with caplog.at_level("WARNING", logger="lightlike"):
         ll.Fitter(precision="16-true", max_steps=1, batch_size=8, output_dir=str(tmp_path), loggers=[],

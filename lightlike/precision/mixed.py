@@ -62,11 +62,15 @@ class MixedPrecision(Precision):
         if self.scaler is None:
             optimizer.step()
             return True
-        scale_before = self.scaler.get_scale()  # the scaler syncs in step() anyway
         self.scaler.step(optimizer)
+        # torch's own record of this step's inf/NaN gradients, read before update() clears it (one
+        # host read, as step() makes anyway). A lowered scale says the same only until the scale
+        # reaches 0.0 after ~166 overflows in a row: halving 0.0 lowers nothing, and every later
+        # skip would have been counted as a step taken (and advanced the scheduler).
+        found = self.scaler._found_inf_per_device(optimizer)
+        skipped = bool(sum(float(v.item()) for v in found.values()))
         self.scaler.update()
-        # update() lowers the scale exactly when an inf/NaN was found, i.e. the step was skipped.
-        return not self.scaler.get_scale() < scale_before
+        return not skipped
 
     def state_dict(self) -> dict[str, Any]:
         return {"scaler": self.scaler.state_dict()} if self.scaler is not None else {}
