@@ -263,6 +263,11 @@ class Strategy:
                     raise
                 raise group_size_error(optimizer, state, path) from e
 
+    def discard_gradients(self, module: nn.Module) -> None:
+        """Drop every gradient the module holds, also those of an accumulation window an error
+        cut short (``auto_find_batch_size`` retries on the same module)."""
+        self.unwrap(module).zero_grad(set_to_none=True)
+
     def module_state_dict(self, module: nn.Module) -> dict[str, torch.Tensor]:
         """Full, unsharded weights of the user's module (on CPU), for ``model.safetensors``."""
         return {k: v.detach() for k, v in self.unwrap(module).state_dict().items()}

@@ -333,6 +333,25 @@ class FSDPStrategy(DDPStrategy):
             self._syncing = sync
         return contextlib.nullcontext()
 
+    def discard_gradients(self, module: nn.Module) -> None:
+        """Also FSDP's state of an iteration an error cut short (a forward that never reached its
+        post-forward left the root "in a forward": the next forward skipped the root's set-up)
+        and the unsharded gradients it holds between the micro-steps of a window (no
+        reduce-scatter before its last backward): they sit on the unsharded parameters, which are
+        the module's own while it is unsharded."""
+        from torch.distributed.fsdp import FSDPModule
+
+        inner = self.unwrap(module)
+        if hasattr(inner, "reset_iter_state"):  # torch's recovery after an aborted forward/backward
+            inner.reset_iter_state()
+        units = [m for m in inner.modules() if isinstance(m, FSDPModule)]
+        for unit in units:
+            unit.unshard()
+        inner.zero_grad(set_to_none=True)
+        for unit in units:
+            unit.reshard()
+        inner.zero_grad(set_to_none=True)  # the sharded gradients
+
     # -- a training step -----------------------------------------------------------------------
     def clip_gradients(self, module: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float | None,
                        max_value: float | None, want_norm: bool = False) -> torch.Tensor | None:

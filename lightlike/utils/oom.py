@@ -77,7 +77,11 @@ def fit_finding_batch_size(fitter: Fitter, module: Any, train: Any, val: Any, re
             if "_resume_choice" in fitter.__dict__:  # where the first try started is where every retry starts:
                 choice = fitter.__dict__.pop("_resume_choice")  # not a checkpoint the failed try wrote
                 resume = None if choice is None else str(choice)  # (newer ones are set aside on resume)
-            module.load_state_dict(snapshot)
-            module.zero_grad(set_to_none=True)  # the failed step's partial gradients
+            if fitter.strategy is not None:  # the module as the failed try left it (FSDP: sharded in place)
+                fitter.strategy.load_module_state_dict(module, snapshot)
+                fitter.strategy.discard_gradients(module)  # the failed step's partial gradients
+            else:
+                module.load_state_dict(snapshot)
+                module.zero_grad(set_to_none=True)
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
