@@ -343,7 +343,7 @@ class FSDPStrategy(DDPStrategy):
 
         inner = self.unwrap(module)
         if hasattr(inner, "reset_iter_state"):  # torch's recovery after an aborted forward/backward
-            inner.reset_iter_state()
+            inner.reset_iter_state()  # type: ignore[operator]
         units = [m for m in inner.modules() if isinstance(m, FSDPModule)]
         for unit in units:
             unit.unshard()
