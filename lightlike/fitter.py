@@ -101,6 +101,15 @@ class Fitter:
         # from here a signal (during a checkpoint load, say) waits for the first step boundary; not
         # before: a rank meeting a peer that failed to start must end at the launcher's SIGTERM
         self._preemption.install()
+        # this fit's callbacks, state and control first: on_exception gets them for any error from
+        # here on (set-up errors included), never an earlier fit's
+        self.state, self.control = FitState(), Control()
+        from lightlike.callbacks.checks import built_in_callbacks
+        from lightlike.callbacks.progress import ProgressBar
+
+        built_in = built_in_callbacks(cfg, module, strategy.is_global_zero)
+        bars = [cb for cb in built_in if isinstance(cb, ProgressBar)]
+        self.callbacks = callbacks = CallbackList(built_in + self.user_callbacks)
         strategy.precision.reset()  # an earlier fit's loss scale is not this one's
         check_task_module(module)
         from lightlike.checkpoint.resume import resolve_resume  # chosen once, on the main rank, for all
@@ -141,15 +150,6 @@ class Fitter:
         if cfg.compile:
             model = torch.compile(model)  # type: ignore[assignment]
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
-
-        self.state = FitState(max_steps=max_steps)
-        control = self.control = Control()
-        from lightlike.callbacks.checks import built_in_callbacks
-        from lightlike.callbacks.progress import ProgressBar
-
-        built_in = built_in_callbacks(cfg, module, strategy.is_global_zero)
-        bars = [cb for cb in built_in if isinstance(cb, ProgressBar)]
-        self.callbacks = callbacks = CallbackList(built_in + self.user_callbacks)
         self._pending = []
         self._checkpoint_in_flight = None
         self._loss_total, self._items_total = 0.0, 0.0
@@ -158,7 +158,7 @@ class Fitter:
             from lightlike.checkpoint.training import load_training_checkpoint
 
             load_training_checkpoint(self, resume_from, verified=resume in (True, "auto"))  # chosen by verifying
-        state = self.state
+        state, control = self.state, self.control
         state.max_steps = max_steps
         from lightlike.loggers import build_loggers
 
@@ -436,10 +436,10 @@ class Fitter:
             if is_improvement(metrics[key], state.best_metric, greater_is_better(key, cfg.greater_is_better)):
                 state.best_metric, state.best_step = metrics[key], state.global_step
         self._emit("on_evaluate", metrics)
-        self.control.should_evaluate = False  # asked for again in on_evaluate: once per step
         self._last_metrics = metrics
         if self.control.should_log:
             self._log_training(final=True)
+        self.control.should_evaluate = False  # asked for again in on_evaluate or its row: once per step
         return metrics
 
     # ==== evaluation and prediction outside fit ===================================================
@@ -556,12 +556,12 @@ class Fitter:
         cfg, state, control = self.config, self.state, self.control
         self._phase = "epoch end"
         self.callbacks.call("on_epoch_end", self, state, control)
-        control.should_epoch_stop = False  # this epoch is ending (a flag set in on_epoch_end too)
         if control.should_log:
             self._log_training(final=True)  # nothing new since this step's log: no row
         if (control.should_evaluate or (cfg.eval_on_epoch_end and eval_sets)) and state.last_eval_step != state.global_step:
             self._evaluate_all(eval_sets)  # once per step, however many reasons there are
-        control.should_evaluate = False
+        # spent: this epoch is ending, and evaluated (a flag set in on_epoch_end or the end's row or evaluation)
+        control.should_epoch_stop = control.should_evaluate = False
         epoch += 1
         state.epoch_index, state.batches_in_epoch, state.samples_in_epoch = epoch, 0, 0
         state.epoch = float(epoch)

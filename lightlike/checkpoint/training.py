@@ -17,6 +17,7 @@ Layout of ``output_dir/checkpoint-{step}/`` (every file listed with size and CRC
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import sys
@@ -103,7 +104,7 @@ def save_training_checkpoint(fitter: Fitter, wait: bool = True, full: bool | Non
                     writer.save_torch("scheduler.pt", fitter.scheduler.state_dict())
                 writer.save_torch("precision.pt", strategy.precision.state_dict())
                 writer.save_torch("rng.pt", rng_all)
-                writer.save_torch("callbacks.pt", fitter.callbacks.state_dict())
+                writer.write_bytes("callbacks.pt", _resumable_callback_states(fitter))
                 saved_state = state.to_dict()  # the best checkpoint by name: valid from any cwd
                 saved_state["best_checkpoint"] = best_checkpoint_name(state.best_checkpoint)
                 writer.write_json("trainer_state.json", {
@@ -324,6 +325,47 @@ def _order_key(fitter: Fitter) -> Any:
 
 def _torch_load(path: Path) -> Any:
     return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def _loads_back(data: bytes) -> bool:
+    try:
+        torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)  # as a resume loads it
+        return True
+    except Exception:  # pickle.UnpicklingError names a type the loader refuses; any failure is one
+        return False
+
+
+def _torch_bytes(obj: Any) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getvalue()
+
+
+def _resumable_callback_states(fitter: Fitter) -> bytes:
+    """``callbacks.pt``: the callbacks' states, checked to load back as a resume loads them
+    (``weights_only=True``; they are small). A state that would not is refused here, at the first
+    save, naming the callback and the value: otherwise every checkpoint of the run would be written
+    and verify, and only its resume would fail."""
+    states = fitter.callbacks.state_dict()
+    data = _torch_bytes(states)
+    if _loads_back(data):
+        return data
+    where: list[Any] = []
+    value: Any = states
+    while isinstance(value, (dict, list, tuple)):  # down to the innermost value that does not load back
+        items = value.items() if isinstance(value, dict) else enumerate(value)
+        bad = next(((k, v) for k, v in items if not _loads_back(_torch_bytes(v))), None)
+        if bad is None:
+            break  # the container itself (a namedtuple, say)
+        where.append(bad[0])
+        value = bad[1]
+    owner = next((type(cb).__name__ for cb in fitter.callbacks.callbacks if where and cb.state_key == where[0]), "?")
+    kind = f"{type(value).__module__}.{type(value).__qualname__}"
+    raise CheckpointError(
+        f"callback {owner}: its state_dict(){''.join(f'[{k!r}]' for k in where[1:])} holds a {kind} ({value!r:.60}), "
+        "which a resume cannot load (checkpoints are read with torch.load(weights_only=True)), so no checkpoint "
+        "of this run could be resumed: return plain Python values (float(x), int(x), x.item() for a numpy "
+        "scalar, x.tolist() for an array), tensors, or lists, tuples and dicts of them from state_dict()")
 
 
 def _portable_rng(state: dict[str, Any]) -> dict[str, Any]:
