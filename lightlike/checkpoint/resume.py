@@ -24,6 +24,8 @@ import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from lightlike.checkpoint.atomic import _fsync_path, cleanup_stale_temps
 from lightlike.checkpoint.manifest import _NAME, MANIFEST, checkpoint_step, find_latest_valid
 from lightlike.errors import CheckpointError, ConfigError
@@ -38,10 +40,10 @@ log = logging.getLogger("lightlike")
 CONTINUATION_KEYS = ("batch_size", "grad_accum_steps", "learning_rate", "max_steps", "max_epochs", "seed",
                      "lr_scheduler", "warmup_steps", "warmup_ratio", "weight_decay", "optimizer", "precision",
                      "shuffle", "drop_last", "adam_beta1", "adam_beta2", "adam_epsilon", "momentum",
-                     "max_grad_norm", "max_grad_value", "lr_end", "power", "num_cycles")
+                     "max_grad_norm", "max_grad_value", "lr_end", "power", "num_cycles", "fused")
 #: Optimizer settings the restored optimizer/scheduler state holds: a change is applied after loading
 #: it (built-in optimizers only; a module's own ``configure_optimizers`` keeps the restored values).
-APPLIED_KEYS = ("learning_rate", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon", "momentum")
+APPLIED_KEYS = ("learning_rate", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon", "momentum", "fused")
 #: Settings that shape the schedule: the rebuilt scheduler has them, the restored group lr not yet
 SCHEDULE_KEYS = ("max_steps", "max_epochs", "batch_size", "grad_accum_steps", "lr_scheduler", "warmup_steps",
                  "warmup_ratio", "lr_end", "power", "num_cycles")
@@ -233,9 +235,10 @@ def apply_changed_settings(fitter: Fitter, path: Path) -> None:
         return
     now = fitter.config.to_dict()
     changed = [k for k in CONTINUATION_KEYS if k in old and old.get(k) != now.get(k)]
-    if not changed:
+    order = _changed_order(fitter, path, changed)
+    if not changed and not order:
         return
-    listing = "; ".join(f"{k}: {old.get(k)!r} -> {now.get(k)!r}" for k in changed)
+    listing = "; ".join([f"{k}: {old.get(k)!r} -> {now.get(k)!r}" for k in changed] + order)
     log.warning("resuming with changed settings (%s): the run is no longer a pure continuation", listing)
     applied = [k for k in changed if k in APPLIED_KEYS or k in SCHEDULE_KEYS]
     if not applied:
@@ -251,6 +254,23 @@ def apply_changed_settings(fitter: Fitter, path: Path) -> None:
     _apply(fitter, {k: old[k] for k in applied}, {k: now[k] for k in applied},
            schedule_changed=any(k in SCHEDULE_KEYS for k in applied))
     log.info("applied the new %s to the restored optimizer and schedule", ", ".join(applied))
+
+
+def _changed_order(fitter: Fitter, path: Path, changed: list[str]) -> list[str]:
+    """What else the data order depends on that changed since ``path`` (its ``data_order``), as
+    ``"data order's key: old -> new"`` (keys ``changed`` already names left out): at an epoch's
+    end the next epochs' order changes with it (an IterableDataset's with num_workers, dealt over
+    the workers; mid-epoch such a change is refused before this is called)."""
+    try:
+        saved = json.loads((path / "trainer_state.json").read_text()).get("data_order")
+    except (OSError, ValueError):
+        return []
+    data = fitter.train_data
+    order = data.order_key() if data is not None else None
+    if not isinstance(saved, dict) or not isinstance(order, dict):
+        return []
+    return [f"data order's {k}: {saved.get(k)!r} -> {order.get(k)!r}" for k in sorted({*saved, *order}, key=str)
+            if k not in changed and saved.get(k) != order.get(k)]
 
 
 def _apply(fitter: Fitter, old: dict[str, Any], new: dict[str, Any], schedule_changed: bool = False) -> None:
@@ -291,6 +311,28 @@ def _apply(fitter: Fitter, old: dict[str, Any], new: dict[str, Any], schedule_ch
             g["eps"] = float(new["adam_epsilon"])
         if "momentum" in g and "momentum" in new:
             g["momentum"] = float(new["momentum"])
+    if "fused" in new:
+        _apply_fused(optimizer)
+
+
+def _apply_fused(optimizer: Any) -> None:
+    """The kernel the optimizer was built with (``fused``: its ``defaults``, resolved from the new
+    setting) for every group, which the restored state replaced with the checkpoint's; each
+    ``step`` counter goes where that kernel keeps it (fused: on the parameter's device, float32;
+    else on the host), as torch's ``load_state_dict`` places it for the group's kernel."""
+    defaults = getattr(optimizer, "defaults", None)
+    if not isinstance(defaults, dict) or "fused" not in defaults:  # (a wrapper's: not torch's choice to make)
+        return
+    fused = defaults["fused"]
+    for g in optimizer.param_groups:
+        if "fused" not in g or bool(g["fused"]) == bool(fused):
+            continue
+        g["fused"] = fused
+        for p in g["params"]:
+            step = optimizer.state.get(p, {}).get("step")
+            if isinstance(step, torch.Tensor):
+                on = p.device if fused or g.get("capturable") else torch.device("cpu")
+                optimizer.state[p]["step"] = step.to(dtype=torch.float32, device=on)
 
 
 __all__ = ["apply_changed_settings", "best_checkpoint_name", "resolve_best", "resolve_resume", "set_aside",

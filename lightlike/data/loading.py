@@ -124,6 +124,9 @@ class TrainData:
         if self.sampler is not None and resumed.samples_in_epoch:
             self.sampler.set_epoch(resumed.epoch_index, resumed.samples_in_epoch)
             left = self.batches_per_epoch()  # type: ignore[assignment]
+        elif resumed.samples_in_epoch and self.replays():  # read again up to the position, not trained on
+            # (mid-epoch the ranks have taken the same batches: a replay keeps the world size)
+            left = max(0, batches - resumed.batches_in_epoch)
         rest = -(-left // accum) + (max_epochs - resumed.epoch_index - 1) * per_epoch  # type: ignore[operator]
         return resumed.global_step + max(0, rest), max_epochs  # type: ignore[return-value]
 
@@ -139,6 +142,8 @@ class TrainData:
         rank's batch ``start_batch``, where an IterableDataset is read up to it)."""
         if self.sampler is not None:
             self.sampler.set_epoch(epoch, start_sample)
+            if start_sample:
+                self._warn_uneven_rest(epoch, start_sample)
         elif start_sample and self.replays():
             batches = self._fresh_iterator(epoch)
             log.warning("resuming mid-epoch in an IterableDataset, which cannot seek: reading the %d batch(es) "
@@ -161,6 +166,21 @@ class TrainData:
                 if hasattr(sampler, "set_epoch"):
                     sampler.set_epoch(epoch)
         return self._fresh_iterator(epoch)
+
+    def _warn_uneven_rest(self, epoch: int, start: int) -> None:
+        """A mid-epoch resume on another number of processes: the rest of the epoch may not split
+        evenly where the whole epoch did (or leave out more than it): its tail is left out, as a
+        fresh start's is, so that every process takes the same samples and steps."""
+        sampler = self.sampler
+        assert sampler is not None
+        n, world = sampler.n, sampler.world_size
+        left_out = (n - start) % world if sampler.drop_last and world > 1 else 0
+        if left_out and left_out != n % world:  # (as many as build_train_data warned about: the same run)
+            log.warning("resuming epoch %d at sample %d of %d on %d processes: the %d sample(s) left of it do not "
+                        "split evenly, so %d of them are left out of this epoch (every process takes the same "
+                        "samples and steps). Later epochs are dealt from their start; resume on the checkpoint's "
+                        "number of processes, or from an epoch's end, to train on every sample of this one",
+                        epoch, start, n, world, n - start, left_out)
 
     def _fresh_iterator(self, epoch: int) -> Any:
         if self.generator is not None:

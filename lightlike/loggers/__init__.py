@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import difflib
 import importlib.util
+import json
 import logging
+import time
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -18,6 +20,8 @@ from lightlike.loggers.base import Logger
 from lightlike.loggers.csv import CSVLogger, JSONLLogger
 
 LOGGER_NAMES = ("csv", "jsonl", "tensorboard")
+#: ``logs/`` file recording each resume's step and time (``build_loggers``)
+RESUMES = "resumes.jsonl"
 log = logging.getLogger("lightlike")
 
 
@@ -93,6 +97,8 @@ def build_loggers(spec: Any, output_dir: str | Path, enabled: bool = True, *, re
     for none. The spec is checked on every process (an invalid one fails everywhere alike); only
     where ``enabled`` (the main process) are loggers constructed. ``resume_step``: a resumed run,
     whose logs drop what was written after that step's checkpoint; ``hyperparams`` are logged.
+    A resume is recorded in ``logs/resumes.jsonl`` (its step and time), so that a logger left out
+    of a resumed run and enabled again later also drops what it logged past that run's step.
     """
     if not enabled:
         if not (isinstance(spec, str) and spec.strip().lower() == "auto"):  # no warning on every rank
@@ -101,12 +107,46 @@ def build_loggers(spec: Any, output_dir: str | Path, enabled: bool = True, *, re
     items = _normalise(spec)
     log_dir = Path(output_dir) / "logs"
     loggers = [item if isinstance(item, Logger) else _by_name(item, log_dir) for item in items]
+    resumes = _record_resume(log_dir, resume_step) if resume_step is not None and (loggers or log_dir.is_dir()) else []
     for lg in loggers:
         if resume_step is not None:
-            lg.resume(resume_step)
+            lg.resume(_drop_after(lg, resume_step, resumes))
         if hyperparams is not None:
             lg.log_hyperparams(hyperparams)
     return loggers
+
+
+def _record_resume(log_dir: Path, step: int) -> list[tuple[int, int]]:
+    """Append this resume (step, ``time_ns``) to ``log_dir/resumes.jsonl``; returns every resume
+    recorded there, this one last (a torn or unreadable line is skipped)."""
+    path = log_dir / RESUMES
+    records: list[tuple[int, int]] = []
+    text = ""
+    if path.is_file():
+        text = path.read_text(encoding="utf-8", errors="replace")
+        for line in text.splitlines():
+            try:
+                obj = json.loads(line)
+                records.append((int(obj["step"]), int(obj["time_ns"])))
+            except (ValueError, KeyError, TypeError):
+                continue
+    log_dir.mkdir(parents=True, exist_ok=True)
+    now = time.time_ns()
+    with open(path, "a", encoding="utf-8") as fh:
+        fh.write(("\n" if text and not text.endswith("\n") else "") + json.dumps({"step": step, "time_ns": now}) + "\n")
+    return [*records, (step, now)]
+
+
+def _drop_after(lg: Logger, step: int, resumes: list[tuple[int, int]]) -> int:
+    """The step after which ``lg`` (one of lightlike's file loggers) drops what it logged: ``step``,
+    or the step of an earlier resume made after it last wrote, when that is smaller: the run
+    resumed then (without this logger) replaced what it had logged past that step. Another
+    logger's: ``step``."""
+    last = getattr(lg, "_last_written_ns", None)
+    written = last() if callable(last) else None
+    if written is None:
+        return step
+    return min([step] + [s for s, t in resumes if t > written])
 
 
 __all__ = ["LOGGER_NAMES", "CSVLogger", "JSONLLogger", "Logger", "build_loggers", "tensorboard_available"]

@@ -91,6 +91,25 @@ class TensorBoardLogger(Logger):
         if time.monotonic() - self._last_flush > self.flush_secs:
             self.flush()
 
+    def _last_written_ns(self) -> int | None:
+        """When an event file of ``log_dir`` was last opened or written (``build_loggers`` compares
+        it with the resumes since): the latest of the files' modification times and, for this
+        logger's files, the nanoseconds in their names (a coarse file system clock aside)."""
+        try:
+            names = [n for n in os.listdir(self.log_dir) if n.startswith("events.out.tfevents.")]
+        except OSError:
+            return None
+        times = []
+        for name in names:
+            try:
+                times.append(os.stat(os.path.join(self.log_dir, name)).st_mtime_ns)
+            except OSError:
+                continue
+            stamp = name.split(".")[3]
+            if len(stamp) == 20 and stamp.isdigit():  # opened at that time_ns() (see _write)
+                times.append(int(stamp))
+        return max(times, default=None)
+
     def resume(self, step: int) -> None:
         # a file already open (logging before resume) is closed: the next write opens a new
         # event file whose purge marker hides what the old one wrote after ``step``
