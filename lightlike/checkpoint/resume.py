@@ -227,15 +227,16 @@ def check_optimizer_fits(fitter: Fitter, path: Path) -> None:
                               f"with), so its state cannot be restored; {fix}")
 
 
-def apply_changed_settings(fitter: Fitter, path: Path) -> None:
+def apply_changed_settings(fitter: Fitter, path: Path, data_order: tuple[Any, Any] = (None, None)) -> None:
     """After the optimizer and scheduler state are loaded from ``path``: apply changed optimizer
-    settings to them (built-in optimizers) and warn, listing every changed setting."""
+    settings to them (built-in optimizers) and warn, listing every changed setting (and what of
+    ``data_order``, the saved and this run's, differs)."""
     old = saved_config(path)
     if old is None:
         return
     now = fitter.config.to_dict()
     changed = [k for k in CONTINUATION_KEYS if k in old and old.get(k) != now.get(k)]
-    order = _changed_order(fitter, path, changed)
+    order = _changed_order(*data_order, changed)
     if not changed and not order:
         return
     listing = "; ".join([f"{k}: {old.get(k)!r} -> {now.get(k)!r}" for k in changed] + order)
@@ -256,17 +257,12 @@ def apply_changed_settings(fitter: Fitter, path: Path) -> None:
     log.info("applied the new %s to the restored optimizer and schedule", ", ".join(applied))
 
 
-def _changed_order(fitter: Fitter, path: Path, changed: list[str]) -> list[str]:
-    """What else the data order depends on that changed since ``path`` (its ``data_order``), as
-    ``"data order's key: old -> new"`` (keys ``changed`` already names left out): at an epoch's
-    end the next epochs' order changes with it (an IterableDataset's with num_workers, dealt over
-    the workers; mid-epoch such a change is refused before this is called)."""
-    try:
-        saved = json.loads((path / "trainer_state.json").read_text()).get("data_order")
-    except (OSError, ValueError):
-        return []
-    data = fitter.train_data
-    order = data.order_key() if data is not None else None
+def _changed_order(saved: Any, order: Any, changed: list[str]) -> list[str]:
+    """What else the data order depends on that changed since the checkpoint (``saved``, its
+    ``data_order``; ``order``, this run's), as ``"data order's key: old -> new"`` (keys ``changed``
+    already names left out): at an epoch's end the next epochs' order changes with it (an
+    IterableDataset's with num_workers, dealt over the workers; mid-epoch such a change is
+    refused before this is called)."""
     if not isinstance(saved, dict) or not isinstance(order, dict):
         return []
     return [f"data order's {k}: {saved.get(k)!r} -> {order.get(k)!r}" for k in sorted({*saved, *order}, key=str)

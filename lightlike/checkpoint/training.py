@@ -276,7 +276,7 @@ def load_training_checkpoint(fitter: Fitter, path: Path, verified: bool = False)
         torch.manual_seed(cfg.seed + 7919 * (rank + 1) + state.global_step)
     else:
         set_rng_state(_native_rng(rngs[rank]))
-    apply_changed_settings(fitter, path)
+    apply_changed_settings(fitter, path, (saved.get("data_order"), order))  # (none in earlier versions)
     fitter.resumed_from = str(path)
     if strategy.is_global_zero:
         tidy_output_dir(cfg.output_dir, state.global_step, path)

@@ -138,12 +138,10 @@ def _record_resume(log_dir: Path, step: int) -> list[tuple[int, int]]:
 
 
 def _drop_after(lg: Logger, step: int, resumes: list[tuple[int, int]]) -> int:
-    """The step after which ``lg`` (one of lightlike's file loggers) drops what it logged: ``step``,
-    or the step of an earlier resume made after it last wrote, when that is smaller: the run
-    resumed then (without this logger) replaced what it had logged past that step. Another
-    logger's: ``step``."""
-    last = getattr(lg, "_last_written_ns", None)
-    written = last() if callable(last) else None
+    """The step after which ``lg`` drops what it logged: ``step``, or the step of an earlier resume
+    made after it last wrote, when that is smaller: the run resumed then (without this logger)
+    replaced what it had logged past that step. A logger that cannot tell when it wrote: ``step``."""
+    written = lg.last_written_ns()
     if written is None:
         return step
     return min([step] + [s for s, t in resumes if t > written])

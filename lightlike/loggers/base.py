@@ -35,6 +35,11 @@ class Logger:
         """Called before the first log of a run resumed from a checkpoint taken at ``step``:
         drop what was logged after ``step``, so no step appears twice and none is missing."""
 
+    def last_written_ns(self) -> int | None:
+        """When this logger's files were last written (``time_ns``), or None where it cannot tell
+        (then a resume drops only what was logged after its own checkpoint's step)."""
+        return None
+
     def flush(self) -> None:
         """Hand buffered records to the file system; called before every checkpoint save."""
 

@@ -78,7 +78,7 @@ class _AppendingLogger(Logger):
     def _write_header(self, fh: IO[str]) -> None:
         pass
 
-    def _last_written_ns(self) -> int | None:
+    def last_written_ns(self) -> int | None:
         """When the file was last written (``build_loggers`` compares it with the resumes since)."""
         try:
             return self.path.stat().st_mtime_ns

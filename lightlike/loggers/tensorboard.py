@@ -91,7 +91,7 @@ class TensorBoardLogger(Logger):
         if time.monotonic() - self._last_flush > self.flush_secs:
             self.flush()
 
-    def _last_written_ns(self) -> int | None:
+    def last_written_ns(self) -> int | None:
         """When an event file of ``log_dir`` was last opened or written (``build_loggers`` compares
         it with the resumes since): the latest of the files' modification times and, for this
         logger's files, the nanoseconds in their names (a coarse file system clock aside)."""
