@@ -104,6 +104,8 @@ def call_loss(module: Any, outputs: Any, batch: Any, where: str, *where_args: An
         if (error := _sequence_read_error(e, batch, "loss()", where, where_args)) is None:
             raise
         raise error from e
+    if type(loss) is torch.Tensor and loss.ndim == 0 and loss.requires_grad:  # the usual loss, checked in place
+        return loss
     return check_loss(loss, where, *where_args)
 
 

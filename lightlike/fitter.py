@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import math
 import time
 from pathlib import Path
 from typing import Any
@@ -21,9 +20,10 @@ from lightlike.callbacks.base import Callback, CallbackList
 from lightlike.config import FitConfig, check_keys
 from lightlike.data.eval_loading import build_eval_loader, normalise_eval_sets
 from lightlike.data.loading import TrainData, build_train_data
-from lightlike.errors import ConfigError, DataError, NonFiniteLossError
+from lightlike.errors import ConfigError, DataError
 from lightlike.evaluation import call_loss, call_module, greater_is_better, is_improvement, run_evaluation
 from lightlike.module import TaskModule, check_task_module
+from lightlike.pending import item_weight, read_pending, sum_pending
 from lightlike.precision import get_precision
 from lightlike.preemption import PreemptionHandler, save_and_exit
 from lightlike.state import Control, FitResult, FitState, PredictionResult
@@ -150,6 +150,7 @@ class Fitter:
         if cfg.compile:
             model = torch.compile(model)  # type: ignore[assignment]
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        self._step_parts = (strategy, module, model, optimizer)
         self._pending = []
         self._checkpoint_in_flight = None
         self._loss_total, self._items_total = 0.0, 0.0
@@ -179,11 +180,13 @@ class Fitter:
         preemption = self._preemption  # installed by fit(); an out-of-memory retry keeps what it received
         preemption.vote = None
         self._stop_agreed: Any = False  # the stop flag agreed in this step's item-count reduction
+        world_size, log_every = strategy.world_size, cfg.log_every
         try:
             callbacks.call("on_fit_start", self, state, control)
             self._bar_active = any(bar.bar is not None for bar in bars)  # a bar drawn replaces log lines
             model.train()
             epoch = state.epoch_index
+            next_due = self._next_due(state.global_step, max_steps)
             # ---- the loop ----------------------------------------------------------------------
             while state.global_step < max_steps and not control.should_training_stop and epoch < epoch_limit:
                 batches = train_data.epoch_iterator(epoch, state.samples_in_epoch, state.batches_in_epoch)
@@ -210,7 +213,7 @@ class Fitter:
                         break
                     callbacks.call("on_step_start", self, state, control)
                     step = state.global_step + 1  # the norm is logged at log steps and the last one
-                    stepped = self._training_step(window, want_norm=self._is_log_step(step) or step >= max_steps)
+                    stepped = self._training_step(window, want_norm=step % log_every == 0 or step >= max_steps)
                     if stepped and scheduler is not None:
                         scheduler.step()
                     state.global_step += 1
@@ -226,6 +229,11 @@ class Fitter:
                     # (a checkpoint taken here holds everything done at this step, so a resumed
                     # run repeats none of it: no log line, evaluation or epoch end twice)
                     # (flags set in on_log / on_evaluate / on_epoch_end count at this step)
+                    # (most steps have nothing due: no scheduled log, evaluation or save, no epoch
+                    # end, no flag set and no stop to agree on; one test skips the rest for them)
+                    if step < next_due and not epoch_done and not control.pending() \
+                            and not preemption.may_stop(world_size, step, self._stop_agreed):
+                        continue
                     epoch_ended = epoch_done or control.should_epoch_stop
                     last = step >= max_steps or control.should_training_stop or (epoch_ended and epoch + 1 >= epoch_limit)
                     log_step = self._is_log_step(step)
@@ -250,6 +258,7 @@ class Fitter:
                                         preemption.signal_name or "a signal", step)
                         else:
                             save_and_exit(self, preemption.signal_name or "a signal on another rank")
+                    next_due = self._next_due(step, max_steps)
                     if control.should_training_stop or epoch_ended:
                         break
             # ---- end of training (stopped by a callback, or no step left to take) ----------------
@@ -274,7 +283,7 @@ class Fitter:
         steps = state.global_step - start_step
         loss_total, items_total = self._loss_total, self._items_total
         if self._pending:  # left pending in the last checkpoint by a stop set in on_save: counted, not logged
-            more = self._sum_pending(self._read_pending())
+            more = sum_pending(self.strategy, self._read_pending())
             loss_total, items_total = loss_total + more[0], items_total + more[1]
         training_loss = loss_total / items_total if items_total else float("nan")
         metrics = {**self._last_metrics, "train/loss": training_loss}
@@ -298,26 +307,29 @@ class Fitter:
         Micro-batch i is weighted by ``items_i / items_in_step``, so the step's gradient is the
         gradient of the mean loss over every item in the step, whatever each micro-batch holds.
         Returns whether the optimizer update was applied."""
-        cfg, strategy, module, model, optimizer = self.config, self.strategy, self.module, self.model, self.optimizer
-        assert strategy is not None and module is not None and optimizer is not None
-        batches = [strategy.batch_to_device(b) for b in window]
-        counts = [module.num_items(b) for b in batches]
+        cfg = self.config
+        strategy, module, model, optimizer = self._step_parts  # (set up by fit)
+        batches = list(map(strategy.batch_to_device, window))
+        counts = list(map(module.num_items, batches))
         normaliser = strategy.item_normaliser(counts, self._preemption.received is not None,
                                               uniform=self._uniform_counts)
         last = len(batches) - 1
         step = self.state.global_step + 1
-        buffers = snapshot_buffers(module) if cfg.nonfinite_loss == "skip" else None  # BatchNorm statistics
+        skip_nonfinite = cfg.nonfinite_loss == "skip"
+        buffers = snapshot_buffers(module) if skip_nonfinite else None  # BatchNorm statistics
         for i, batch in enumerate(batches):
             with strategy.no_sync(model, enabled=i < last):
                 with strategy.autocast():
                     outputs = call_module(model, batch, "at step {}, micro-batch {}", step, i)
                     loss = call_loss(module, outputs, batch, "at step {}, micro-batch {}", step, i)
-                weight = _weight(counts[i], normaliser.total(), loss.dtype)
-                unit = isinstance(weight, float) and weight == 1.0  # one micro-batch: skip the extra op
-                strategy.backward(loss if unit else loss * weight, model)
-            self._pending.append((loss.detach(), counts[i], step, i))
+                n, total = counts[i], normaliser.total()
+                if type(n) is int and type(total) is int and n == total and n:  # every item of the step:
+                    strategy.backward(loss, model)  # weight 1, no extra op
+                else:
+                    strategy.backward(loss * item_weight(n, total, loss.dtype), model)
+            self._pending.append((loss.detach(), n, step, i))
         self._stop_agreed = normaliser.stop_flag()
-        if cfg.nonfinite_loss == "skip":
+        if skip_nonfinite:
             window_losses = torch.stack([p[0] for p in self._pending[-len(batches):]])
             # one host read per step, by choice; every rank skips if any rank saw a non-finite loss
             if strategy.reduce_flag(not bool(torch.isfinite(window_losses).all())):
@@ -340,25 +352,9 @@ class Fitter:
 
     # ------------------------------------------------------------------------------------------
     def _read_pending(self) -> list[tuple[float, float, int, int]]:
-        """Read the pending losses and item counts to the host (one sync for all of them).
-        Raises ``NonFiniteLossError`` naming the first bad step and micro-batch."""
-        if not self._pending:
-            return []
-        device = self.strategy.root_device  # type: ignore[union-attr]
-        # one stack, then one cast (stack promotes mixed dtypes exactly; a cast per loss costs
-        # ~2 us each, 100 of them per log step by default)
-        losses = torch.stack([p[0] for p in self._pending]).double().tolist()
-        counts = [p[1] for p in self._pending]
-        if any(isinstance(n, torch.Tensor) for n in counts):  # token counts on the device
-            items = torch.stack([torch.as_tensor(n, device=device) for n in counts]).double().tolist()
-        else:
-            items = [float(n) for n in counts]
-        values = [(loss, n, p[2], p[3]) for loss, n, p in zip(losses, items, self._pending, strict=True)]
-        if self.config.nonfinite_loss == "raise":
-            for loss, n, step, micro in values:
-                if not math.isfinite(loss):
-                    raise NonFiniteLossError(step, micro, loss, items=n)
-        return values
+        """This rank's pending (loss, items, step, micro-batch) values, on the host (``read_pending``)."""
+        return read_pending(self._pending, self.strategy.root_device,  # type: ignore[union-attr]
+                            raise_nonfinite=self.config.nonfinite_loss == "raise")
 
     def _finish_step(self, eval_sets: dict[str, Any]) -> None:
         """Before this step's last checkpoint: log what is pending and evaluate the step, unless
@@ -367,11 +363,6 @@ class Fitter:
         if eval_sets and self.state.last_eval_step != self.state.global_step:
             self._evaluate_all(eval_sets)
 
-    def _sum_pending(self, values: list[tuple[float, float, int, int]]) -> tuple[float, float]:
-        """Item-weighted loss sum and item count of pending losses, over every rank."""
-        loss_sum, item_sum = sum(loss * n for loss, n, _, _ in values), sum(n for _, n, _, _ in values)
-        return tuple(self.strategy.sum_floats([loss_sum, item_sum]))  # type: ignore[union-attr,return-value]
-
     def _log_training(self, final: bool = False) -> None:
         """Log the losses pending since the last row (with ``final``: only if there are any)."""
         self.control.should_log = False
@@ -379,7 +370,7 @@ class Fitter:
         self._pending = []
         if not values and final:
             return
-        loss_sum, item_sum = self._sum_pending(values)
+        loss_sum, item_sum = sum_pending(self.strategy, values)
         self._loss_total += loss_sum
         self._items_total += item_sum
         state = self.state
@@ -528,6 +519,13 @@ class Fitter:
         return optimizer, optim.build_scheduler(optimizer, self.config, max_steps)
 
     # -- when to log and save -------------------------------------------------------------------
+    def _next_due(self, step: int, max_steps: int) -> int:
+        """The first step after ``step`` at which a log, an evaluation or a save is due on
+        schedule (``log_every``, ``eval_every``, ``save_every``), or the last step."""
+        cfg = self.config
+        every = (cfg.log_every, cfg.eval_every, cfg.save_every if cfg.save_strategy == "steps" else None)
+        return min([max_steps, *((step // n + 1) * n for n in every if n)])
+
     def _is_log_step(self, step: int) -> bool:
         return step % self.config.log_every == 0
 
@@ -595,12 +593,4 @@ class Fitter:
         path = commit_pending_checkpoint(self)
         if path is not None:
             self.callbacks.call_on_save(self, self.state, self.control, str(path))
-
-
-def _weight(count: int | torch.Tensor, total: int | torch.Tensor, dtype: torch.dtype) -> float | torch.Tensor:
-    """count / total: a Python float for int counts, else a device tensor (computed in float64)."""
-    if isinstance(count, torch.Tensor) or isinstance(total, torch.Tensor):  # no host read: stays a tensor
-        return (torch.as_tensor(count, dtype=torch.float64) / torch.as_tensor(total, dtype=torch.float64)).to(dtype)
-    return count / total if total else 0.0  # no item in the whole step: its loss is 0/0 anyway
-
 

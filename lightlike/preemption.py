@@ -41,6 +41,10 @@ class Preempted(SystemExit):
         return f"preempted by {self.signal_name}; checkpoint {self.checkpoint}; exit code {EXIT_PREEMPTED}"
 
 
+#: steps between two votes on a stop (several processes, equal shares: no per-step reduction)
+VOTE_EVERY = 10
+
+
 class PreemptionHandler:
     """Installs flag-only handlers for the given signals while a fit runs."""
 
@@ -85,7 +89,7 @@ class PreemptionHandler:
         if strategy.world_size == 1:
             return self.received is not None
         if agreed is None:
-            if step % 10:
+            if step % VOTE_EVERY:
                 return False
             vote, self.vote = self.vote, strategy.reduce_flag_async(self.received is not None)
             return vote is not None and vote()
@@ -94,6 +98,16 @@ class PreemptionHandler:
         if agreed.device.type != "cpu" and not log_step:  # a device tensor
             return False
         return bool(agreed.item())
+
+    def may_stop(self, world_size: int, step: int, agreed: Any) -> bool:
+        """Whether ``stop_requested`` can be True at this boundary, told without a collective or a
+        host read: a signal received (one process), a vote due, or a stop flag agreed or being
+        agreed in this step's reduction (several)."""
+        if world_size == 1:
+            return self.received is not None
+        if agreed is None:
+            return step % VOTE_EVERY == 0
+        return agreed is not False
 
     def finish_vote(self) -> None:
         """Wait for the vote every rank started and drop it: its handle must not outlive the group."""

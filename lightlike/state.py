@@ -60,6 +60,11 @@ class Control:
     should_evaluate: bool = False
     should_log: bool = False
 
+    def pending(self) -> bool:
+        """Whether any flag is set."""
+        return (self.should_training_stop or self.should_epoch_stop or self.should_save or self.should_evaluate
+                or self.should_log)
+
 
 @dataclass
 class FitResult:

@@ -35,7 +35,7 @@ class EpochPosition:
 
     __slots__ = ("_start", "_here", "_batches", "_global_batch", "_end", "_done_below", "_per_epoch",
                  "_batches_per_epoch", "_agreed_left", "_ahead", "_sum", "follows", "_promised", "_counts",
-                 "_items", "_start_batches", "_world_size", "_reads_ahead")
+                 "_items", "_start_batches", "_world_size", "_reads_ahead", "_dealt")
 
     def __init__(self, data: TrainData, start: int, batches_in_epoch: int, world_size: int):
         self._start, self._here, self._batches = start, 0, batches_in_epoch
@@ -76,6 +76,8 @@ class EpochPosition:
         #: count the items of each batch taken (batches whose length the sampler does not tell)
         self._counts = (data.replays() or own_batches) and (world_size == 1 or (agrees and self._sum is not None))
         self._items = 0  # this rank's items taken since start (counted batches)
+        #: lightlike's sampler, nothing counted, agreed or read ahead: ``advance`` needs only the sampler's end
+        self._dealt = bool(self._per_epoch) and not self._counts and self._promised is None and self._agreed_left is None
         #: every rank has another batch (read ahead, agreed): the next window needs no agreement
         self.follows = False
 
@@ -111,6 +113,9 @@ class EpochPosition:
         self._here += batches
         self._batches += batches
         end = self._end
+        if self._dealt:  # lightlike's sampler (the usual case): the general rules below, in short
+            samples = min(self._start + self._here * self._global_batch, end)  # type: ignore[type-var]
+            return samples, min(1.0, samples / self._per_epoch), end - samples < self._done_below  # type: ignore[operator,return-value]
         if self._counts:
             samples = self._start + self._items  # (one process; several sum theirs in ``_agreed``)
         else:

@@ -17,6 +17,10 @@ from torch import nn
 from lightlike.errors import ConfigError
 from lightlike.utils.batches import map_tensors
 
+#: the context of a step that needs none: one shared ``nullcontext`` (reusable and reentrant), as a
+#: new one per micro-batch costs a Python ``__init__`` in the step
+NO_CONTEXT = contextlib.nullcontext()
+
 
 class Precision:
     """Full fp32 (``32-true``): the base every plugin refines."""
@@ -60,7 +64,7 @@ class Precision:
         return _cast_floats(batch, self.param_dtype)
 
     def autocast(self) -> contextlib.AbstractContextManager:
-        return contextlib.nullcontext()
+        return NO_CONTEXT
 
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()

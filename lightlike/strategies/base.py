@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from lightlike.precision import Precision
+from lightlike.precision.base import NO_CONTEXT
 from lightlike.utils.batches import map_tensors
 
 
@@ -112,7 +113,7 @@ class Strategy:
     # -- a training step -----------------------------------------------------------------------
     def no_sync(self, module: nn.Module, enabled: bool) -> contextlib.AbstractContextManager:
         """Context for micro-steps whose gradients must not be synchronised yet."""
-        return contextlib.nullcontext()
+        return NO_CONTEXT
 
     def autocast(self) -> contextlib.AbstractContextManager:
         return self.precision.autocast()
@@ -176,10 +177,7 @@ class Strategy:
         so it overlaps the first forward pass. ``uniform=True`` promises that every rank holds the
         same integer counts this step (lightlike's sampler deals equal shares), which lets a
         distributed strategy skip the reduction; the flag is then returned as None (not agreed)."""
-        total = counts[0]
-        for c in counts[1:]:
-            total = total + c
-        return StepNormaliser(total, flag)
+        return StepNormaliser(sum(counts[1:], counts[0]), flag)  # (counts[0] + counts[1] + ...)
 
     @property
     def forward_is_collective(self) -> bool:
@@ -308,17 +306,18 @@ class StepNormaliser:
         self._total, self._flag, self._wait = total, flag, wait
 
     def _finish(self) -> None:
-        if self._wait is not None:
-            self._wait()
-            self._wait = None
+        wait, self._wait = self._wait, None
+        wait()
 
     def total(self) -> int | torch.Tensor:
-        self._finish()
+        if self._wait is not None:
+            self._finish()
         return self._total
 
     def stop_flag(self) -> Any:
         """A bool, or a device tensor (read it only where a host sync is acceptable)."""
-        self._finish()
+        if self._wait is not None:
+            self._finish()
         return self._flag
 
 
