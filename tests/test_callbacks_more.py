@@ -156,3 +156,17 @@ def test_a_save_asked_for_while_an_async_checkpoint_commits_is_not_called_late(t
         _fit(tmp_path, [SaveAt3(), saves], max_steps=4, save_every=2, async_save=True).fit(
             Classifier(), DictDataset(n=40))
     assert saves.paths == ["2", "3", "4"]
+
+
+def test_control_pending_is_true_for_each_flag_alone_and_false_for_none():
+    """The loop skips a step boundary with nothing scheduled unless ``Control.pending()``: every
+    flag of ``Control`` (a flag added later included) must make it True on its own."""
+    import dataclasses
+
+    assert not Control().pending()
+    names = [f.name for f in dataclasses.fields(Control)]
+    assert len(names) == 5
+    for name in names:
+        control = Control()
+        setattr(control, name, True)
+        assert control.pending(), name

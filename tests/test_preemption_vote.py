@@ -92,6 +92,24 @@ def test_finish_vote_waits_for_the_vote_in_flight_once_and_drops_it(handler):
     assert strategy.read == [0, 1]
 
 
+def test_may_stop_holds_wherever_stop_requested_can_act(handler):
+    """The loop skips the step boundary, ``stop_requested`` included, where ``may_stop`` is False:
+    it must be True wherever ``stop_requested`` would stop or start a vote, and False elsewhere
+    (or the skip saves nothing)."""
+    one = TwoRanks()
+    one.world_size = 1
+    assert not handler.may_stop(1, 7, False) and not handler.stop_requested(one, 7, False, False)
+    os.kill(os.getpid(), signal.SIGUSR1)
+    assert handler.may_stop(1, 7, False) and handler.stop_requested(one, 7, False, False)
+    strategy = TwoRanks(peer=True)  # several processes, equal shares: a vote every VOTE_EVERY steps
+    for step in range(1, 41):
+        started = len(strategy.started)
+        acted = handler.stop_requested(strategy, step, None, log_step=False) or len(strategy.started) > started
+        assert handler.may_stop(2, step, None) == acted == (step % 10 == 0), step
+    assert not handler.may_stop(2, 5, False)  # a flag agreed in this step's reduction: read when set
+    assert handler.may_stop(2, 5, True) and handler.may_stop(2, 5, torch.tensor(False))
+
+
 def test_every_vote_a_rank_starts_is_waited_for_before_fit_ends_or_exits(tmp_path):
     """Two real processes with equal shares (the 10-step vote): a fit that ends normally after 25
     steps (votes at 10 and 20), then one that SIGUSR1 on rank 1 after step 3 preempts at step 20
