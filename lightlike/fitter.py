@@ -213,7 +213,8 @@ class Fitter:
                         break
                     callbacks.call("on_step_start", self, state, control)
                     step = state.global_step + 1  # the norm is logged at log steps and the last one
-                    stepped = self._training_step(window, want_norm=step % log_every == 0 or step >= max_steps)
+                    log_step = step % log_every == 0
+                    stepped = self._training_step(window, want_norm=log_step or step >= max_steps)
                     if stepped and scheduler is not None:
                         scheduler.step()
                     state.global_step += 1
@@ -236,7 +237,6 @@ class Fitter:
                         continue
                     epoch_ended = epoch_done or control.should_epoch_stop
                     last = step >= max_steps or control.should_training_stop or (epoch_ended and epoch + 1 >= epoch_limit)
-                    log_step = self._is_log_step(step)
                     if control.should_log or log_step or last:
                         self._log_training()
                         epoch_ended = epoch_ended or control.should_epoch_stop
@@ -525,9 +525,6 @@ class Fitter:
         cfg = self.config
         every = (cfg.log_every, cfg.eval_every, cfg.save_every if cfg.save_strategy == "steps" else None)
         return min([max_steps, *((step // n + 1) * n for n in every if n)])
-
-    def _is_log_step(self, step: int) -> bool:
-        return step % self.config.log_every == 0
 
     def _is_save_step(self, step: int) -> bool:
         cfg = self.config
