@@ -6,7 +6,7 @@ model FLOPs of a training step as ``6 * N + 12 * n_layer * n_embd * T`` per toke
 formula: matmuls forward and backward, plus attention) against the device's peak dense bf16
 FLOP/s (``--peak-tflops``; H100/H200 SXM: 989).
 
-    python benchmarks/gpt_throughput.py                                  # one device
+    python benchmarks/gpt_throughput.py                                  # one device, and the hand loop
     torchrun --nproc_per_node 8 benchmarks/gpt_throughput.py --strategy fsdp
     python benchmarks/gpt_throughput.py --tiny                           # CPU smoke run
 
@@ -46,21 +46,59 @@ class RandomTokens(Dataset):
 
 
 class Throughput(ll.Callback):
+    """Times steps warmup+1..last (the device synchronised at both ends): the fit's end, which
+    may write a checkpoint, is outside the window."""
+
     def __init__(self, warmup: int):
         self.warmup, self.t0, self.t1, self.steps = warmup, 0.0, 0.0, 0
 
     def on_step_end(self, fitter, state, control):
         if state.global_step == self.warmup:
-            if torch.cuda.is_available():
-                torch.cuda.synchronize()
+            _sync()
             self.t0 = time.perf_counter()
-        elif state.global_step > self.warmup:
+        elif state.global_step == state.max_steps:
+            _sync()
+            self.t1 = time.perf_counter()
             self.steps = state.global_step - self.warmup
 
-    def on_fit_end(self, fitter, state, control):
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        self.t1 = time.perf_counter()
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def hand_written(args: argparse.Namespace, data: Dataset, cuda: bool) -> float:
+    """The same work written by hand: the model, fused AdamW (no weight decay) with a linear
+    schedule, bf16 autocast and ``torch.compile`` on CUDA, shuffled batches. Seconds over steps
+    warmup+1..steps."""
+    device = torch.device("cuda" if cuda else "cpu")
+    torch.manual_seed(0)
+    model = _model(args).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.0, fused=cuda or None)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: max(0.0, 1 - s / args.steps))
+    run = torch.compile(model) if cuda and not args.no_compile else model
+    loader = torch.utils.data.DataLoader(data, batch_size=args.batch_size, shuffle=True, drop_last=True)
+    step, t0 = 0, 0.0
+    for batch in loader:
+        batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
+            loss = model.loss(run(batch), batch)
+        loss.backward()
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        step += 1
+        if step == args.warmup:
+            _sync()
+            t0 = time.perf_counter()
+        if step == args.steps:
+            _sync()
+            break
+    return (time.perf_counter() - t0) / (args.steps - args.warmup)
+
+
+def _model(args: argparse.Namespace) -> CharGPT:
+    return CharGPT(args.vocab, block_size=args.block, n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd)
 
 
 def main() -> None:
@@ -77,12 +115,17 @@ def main() -> None:
     p.add_argument("--peak-tflops", type=float, default=None)
     p.add_argument("--no-compile", action="store_true")
     p.add_argument("--tiny", action="store_true", help="a small model and few steps (a smoke run)")
+    p.add_argument("--no-hand", action="store_true", help="skip the hand-written loop (one process only)")
     args = p.parse_args()
     if args.tiny:
         args.n_layer, args.n_embd, args.n_head, args.block, args.vocab = 2, 64, 2, 64, 256
         args.batch_size, args.steps, args.warmup = 4, 8, 3
     cuda = torch.cuda.is_available()
-    model = CharGPT(args.vocab, block_size=args.block, n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd)
+    data = RandomTokens(args.batch_size * args.steps * 8, args.block, args.vocab)
+    one_process = int(os.environ.get("WORLD_SIZE", "1")) == 1
+    hand = hand_written(args, data, cuda) if one_process and not args.no_hand else None
+    torch.manual_seed(0)
+    model = _model(args)
     n_params = sum(p.numel() for p in model.parameters())
     clock = Throughput(args.warmup)
     with tempfile.TemporaryDirectory() as out:
@@ -90,7 +133,7 @@ def main() -> None:
                            compile=cuda and not args.no_compile, max_steps=args.steps, batch_size=args.batch_size,
                            learning_rate=3e-4, output_dir=out, loggers=[], progress_bar=False,
                            model_summary=False, log_level="warning", callbacks=[clock])
-        fitter.fit(model, RandomTokens(args.batch_size * args.steps * 8, args.block, args.vocab))
+        fitter.fit(model, data)
     strategy = fitter.strategy
     world = strategy.world_size
     tokens = clock.steps * args.batch_size * args.block * world
@@ -101,6 +144,10 @@ def main() -> None:
         print(f"{device} x {world}, strategy {strategy.name}, {n_params / 1e6:.1f} M parameters, "
               f"batch {args.batch_size} x {args.block} tokens per rank, {clock.steps} timed steps")
         print(f"tokens/s: {tok_s:,.0f} ({tok_s / world:,.0f} per device)")
+        if hand is not None:
+            fit_step = (clock.t1 - clock.t0) / clock.steps
+            print(f"step: Fitter {fit_step * 1e3:.2f} ms, hand-written {hand * 1e3:.2f} ms: "
+                  f"fitter / hand {fit_step / hand:.3f}")
         peak = args.peak_tflops or next((v for k, v in PEAK_TFLOPS.items() if k in device), None)
         if cuda and peak:
             mfu = flops_per_token * tok_s / world / (peak * 1e12)

@@ -17,6 +17,7 @@ figure reported is the ratio of medians of per-step times.
 
     python benchmarks/overhead.py                 # defaults: width 32, batch 16, 2000 steps x 5
     python benchmarks/overhead.py --width 256 --steps 1000
+    python benchmarks/overhead.py --device cuda   # on a GPU: both loops there, the clocks synchronised
 """
 
 from __future__ import annotations
@@ -62,7 +63,8 @@ def hand_written(data: Data, args: argparse.Namespace, same_work: bool = True, m
     """Seconds per step over steps warmup+1..steps; ``mark('start'/'stop')`` at those points
     (benchmarks/counters.py counts hardware events between them)."""
     torch.manual_seed(0)
-    model = MLP(args.features, args.width)
+    device = torch.device(args.device)
+    model = MLP(args.features, args.width).to(device)
     if same_work:  # what the Fitter's defaults build
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0, fused=True)
     else:  # torch's defaults
@@ -75,6 +77,8 @@ def hand_written(data: Data, args: argparse.Namespace, same_work: bool = True, m
         order = torch.randperm(len(data), generator=torch.Generator().manual_seed(epoch))
         loader = DataLoader(data, batch_size=args.batch_size, sampler=order.tolist())
         for batch in loader:
+            if device.type != "cpu":  # as the Fitter moves it (an asynchronous copy)
+                batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
             loss = model.loss(model(batch), batch)
             loss.backward()
             opt.step()
@@ -82,17 +86,25 @@ def hand_written(data: Data, args: argparse.Namespace, same_work: bool = True, m
             opt.zero_grad(set_to_none=True)
             step += 1
             if step == args.warmup:
+                _sync(device)
                 t0 = time.perf_counter()
                 if mark:
                     mark("start")
             if step % 50 == 0:  # a fair hand loop also looks at its loss now and then
                 logged.append(loss.item())
             if step == args.steps:
+                _sync(device)
                 if mark:
                     mark("stop")
                 break
         epoch += 1
     return (time.perf_counter() - t0) / (args.steps - args.warmup)
+
+
+def _sync(device: torch.device) -> None:
+    """Wait for the device's queued work, at the clock's start and stop only (a no-op on the CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 class Clock(ll.Callback):
@@ -104,10 +116,12 @@ class Clock(ll.Callback):
 
     def on_step_end(self, fitter, state, control):
         if state.global_step == self.warmup:
+            _sync(fitter.strategy.root_device)
             self.t0, self.cpu0 = time.perf_counter(), time.thread_time()
             if self.mark:
                 self.mark("start")
         elif state.global_step == self.steps:
+            _sync(fitter.strategy.root_device)
             self.t1, self.cpu1 = time.perf_counter(), time.thread_time()
             if self.mark:
                 self.mark("stop")
@@ -119,7 +133,8 @@ def with_fitter(data: Data, args: argparse.Namespace, mark=None) -> float:
     clock = Clock(args.warmup, args.steps, mark)
     with tempfile.TemporaryDirectory() as out:
         fitter = ll.Fitter(max_steps=args.steps, batch_size=args.batch_size, learning_rate=1e-3,
-                           output_dir=out, seed=0, log_level="warning", callbacks=[clock])
+                           output_dir=out, seed=0, log_level="warning", callbacks=[clock],
+                           accelerator=getattr(args, "device", "cpu"))
         fitter.fit(model, data)
     return (clock.t1 - clock.t0) / (args.steps - args.warmup)
 
@@ -130,6 +145,7 @@ def model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--width", type=int, default=32)
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--samples", type=int, default=4096)
+    p.add_argument("--device", default="cpu", help="'cpu' or 'cuda' (both loops on it)")
 
 
 def main() -> None:
@@ -151,7 +167,8 @@ def main() -> None:
         fit.append(with_fitter(data, args))
         typical.append(hand_written(data, args, same_work=False))
     h, t, f = statistics.median(hand), statistics.median(typical), statistics.median(fit)
-    print(f"torch {torch.__version__}, threads {args.threads}, width {args.width}, batch {args.batch_size}, "
+    where = torch.cuda.get_device_name() if args.device.startswith("cuda") else "CPU"
+    print(f"{where}, torch {torch.__version__}, threads {args.threads}, width {args.width}, batch {args.batch_size}, "
           f"{args.steps} steps x {args.repeats} repeats")
     for name, runs, med in (("hand-written, same work", hand, h), ("lightlike Fitter", fit, f),
                             ("hand-written, typical", typical, t)):

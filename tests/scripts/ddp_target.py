@@ -109,6 +109,29 @@ class Footprint(ll.Callback):
             (self.out / f"footprint-rank{fitter.strategy.global_rank}.json").write_text(json.dumps(footprint))
 
 
+class WhereItRan(ll.Callback):
+    """Record the device this rank trained on and the process group's backend (a GPU run checks
+    it trained where it was meant to, with nccl)."""
+
+    def __init__(self, out):
+        self.out = out
+
+    def on_fit_start(self, fitter, state, control):
+        import torch.distributed as dist
+
+        where = {"device": str(next(fitter.module.parameters()).device),
+                 "backend": dist.get_backend() if dist.is_initialized() else None}
+        (self.out / f"where-rank{fitter.strategy.global_rank}.json").write_text(json.dumps(where))
+
+
+class DropoutClassifier(Classifier):
+    """Dropout in training: a resumed run must restore the device's random state (CUDA's on a GPU)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.net.insert(2, nn.Dropout(0.25))
+
+
 class IntTokenClassifier(TokenClassifier):
     """Item counts as host ints (not tensors): they differ between ranks all the same."""
 
@@ -305,7 +328,7 @@ def main() -> None:
         return
     module_cls = {"token": TokenClassifier, "inttoken": IntTokenClassifier, "blocks": F1Blocks, "norm-blocks": F1NormBlocks,
                   "maybe-checkpointed": MaybeCheckpointed, "frozen-first": FrozenFirst,
-                  "only-module": OnlyModule}.get(args.task, Classifier)
+                  "only-module": OnlyModule, "dropout": DropoutClassifier}.get(args.task, Classifier)
     if args.mode == "oom":
         module_cls = OutOfMemoryOnRank1
     dtype = getattr(torch, args.dtype)
@@ -336,6 +359,7 @@ def main() -> None:
         strategy = FSDPStrategy(precision=MixedPrecision("16", init_scale=2.0**10, growth_interval=1))
     callbacks: list = []
     callbacks.append(Footprint(out))
+    callbacks.append(WhereItRan(out))
     if args.stop:
         callbacks.append(StopAt(args.stop))
     if args.kill_step:

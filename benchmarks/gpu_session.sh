@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# What a session lent a GPU runs, in one call (CI has no GPU; see benchmarks/RESULTS.md):
+#   1. tests/test_cuda.py: each precision against a hand-written CUDA loop, a real fp16 overflow,
+#      DDP with nccl and FSDP2 against one device, resume bit for bit with CUDA's random state;
+#   2. benchmarks/gpt_throughput.py: tokens/s, MFU and the Fitter against a hand-written compiled
+#      bf16 loop, one device; then FSDP2 under torchrun;
+#   3. benchmarks/overhead.py --device cuda: the per-step overhead on a tiny model on the GPU;
+#   4. the whole suite with the GPU visible, for what time is left of BUDGET seconds.
+# Results go to $OUT (the device tool's folder) or ./gpu-out.
+#
+#   bash benchmarks/gpu_session.sh            # BUDGET=400 by default
+set -u
+OUT=${OUT:-gpu-out}
+BUDGET=${BUDGET:-400}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+start=$SECONDS
+left() { echo $((BUDGET - (SECONDS - start))); }
+
+{
+  python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . 2>&1 | tail -3
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+  python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name())"
+  python3 -m pip list 2>/dev/null | grep -i -E '^(torch|tensorboard|tqdm|safetensors|deepspeed|numpy|pytest|pytest-xdist|transformers) '
+  nproc
+} >"$OUT/env.txt" 2>&1
+cat "$OUT/env.txt"
+
+echo "== tests/test_cuda.py"
+timeout 180 python3 -m pytest tests/test_cuda.py -n 8 -p no:cacheprovider -q -rA \
+  --junitxml="$OUT/cuda.xml" >"$OUT/cuda.log" 2>&1
+tail -25 "$OUT/cuda.log"
+
+echo "== gpt_throughput.py, one device"
+timeout 200 python3 benchmarks/gpt_throughput.py >"$OUT/gpt_single.txt" 2>&1
+tail -8 "$OUT/gpt_single.txt"
+
+echo "== overhead.py --device cuda"
+timeout 60 python3 benchmarks/overhead.py --device cuda --steps 2000 --repeats 5 >"$OUT/overhead_cuda.txt" 2>&1
+tail -8 "$OUT/overhead_cuda.txt"
+
+echo "== gpt_throughput.py, FSDP2 under torchrun (1 process)"
+timeout 150 python3 -m torch.distributed.run --nproc_per_node 1 benchmarks/gpt_throughput.py --strategy fsdp \
+  >"$OUT/gpt_fsdp.txt" 2>&1
+tail -8 "$OUT/gpt_fsdp.txt"
+
+rest=$(left)
+echo "== the whole suite with the GPU visible, $rest s"
+if [ "$rest" -gt 30 ]; then
+  timeout "$rest" python3 -m pytest tests -n 14 -p no:cacheprovider -v -o console_output_style=classic \
+    >"$OUT/suite.log" 2>&1
+  echo "suite rc $?"
+  grep -c ' PASSED ' "$OUT/suite.log"
+  grep -E ' (FAILED|ERROR) ' "$OUT/suite.log" | sed 's/^\[gw[0-9]*\] *//' | sort | head -60
+  tail -3 "$OUT/suite.log"
+fi

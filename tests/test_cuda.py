@@ -1,0 +1,154 @@
+"""The CUDA paths, on a GPU (skipped where there is none: CI has none; a session lent one runs
+``bash benchmarks/gpu_session.sh``, which runs this file and records what it measured).
+
+Each precision on one GPU against a hand-written CUDA loop (torch's AMP recipe for ``16-mixed``);
+a real fp16 overflow skipped and counted; DDP with nccl (one process under torchrun) and FSDP2
+against one device; and a resume on the GPU, CUDA's random state included (dropout), reaching
+the uninterrupted run's weights bit for bit under single, DDP and FSDP.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import Classifier, DictDataset, run_killing_group
+from test_ddp import SCRIPT, free_port, weights
+
+import lightlike as ll
+from lightlike.precision import MixedPrecision
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+CUDA = torch.device("cuda")
+
+
+def _batches(n, bs):
+    data = DictDataset(n=n)
+    for s in range(0, n, bs):
+        yield {k: torch.stack([data[i][k] for i in range(s, s + bs)]).to(CUDA) for k in ("x", "y", "w")}
+
+
+def _hand_written(model, precision, steps, bs, lr, max_norm):
+    """The loop a user writes for each precision on CUDA: autocast for the mixed ones (and
+    torch's GradScaler recipe for fp16), parameters and float inputs cast for the true ones."""
+    model.to(CUDA)
+    half = {"bf16-true": torch.bfloat16, "16-true": torch.float16}.get(precision)
+    if half is not None:
+        model.to(half)
+    autocast = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(precision)
+    scaler = torch.amp.GradScaler("cuda") if precision == "16-mixed" else None
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    for batch in _batches(steps * bs, bs):
+        if half is not None:
+            batch["x"] = batch["x"].to(half)
+        with torch.autocast("cuda", dtype=autocast or torch.float32, enabled=autocast is not None):
+            loss = model.loss(model(batch), batch)
+        if scaler is not None:
+            scaler.scale(loss).backward()
+            scaler.unscale_(opt)
+        else:
+            loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        if scaler is not None:
+            scaler.step(opt)
+            scaler.update()
+        else:
+            opt.step()
+        opt.zero_grad(set_to_none=True)
+    return scaler
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true"])
+def test_each_precision_on_one_gpu_matches_a_hand_written_cuda_loop(tmp_path, precision, record_property):
+    torch.manual_seed(0)
+    model = Classifier()
+    ref = copy.deepcopy(model)
+    fitter = ll.Fitter(precision=precision, accelerator="cuda", max_steps=4, batch_size=8, shuffle=False,
+                       optimizer="sgd", learning_rate=0.1, lr_scheduler="constant", max_grad_norm=0.5,
+                       output_dir=str(tmp_path), loggers=[], model_summary=False, save_strategy="no")
+    result = fitter.fit(model, DictDataset(n=32))
+    scaler = _hand_written(ref, precision, 4, 8, 0.1, 0.5)
+    diff = max((p.detach() - q.detach()).abs().max().item() for p, q in zip(model.parameters(), ref.parameters(), strict=True))
+    record_property("max_abs_diff", diff)
+    for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+        assert p.device.type == "cuda" and p.dtype == q.dtype, name
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=0, atol=1e-6, msg=name)
+    assert result.skipped_steps == 0 and result.peak_memory_bytes > 0
+    if scaler is not None:
+        assert fitter.strategy.precision.state_dict()["scaler"] == scaler.state_dict()
+
+
+def test_an_fp16_overflow_on_the_gpu_skips_the_step_counts_it_and_holds_the_schedule(tmp_path):
+    """A loss scale of 2**40 overflows fp16's backward (inf gradients) at every step: each step is
+    skipped and counted, the weights stay as they were, the scale halves as torch's GradScaler
+    halves it, and the learning-rate schedule does not advance."""
+    torch.manual_seed(0)
+    model = Classifier()
+    before = [p.detach().clone() for p in model.parameters()]
+    precision = MixedPrecision("16", init_scale=2.0**40)
+    fitter = ll.Fitter(precision=precision, accelerator="cuda", max_steps=3, batch_size=8, shuffle=False,
+                       optimizer="sgd", learning_rate=0.1, output_dir=str(tmp_path), loggers=[],
+                       model_summary=False, save_strategy="no")
+    result = fitter.fit(model, DictDataset(n=24))
+    assert result.skipped_steps == 3 and result.global_step == 3
+    assert all(torch.equal(p.detach().cpu(), b) for p, b in zip(model.parameters(), before, strict=True))
+    assert precision.scaler.get_scale() == 2.0**37
+    assert fitter.scheduler.last_epoch == 0 and fitter.optimizer.param_groups[0]["lr"] == 0.1
+
+
+def _run(nproc, out, *args):
+    """ddp_target.py as one plain process (``nproc`` 0) or under torchrun with ``nproc``."""
+    out.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, str(SCRIPT), str(out), "--dtype", "float32", *args]
+    if nproc:
+        cmd[1:1] = ["-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_addr", "127.0.0.1",
+                    "--master_port", str(free_port())]
+    p = run_killing_group(cmd, timeout=300)
+    assert p.returncode == 0, p.stderr[-4000:]
+    return p
+
+
+def _where(out: Path) -> dict:
+    return json.loads((out / "where-rank0.json").read_text())
+
+
+@pytest.mark.parametrize("strategy,precision", [("ddp", "32-true"), ("ddp", "bf16-mixed"), ("ddp", "16-mixed"),
+                                                ("fsdp", "32-true")])
+def test_ddp_with_nccl_and_fsdp_on_one_gpu_match_one_device(tmp_path, strategy, precision, record_property):
+    """One process under torchrun: nccl, the same weights as the single-device run (accumulation
+    over uneven item counts, norm clipping, a short last batch)."""
+    args = ["--task", "token", "--accum", "2", "--steps", "6", "--items", "46", "--batch", "4",
+            "--max-grad-norm", "0.5", "--precision", precision]
+    _run(0, tmp_path / "single", *args)
+    _run(1, tmp_path / strategy, "--strategy", strategy, *args)
+    assert _where(tmp_path / "single") == {"device": "cuda:0", "backend": None}
+    assert _where(tmp_path / strategy) == {"device": "cuda:0", "backend": "nccl"}
+    one, got = weights(tmp_path / "single"), weights(tmp_path / strategy)
+    diff = max((one[k] - got[k]).abs().max().item() for k in one)
+    record_property("max_abs_diff", diff)
+    for k in one:
+        torch.testing.assert_close(got[k], one[k], rtol=0, atol=1e-6, msg=k)
+
+
+@pytest.mark.parametrize("nproc,strategy,precision", [(0, "auto", "bf16-mixed"), (0, "auto", "16-mixed"),
+                                                      (1, "ddp", "bf16-mixed"), (1, "fsdp", "bf16-mixed")])
+def test_resume_on_the_gpu_reaches_the_uninterrupted_weights_bit_for_bit(tmp_path, nproc, strategy, precision,
+                                                                         record_property):
+    """Stopped after step 5 (checkpoint at 4), resumed to step 8: the weights equal the run that
+    went through, bit for bit. Dropout draws from CUDA's generator: its state is in the checkpoint."""
+    args = ["--task", "dropout", "--steps", "8", "--items", "64", "--batch", "4", "--save-every", "4",
+            "--strategy", strategy, "--precision", precision]
+    _run(nproc, tmp_path / "through", *args)
+    _run(nproc, tmp_path / "resumed", *args, "--stop", "5")
+    _run(nproc, tmp_path / "resumed", *args, "--resume")
+    assert _where(tmp_path / "resumed")["device"] == "cuda:0"
+    a, b = weights(tmp_path / "through"), weights(tmp_path / "resumed")
+    record_property("max_abs_diff", max((a[k] - b[k]).abs().max().item() for k in a))
+    assert all(torch.equal(a[k], b[k]) for k in a), "the resumed run's weights differ"
+    rng = torch.load(tmp_path / "through" / "checkpoint-4" / "rng.pt", weights_only=True)[0]
+    assert "cuda" in rng, "the checkpoint holds no CUDA random state"
