@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import copy
 import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -108,7 +110,10 @@ def _run(nproc, out, *args):
     if nproc:
         cmd[1:1] = ["-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_addr", "127.0.0.1",
                     "--master_port", str(free_port())]
-    p = run_killing_group(cmd, timeout=300)
+    try:  # a rank that hangs prints its threads' stacks (faulthandler) before it is killed
+        p = run_killing_group(cmd, timeout=120, env={**os.environ, "LIGHTLIKE_DUMP_AFTER": "100"})
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"{' '.join(cmd)} hung:\n{(e.stderr or '')[-6000:]}")
     assert p.returncode == 0, p.stderr[-4000:]
     return p
 

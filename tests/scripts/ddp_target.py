@@ -251,6 +251,10 @@ class F1NormBlocks(F1Module):
 
 
 def main() -> None:
+    if os.environ.get("LIGHTLIKE_DUMP_AFTER"):  # a test's launcher: where this rank stands if it hangs
+        import faulthandler
+
+        faulthandler.dump_traceback_later(float(os.environ["LIGHTLIKE_DUMP_AFTER"]), exit=False)
     p = argparse.ArgumentParser()
     p.add_argument("out")
     p.add_argument("--mode", default="train")
