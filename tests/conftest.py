@@ -9,6 +9,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+# The suite runs on the CPU, as CI does (gloo, CPU references, several ranks on one machine), on a
+# machine with a GPU too: there it failed where a test compares with a CPU tensor or starts two
+# ranks for one GPU. tests/test_cuda.py holds the GPU's own tests; LIGHTLIKE_TEST_GPU=1 leaves the
+# GPU visible to them (and to the whole suite, a probe of what differs on a GPU: read what fails).
+# Set before anything initialises CUDA; the processes the tests start inherit it.
+if os.environ.get("LIGHTLIKE_TEST_GPU") != "1":
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+
 
 def pytest_addoption(parser):
     parser.addoption("--extended", action="store_true", default=False,

@@ -1,5 +1,6 @@
-"""The CUDA paths, on a GPU (skipped where there is none: CI has none; a session lent one runs
-``bash benchmarks/gpu_session.sh``, which runs this file and records what it measured).
+"""The CUDA paths, on a GPU: ``LIGHTLIKE_TEST_GPU=1 pytest tests/test_cuda.py`` (skipped where there
+is none, and without that variable, which tests/conftest.py reads; CI has no GPU; a session lent
+one runs ``bash benchmarks/gpu_session.sh``).
 
 Each precision on one GPU against a hand-written CUDA loop (torch's AMP recipe for ``16-mixed``);
 a real fp16 overflow skipped and counted; DDP with nccl (one process under torchrun) and FSDP2
@@ -24,7 +25,8 @@ from test_ddp import SCRIPT, free_port, weights
 import lightlike as ll
 from lightlike.precision import MixedPrecision
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
+                                reason="needs a CUDA device, left visible by LIGHTLIKE_TEST_GPU=1")
 
 CUDA = torch.device("cuda")
 

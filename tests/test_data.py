@@ -363,3 +363,23 @@ def test_a_sampler_inside_a_batch_sampler_is_told_the_epoch(tmp_path):
         model.seen = []
         ll.Fitter(max_epochs=3, output_dir=str(tmp_path / how), loggers=[], save_strategy="no").fit(model, loader)
         assert model.seen == want(0) + want(1) + want(2) and want(0) != want(1), how
+
+
+def test_a_user_loader_without_generator_leaves_the_gpu_random_stream_alone(tmp_path, monkeypatch):
+    """A DataLoader of the user's without ``generator=`` draws its base seed from the CPU
+    generator as each epoch's iterator starts; lightlike draws it from (seed, epoch) in a fork of
+    the CPU generator. It seeded with ``torch.manual_seed``, which reseeds every CUDA generator
+    too, and the fork restores the CPU's alone: on a GPU, dropout restarted from seed + epoch at
+    every epoch and a resumed run diverged (seen on an H200: tests/test_resume.py's two resumes
+    with a user loader). Every reseed of the CUDA generators in a three-epoch fit is recorded
+    here (torch records it lazily without a GPU): the Fitter's own seeding, as it is built and as
+    the fit starts, is the only one (it was [5, 5, 5, 6, 7])."""
+    from helpers import DictDataset
+
+    seeds = []
+    real = torch.cuda.manual_seed_all
+    monkeypatch.setattr(torch.cuda, "manual_seed_all", lambda s: (seeds.append(s), real(s))[1])
+    loader = DataLoader(DictDataset(n=12), batch_size=4, shuffle=True)
+    ll.Fitter(max_epochs=3, seed=5, accelerator="cpu", output_dir=str(tmp_path), loggers=[], save_strategy="no",
+              model_summary=False).fit(Classifier(), loader)
+    assert seeds == [5, 5]

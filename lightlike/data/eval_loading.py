@@ -137,7 +137,7 @@ def _read_once(sampler: Any) -> list[Any]:
     """The elements of one pass of a sampler of the user's, drawn with torch's global generator
     seeded alike on every rank and left as it was."""
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
+        torch.default_generator.manual_seed(0)  # the CPU's alone: a GPU's stream is left alone
         return list(sampler)
 
 

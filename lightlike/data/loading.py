@@ -192,10 +192,12 @@ class TrainData:
                 torch.empty((), dtype=torch.int64).random_(generator=self.generator)
             return start_workers(self.loader)
         # a DataLoader of the user's without generator= draws its workers' base seed from the
-        # global generator as its iterator starts: at the epoch's start in one run, at the resume
-        # point in a resumed one. Drawn here from (seed, epoch), outside training's random streams
+        # global CPU generator as its iterator starts: at the epoch's start in one run, at the
+        # resume point in a resumed one. Drawn here from (seed, epoch), outside training's random
+        # streams: the CPU generator alone is seeded (torch.manual_seed would reseed CUDA's too,
+        # which fork_rng(devices=[]) does not restore: a GPU's dropout restarted every epoch)
         with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(self.seed + epoch)
+            torch.default_generator.manual_seed(self.seed + epoch)
             return start_workers(self.loader)
 
 

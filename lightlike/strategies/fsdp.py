@@ -291,7 +291,11 @@ class FSDPStrategy(DDPStrategy):
             if callable(init):
                 init()
             else:
-                with torch.random.fork_rng(devices=[]):
+                # the generators seeded are restored after: the CPU's and, when the shards live on
+                # a GPU (where reset_parameters draws), that GPU's
+                cuda = [] if self.root_device.type != "cuda" else \
+                    [torch.cuda.current_device() if self.root_device.index is None else self.root_device.index]
+                with torch.random.fork_rng(devices=cuda):
                     torch.manual_seed(self.init_seed)
                     for m in module.modules():
                         if callable(getattr(m, "reset_parameters", None)):
