@@ -67,14 +67,25 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-def hand_written(args: argparse.Namespace, data: Dataset, cuda: bool) -> float:
-    """The same work written by hand: the model, fused AdamW (no weight decay) with a linear
-    schedule, bf16 autocast and ``torch.compile`` on CUDA, shuffled batches. Seconds over steps
-    warmup+1..steps."""
-    device = torch.device("cuda" if cuda else "cpu")
+def hand_written(args: argparse.Namespace, data: Dataset, cuda: bool, shard: bool) -> float:
+    """The same work written by hand: the model, fused AdamW (no weight decay: the Fitter's
+    default) with a linear schedule, bf16 autocast and ``torch.compile`` on CUDA, shuffled
+    batches; with ``shard``,
+    FSDP2 as the Fitter's ``fsdp`` sets it up (``fully_shard`` on each block, then the root
+    without resharding after forward; parameters gathered in bf16, gradients reduced in fp32).
+    Seconds over steps warmup+1..steps."""
+    device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}" if cuda else "cpu")
     torch.manual_seed(0)
     model = _model(args).to(device)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.0, fused=cuda or None)
+    if shard:
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if cuda else \
+            MixedPrecisionPolicy()
+        for block in model.blocks:
+            fully_shard(block, mp_policy=mp)
+        fully_shard(model, mp_policy=mp, reshard_after_forward=False)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.0, fused=True)  # as the Fitter
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: max(0.0, 1 - s / args.steps))
     run = torch.compile(model) if cuda and not args.no_compile else model
     loader = torch.utils.data.DataLoader(data, batch_size=args.batch_size, shuffle=True, drop_last=True)
@@ -97,6 +108,19 @@ def hand_written(args: argparse.Namespace, data: Dataset, cuda: bool) -> float:
     return (time.perf_counter() - t0) / (args.steps - args.warmup)
 
 
+def _process_group(cuda: bool) -> bool:
+    """Start torchrun's process group for the hand-written FSDP loop (the Fitter then uses it);
+    True when started here."""
+    import torch.distributed as dist
+
+    if dist.is_initialized() or "RANK" not in os.environ:
+        return False
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group("nccl" if cuda else "gloo")
+    return True
+
+
 def _model(args: argparse.Namespace) -> CharGPT:
     return CharGPT(args.vocab, block_size=args.block, n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd)
 
@@ -115,15 +139,22 @@ def main() -> None:
     p.add_argument("--peak-tflops", type=float, default=None)
     p.add_argument("--no-compile", action="store_true")
     p.add_argument("--tiny", action="store_true", help="a small model and few steps (a smoke run)")
-    p.add_argument("--no-hand", action="store_true", help="skip the hand-written loop (one process only)")
+    p.add_argument("--no-hand", action="store_true",
+                   help="skip the hand-written loop (written for one device, and for 'fsdp')")
     args = p.parse_args()
     if args.tiny:
         args.n_layer, args.n_embd, args.n_head, args.block, args.vocab = 2, 64, 2, 64, 256
-        args.batch_size, args.steps, args.warmup = 4, 8, 3
+        args.batch_size = 4
+        if args.steps == p.get_default("steps"):
+            args.steps, args.warmup = 8, 3
     cuda = torch.cuda.is_available()
     data = RandomTokens(args.batch_size * args.steps * 8, args.block, args.vocab)
-    one_process = int(os.environ.get("WORLD_SIZE", "1")) == 1
-    hand = hand_written(args, data, cuda) if one_process and not args.no_hand else None
+    shard = args.strategy == "fsdp"
+    started = _process_group(cuda) if shard else False
+    mine = args.strategy in ("auto", "single") and int(os.environ.get("WORLD_SIZE", "1")) == 1
+    hand = [hand_written(args, data, cuda, shard)] if (shard or mine) and not args.no_hand else []
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()  # the Fitter's peak, not the hand loop's
     torch.manual_seed(0)
     model = _model(args)
     n_params = sum(p.numel() for p in model.parameters())
@@ -134,6 +165,8 @@ def main() -> None:
                            learning_rate=3e-4, output_dir=out, loggers=[], progress_bar=False,
                            model_summary=False, log_level="warning", callbacks=[clock])
         fitter.fit(model, data)
+    if hand:  # once before the Fitter and once after: the second loop of a process runs faster
+        hand.append(hand_written(args, data, cuda, shard))
     strategy = fitter.strategy
     world = strategy.world_size
     tokens = clock.steps * args.batch_size * args.block * world
@@ -144,15 +177,17 @@ def main() -> None:
         print(f"{device} x {world}, strategy {strategy.name}, {n_params / 1e6:.1f} M parameters, "
               f"batch {args.batch_size} x {args.block} tokens per rank, {clock.steps} timed steps")
         print(f"tokens/s: {tok_s:,.0f} ({tok_s / world:,.0f} per device)")
-        if hand is not None:
-            fit_step = (clock.t1 - clock.t0) / clock.steps
-            print(f"step: Fitter {fit_step * 1e3:.2f} ms, hand-written {hand * 1e3:.2f} ms: "
-                  f"fitter / hand {fit_step / hand:.3f}")
+        if hand:
+            fit_step, mean = (clock.t1 - clock.t0) / clock.steps, sum(hand) / len(hand)
+            print(f"step: Fitter {fit_step * 1e3:.2f} ms, hand-written{' FSDP2' if shard else ''} {mean * 1e3:.2f} ms "
+                  f"(before {hand[0] * 1e3:.2f}, after {hand[1] * 1e3:.2f}): fitter / hand {fit_step / mean:.3f}")
         peak = args.peak_tflops or next((v for k, v in PEAK_TFLOPS.items() if k in device), None)
         if cuda and peak:
             mfu = flops_per_token * tok_s / world / (peak * 1e12)
             print(f"MFU: {100 * mfu:.1f} % of {peak:.0f} TFLOP/s bf16 per device; "
                   f"peak memory {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB")
+    if started:
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
