@@ -14,6 +14,9 @@ Counting uses ``sys.settrace`` with ``f_trace_opcodes`` from step ``--warmup`` +
 
     python benchmarks/opcodes.py                 # totals and the Fitter's 25 busiest functions
     python benchmarks/opcodes.py --lines 40      # the 40 busiest lines of lightlike's code
+    python benchmarks/opcodes.py --ops            # torch operators per step instead (on a GPU,
+                                                  # each is a kernel launch or more: a proxy for
+                                                  # the launch overhead a CPU cannot show)
 """
 
 from __future__ import annotations
@@ -64,6 +67,30 @@ class OpcodeCounter:
                 frame = frame.f_back
 
 
+class OpCounter:
+    """``mark('start')`` ... ``mark('stop')``: torch operators dispatched in between, by name
+    (a ``TorchDispatchMode``: below autograd, so backward's operators count too)."""
+
+    def __init__(self) -> None:
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        counts: collections.Counter[tuple[str, str]] = collections.Counter()
+
+        class Count(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                counts[("aten", str(func.overloadpacket))] += 1
+                return func(*args, **(kwargs or {}))
+
+        self.counts, self._mode = counts, Count()
+
+    def mark(self, what: str) -> None:
+        if what == "start":
+            self.counts.clear()
+            self._mode.__enter__()
+        else:
+            self._mode.__exit__(None, None, None)
+
+
 def _short(filename: str) -> str:
     for marker in ("site-packages/", "lightlike/", "benchmarks/"):
         if marker in filename:
@@ -79,19 +106,29 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=300)
     p.add_argument("--top", type=int, default=25, help="the Fitter's busiest functions to list")
     p.add_argument("--lines", type=int, default=0, help="list this many of lightlike's busiest lines instead")
+    p.add_argument("--ops", action="store_true", help="count torch operators, not bytecodes")
     args = p.parse_args()
     torch.set_num_threads(1)
     data = Data(args.samples, args.features)
     steps = args.steps - args.warmup
-    hand, fit = OpcodeCounter(), OpcodeCounter(by_line=args.lines > 0)
+    hand, fit = (OpCounter(), OpCounter()) if args.ops else (OpcodeCounter(), OpcodeCounter(by_line=args.lines > 0))
     hand_written(data, args, mark=hand.mark)
     with_fitter(data, args, mark=fit.mark)
     h, f = sum(hand.counts.values()) / steps, sum(fit.counts.values()) / steps
     own = sum(n for (file, _), n in fit.counts.items() if file.startswith("lightlike/")) / steps
     print(f"torch {torch.__version__}, Python {sys.version.split()[0]}, width {args.width}, batch {args.batch_size}, "
           f"steps {args.warmup + 1}..{args.steps} counted")
-    print(f"hand-written, same work : {h:8.1f} bytecodes/step")
-    print(f"lightlike Fitter        : {f:8.1f} bytecodes/step  ({f / h:.3f}; lightlike's own code {own:.1f})")
+    unit = "operators" if args.ops else "bytecodes"
+    print(f"hand-written, same work : {h:8.1f} {unit}/step")
+    print(f"lightlike Fitter        : {f:8.1f} {unit}/step  ({f / h:.3f}" +
+          (")" if args.ops else f"; lightlike's own code {own:.1f})"))
+    if args.ops:
+        both = set(hand.counts) | set(fit.counts)
+        rows = [(k, fit.counts[k] - hand.counts[k]) for k in both if fit.counts[k] != hand.counts[k]]
+        print("operators the Fitter runs more (+) or fewer (-) times than the hand loop, per step:")
+        for (_, name), n in sorted(rows, key=lambda kv: -abs(kv[1]))[:args.top]:
+            print(f"  {n / steps:+8.2f}  {name}  (hand {hand.counts[('aten', name)] / steps:.2f})")
+        return
     if args.lines:
         rows = [(k, n) for k, n in fit.counts.items() if k[0].startswith("lightlike/")]
         title = f"lightlike's {args.lines} busiest lines (bytecodes/step)"
