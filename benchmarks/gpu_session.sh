@@ -3,15 +3,19 @@
 #   1. tests/test_cuda.py: each precision against a hand-written CUDA loop, a real fp16 overflow,
 #      DDP with nccl and FSDP2 against one device, resume bit for bit with CUDA's random state;
 #   2. benchmarks/gpt_throughput.py: tokens/s, MFU and the Fitter against a hand-written compiled
-#      bf16 loop, one device; then FSDP2 under torchrun;
+#      bf16 loop, one device; then FSDP2 under torchrun against a hand-written FSDP2 loop;
 #   3. benchmarks/overhead.py --device cuda: the per-step overhead on a tiny model on the GPU;
 #   4. the whole suite with the GPU visible, for what time is left of BUDGET seconds.
 # Results go to $OUT (the device tool's folder) or ./gpu-out.
 #
-#   bash benchmarks/gpu_session.sh            # BUDGET=400 by default
+#   bash benchmarks/gpu_session.sh            # BUDGET=480 s by default
+#
+# Through the device tool: run(command="bash benchmarks/gpu_session.sh", timeout_s=540): with the
+# machine's start, ~10 of a session's 15 device minutes. The 2026-11-27 run (H200) took 400 s
+# with BUDGET=400; its figures and what it found are in benchmarks/RESULTS.md.
 set -u
 OUT=${OUT:-gpu-out}
-BUDGET=${BUDGET:-400}
+BUDGET=${BUDGET:-480}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 start=$SECONDS
@@ -39,7 +43,7 @@ timeout 200 python3 benchmarks/gpt_throughput.py >"$OUT/gpt_single.txt" 2>&1
 tail -8 "$OUT/gpt_single.txt"
 
 echo "== overhead.py --device cuda"
-timeout 60 python3 benchmarks/overhead.py --device cuda --steps 2000 --repeats 5 >"$OUT/overhead_cuda.txt" 2>&1
+timeout 90 python3 benchmarks/overhead.py --device cuda --steps 2000 --repeats 9 >"$OUT/overhead_cuda.txt" 2>&1
 tail -8 "$OUT/overhead_cuda.txt"
 
 echo "== gpt_throughput.py, FSDP2 under torchrun (1 process)"
