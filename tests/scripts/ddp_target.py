@@ -121,6 +121,8 @@ class WhereItRan(ll.Callback):
 
         where = {"device": str(next(fitter.module.parameters()).device),
                  "backend": dist.get_backend() if dist.is_initialized() else None}
+        self.out.mkdir(parents=True, exist_ok=True)  # rank 0 may not have made output_dir yet (as a
+        # fit makes it: torchrun's recipe launches into a folder that does not exist)
         (self.out / f"where-rank{fitter.strategy.global_rank}.json").write_text(json.dumps(where))
 
 
