@@ -5,11 +5,13 @@ one runs ``bash benchmarks/gpu_session.sh``).
 Each precision on one GPU against a hand-written CUDA loop (torch's AMP recipe for ``16-mixed``);
 a real fp16 overflow skipped and counted; DDP with nccl (one process under torchrun) and FSDP2
 against one device; and a resume on the GPU, CUDA's random state included (dropout), reaching
-the uninterrupted run's weights bit for bit under single, DDP and FSDP.
+the uninterrupted run's weights bit for bit under single, DDP and FSDP, and with a user's
+DataLoader (the bug the first GPU run found: benchmarks/RESULTS.md, 2026-11-27).
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import os
@@ -159,3 +161,34 @@ def test_resume_on_the_gpu_reaches_the_uninterrupted_weights_bit_for_bit(tmp_pat
     assert all(torch.equal(a[k], b[k]) for k in a), "the resumed run's weights differ"
     rng = torch.load(tmp_path / "through" / "checkpoint-4" / "rng.pt", weights_only=True)[0]
     assert "cuda" in rng, "the checkpoint holds no CUDA random state"
+
+
+@pytest.mark.parametrize("user_loader", [False, True])
+def test_dropout_on_the_gpu_resumes_bit_for_bit_with_lightlikes_sampler_and_a_users_loader(tmp_path, user_loader):
+    """In one process (the module and the data as tests/test_resume.py's): stopped after step 5,
+    resumed from checkpoint-3 (mid-epoch) to step 12. With a user's DataLoader without
+    generator= this diverged on the GPU: lightlike reseeded CUDA's generator at every epoch start
+    while drawing the loader's base seed (the bug test_data.py pins on the CPU)."""
+    from test_resume import Dropout, StopAt
+
+    from lightlike.data import LengthGroupedSampler
+
+    def data():
+        items = DictDataset(n=32)
+        if not user_loader:
+            return items
+        return torch.utils.data.DataLoader(items, batch_size=4, sampler=LengthGroupedSampler([1] * 32, 4, seed=0))
+
+    def go(out, stop=None, resume=None):
+        torch.manual_seed(0)
+        model = Dropout()
+        fitter = ll.Fitter(max_steps=12, batch_size=4, save_every=3, accelerator="cuda", output_dir=str(out),
+                           loggers=[], model_summary=False, callbacks=[StopAt(stop)] if stop else [])
+        with contextlib.suppress(KeyboardInterrupt):
+            fitter.fit(model, data(), resume=resume)
+        return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+    reference = go(tmp_path / "ref")
+    go(tmp_path / "cut", stop=5)
+    resumed = go(tmp_path / "cut", resume=True)
+    assert reference.device.type == "cuda" and torch.equal(resumed, reference)
