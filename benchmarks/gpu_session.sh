@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # What a session lent a GPU runs, in one call (CI has no GPU; see benchmarks/RESULTS.md):
 #   1. tests/test_cuda.py: each precision against a hand-written CUDA loop, a real fp16 overflow,
-#      DDP with nccl and FSDP2 against one device, resume bit for bit with CUDA's random state;
+#      DDP with nccl, FSDP2 and (carried) DeepSpeed ZeRO against one device, resume bit for bit
+#      with CUDA's random state;
 #   2. benchmarks/gpt_throughput.py: tokens/s, MFU and the Fitter against a hand-written compiled
 #      bf16 loop, one device; then FSDP2 under torchrun against a hand-written FSDP2 loop;
 #   3. benchmarks/overhead.py --device cuda: the per-step overhead on a tiny model on the GPU;
@@ -10,7 +11,8 @@
 #
 #   bash benchmarks/gpu_session.sh            # BUDGET=480 s by default
 #
-# Through the device tool: run(command="bash benchmarks/gpu_session.sh", timeout_s=540): with the
+# Through the device tool: run(command="bash benchmarks/gpu_session.sh", carry=[".whl"], timeout_s=540)
+# (.whl/ from benchmarks/gpu_wheels.sh: DeepSpeed, which the image lacks; without it its cases skip): with the
 # machine's start, ~10 of a session's 15 device minutes. The 2026-11-27 run (H200) took 400 s
 # with BUDGET=400; its figures and what it found are in benchmarks/RESULTS.md.
 set -u
@@ -21,10 +23,15 @@ export PYTHONUNBUFFERED=1
 start=$SECONDS
 left() { echo $((BUDGET - (SECONDS - start))); }
 
+if ls .whl/*.whl >/dev/null 2>&1; then  # DeepSpeed and its needs (benchmarks/gpu_wheels.sh), carried
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    >"$OUT/wheels.txt" 2>&1 && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
 {
   python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . 2>&1 | tail -3
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
   python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name())"
+  python3 -c "import deepspeed; print('deepspeed', deepspeed.__version__)" 2>&1 | tail -1
   python3 -m pip list 2>/dev/null | grep -i -E '^(torch|tensorboard|tqdm|safetensors|deepspeed|numpy|pytest|pytest-xdist|transformers) '
   nproc
 } >"$OUT/env.txt" 2>&1

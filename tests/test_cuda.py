@@ -3,8 +3,8 @@ is none, and without that variable, which tests/conftest.py reads; CI has no GPU
 one runs ``bash benchmarks/gpu_session.sh``).
 
 Each precision on one GPU against a hand-written CUDA loop (torch's AMP recipe for ``16-mixed``);
-a real fp16 overflow skipped and counted; DDP with nccl (one process under torchrun) and FSDP2
-against one device; and a resume on the GPU, CUDA's random state included (dropout), reaching
+a real fp16 overflow skipped and counted; DDP with nccl (one process under torchrun), FSDP2 and
+DeepSpeed's ZeRO 2 and 3 (where DeepSpeed is installed) against one device; and a resume on the GPU, CUDA's random state included (dropout), reaching
 the uninterrupted run's weights bit for bit under single, DDP and FSDP, and with a user's
 DataLoader (the bug the first GPU run found: benchmarks/RESULTS.md, 2026-11-27).
 """
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import importlib.util
 import json
 import os
 import subprocess
@@ -31,6 +32,9 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
                                 reason="needs a CUDA device, left visible by LIGHTLIKE_TEST_GPU=1")
 
 CUDA = torch.device("cuda")
+#: the device image lends no DeepSpeed: benchmarks/gpu_wheels.sh makes the wheels a session carries
+needs_deepspeed = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="needs deepspeed")
+ZERO = Path(__file__).parent / "scripts" / "zero_target.py"  # ddp_target.py for the DeepSpeed strategies
 
 
 def _batches(n, bs):
@@ -107,10 +111,10 @@ def test_an_fp16_overflow_on_the_gpu_skips_the_step_counts_it_and_holds_the_sche
     assert fitter.scheduler.last_epoch == 0 and fitter.optimizer.param_groups[0]["lr"] == 0.1
 
 
-def _run(nproc, out, *args):
-    """ddp_target.py as one plain process (``nproc`` 0) or under torchrun with ``nproc``."""
+def _run(nproc, out, *args, script=SCRIPT):
+    """ddp_target.py (or ``script``) as one plain process (``nproc`` 0) or under torchrun with ``nproc``."""
     out.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, str(SCRIPT), str(out), "--dtype", "float32", *args]
+    cmd = [sys.executable, str(script), str(out), "--dtype", "float32", *args]
     if nproc:
         cmd[1:1] = ["-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_addr", "127.0.0.1",
                     "--master_port", str(free_port())]
@@ -126,15 +130,19 @@ def _where(out: Path) -> dict:
     return json.loads((out / "where-rank0.json").read_text())
 
 
-@pytest.mark.parametrize("strategy,precision", [("ddp", "32-true"), ("ddp", "bf16-mixed"), ("ddp", "16-mixed"),
-                                                ("fsdp", "32-true")])
+@pytest.mark.parametrize("strategy,precision", [
+    ("ddp", "32-true"), ("ddp", "bf16-mixed"), ("ddp", "16-mixed"), ("fsdp", "32-true"),
+    pytest.param("deepspeed_zero2", "32-true", marks=needs_deepspeed),
+    pytest.param("deepspeed_zero3", "32-true", marks=needs_deepspeed)])
 def test_ddp_with_nccl_and_fsdp_on_one_gpu_match_one_device(tmp_path, strategy, precision, record_property):
     """One process under torchrun: nccl, the same weights as the single-device run (accumulation
-    over uneven item counts, norm clipping, a short last batch)."""
+    over uneven item counts, norm clipping, a short last batch); DeepSpeed's ZeRO too, where the
+    image has it."""
     args = ["--task", "token", "--accum", "2", "--steps", "6", "--items", "46", "--batch", "4",
             "--max-grad-norm", "0.5", "--precision", precision]
     _run(0, tmp_path / "single", *args)
-    _run(1, tmp_path / strategy, "--strategy", strategy, *args)
+    _run(1, tmp_path / strategy, "--strategy", strategy, *args,
+         script=ZERO if strategy.startswith("deepspeed") else SCRIPT)
     assert _where(tmp_path / "single") == {"device": "cuda:0", "backend": None}
     assert _where(tmp_path / strategy) == {"device": "cuda:0", "backend": "nccl"}
     one, got = weights(tmp_path / "single"), weights(tmp_path / strategy)
@@ -144,17 +152,20 @@ def test_ddp_with_nccl_and_fsdp_on_one_gpu_match_one_device(tmp_path, strategy, 
         torch.testing.assert_close(got[k], one[k], rtol=0, atol=1e-6, msg=k)
 
 
-@pytest.mark.parametrize("nproc,strategy,precision", [(0, "auto", "bf16-mixed"), (0, "auto", "16-mixed"),
-                                                      (1, "ddp", "bf16-mixed"), (1, "fsdp", "bf16-mixed")])
+@pytest.mark.parametrize("nproc,strategy,precision", [
+    (0, "auto", "bf16-mixed"), (0, "auto", "16-mixed"), (1, "ddp", "bf16-mixed"), (1, "fsdp", "bf16-mixed"),
+    pytest.param(1, "deepspeed_zero2", "bf16-mixed", marks=needs_deepspeed),
+    pytest.param(1, "deepspeed_zero2", "16-true", marks=needs_deepspeed)])  # DeepSpeed's fp16 mode
 def test_resume_on_the_gpu_reaches_the_uninterrupted_weights_bit_for_bit(tmp_path, nproc, strategy, precision,
                                                                          record_property):
     """Stopped after step 5 (checkpoint at 4), resumed to step 8: the weights equal the run that
     went through, bit for bit. Dropout draws from CUDA's generator: its state is in the checkpoint."""
     args = ["--task", "dropout", "--steps", "8", "--items", "64", "--batch", "4", "--save-every", "4",
             "--strategy", strategy, "--precision", precision]
-    _run(nproc, tmp_path / "through", *args)
-    _run(nproc, tmp_path / "resumed", *args, "--stop", "5")
-    _run(nproc, tmp_path / "resumed", *args, "--resume")
+    script = ZERO if strategy.startswith("deepspeed") else SCRIPT
+    _run(nproc, tmp_path / "through", *args, script=script)
+    _run(nproc, tmp_path / "resumed", *args, "--stop", "5", script=script)
+    _run(nproc, tmp_path / "resumed", *args, "--resume", script=script)
     assert _where(tmp_path / "resumed")["device"] == "cuda:0"
     a, b = weights(tmp_path / "through"), weights(tmp_path / "resumed")
     record_property("max_abs_diff", max((a[k] - b[k]).abs().max().item() for k in a))
