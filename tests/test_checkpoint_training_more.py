@@ -126,3 +126,49 @@ def test_the_first_log_after_a_resume_averages_the_losses_saved_as_pending(tmp_p
     def logs(r):
         return [(h["step"], h["train/loss"]) for h in r.state.log_history if "train/loss" in h]
     assert logs(resumed) == logs(ref) and [s for s, _ in logs(ref)] == [4]
+
+
+class _FakeCuda:
+    """torch.cuda's random-state calls, recorded (this machine has no GPU)."""
+
+    def __init__(self, monkeypatch, count, current):
+        self.calls = []
+        for name, value in {"is_available": lambda: True, "is_initialized": lambda: True,
+                            "device_count": lambda: count, "current_device": lambda: current,
+                            "get_rng_state_all": lambda: [torch.tensor([i]) for i in range(count)],
+                            "set_rng_state_all": lambda states: self.calls.append(("all", [int(t) for t in states])),
+                            "set_rng_state": lambda state: self.calls.append(("current", int(state)))}.items():
+            monkeypatch.setattr(torch.cuda, name, value)
+
+
+@pytest.mark.parametrize("saved_on, resumed_on, expected", [
+    ((8, 3), (8, 3), [("all", list(range(8)))]),  # the same GPUs: every generator as saved
+    ((8, 3), (1, 0), [("current", 3)]),   # torchrun saw the node, SLURM gives the task one GPU
+    ((1, 0), (8, 5), [("current", 0)]),   # the other way round
+])
+def test_cuda_random_state_resumes_onto_the_gpu_computed_on_whatever_the_gpus_visible(
+        monkeypatch, saved_on, resumed_on, expected):
+    """``set_rng_state_all`` with a list of another length failed on a GPU that does not exist,
+    or gave the GPU computed on another GPU's stream."""
+    from lightlike.utils.seed import rng_state, set_rng_state
+
+    _FakeCuda(monkeypatch, *saved_on)
+    state = rng_state()
+    assert state["cuda_device"] == saved_on[1]
+    fake = _FakeCuda(monkeypatch, *resumed_on)
+    set_rng_state(state)
+    assert fake.calls == expected
+
+
+def test_cuda_random_state_of_an_older_checkpoint_goes_by_the_local_rank(monkeypatch):
+    """Checkpoints written before the saving GPU was recorded: a rank that saw its whole node
+    computed on cuda:LOCAL_RANK."""
+    from lightlike.utils.seed import rng_state, set_rng_state
+
+    _FakeCuda(monkeypatch, 4, 2)
+    state = rng_state()
+    del state["cuda_device"]
+    fake = _FakeCuda(monkeypatch, 1, 0)
+    monkeypatch.setenv("LOCAL_RANK", "2")
+    set_rng_state(state)
+    assert fake.calls == [("current", 2)]

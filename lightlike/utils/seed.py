@@ -58,6 +58,7 @@ def rng_state() -> dict[str, Any]:
     }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state_all()
+        state["cuda_device"] = torch.cuda.current_device()  # the one this process computes on
     return state
 
 
@@ -65,8 +66,24 @@ def set_rng_state(state: dict[str, Any]) -> None:
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    if state.get("cuda") is not None and torch.cuda.is_available():
+        _set_cuda_rng_state(list(state["cuda"]), state.get("cuda_device"))
+
+
+def _set_cuda_rng_state(saved: list[torch.Tensor], device: int | None) -> None:
+    """Every GPU's generator as saved where this process sees as many GPUs as the one that saved
+    them. Where it sees another number (resumed under another launcher or allocation: SLURM's one
+    GPU per task against torchrun's whole node, say), ``set_rng_state_all`` failed on a device that
+    does not exist, or left the GPU computed on with another GPU's stream: the saved state of the
+    GPU the saving process computed on goes to the one this process computes on. (Checkpoints of
+    before 2026-11-27 do not name it: a rank of a process that saw its whole node computed on
+    ``cuda:LOCAL_RANK``.)"""
+    if len(saved) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(saved)
+        return
+    if device is None:
+        device = int(os.environ.get("LOCAL_RANK", "0"))
+    torch.cuda.set_rng_state(saved[min(device, len(saved) - 1)])  # into the current device
 
 
 @contextlib.contextmanager
