@@ -22,8 +22,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import Classifier, DictDataset, run_killing_group
+from helpers import Classifier, DictDataset, flat_params, run_killing_group
 from test_ddp import SCRIPT, free_port, weights
+from test_precision_reference import _batches
 
 import lightlike as ll
 from lightlike.precision import MixedPrecision
@@ -37,12 +38,6 @@ needs_deepspeed = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is No
 ZERO = Path(__file__).parent / "scripts" / "zero_target.py"  # ddp_target.py for the DeepSpeed strategies
 
 
-def _batches(n, bs):
-    data = DictDataset(n=n)
-    for s in range(0, n, bs):
-        yield {k: torch.stack([data[i][k] for i in range(s, s + bs)]).to(CUDA) for k in ("x", "y", "w")}
-
-
 def _hand_written(model, precision, steps, bs, lr, max_norm):
     """The loop a user writes for each precision on CUDA: autocast for the mixed ones (and
     torch's GradScaler recipe for fp16), parameters and float inputs cast for the true ones."""
@@ -53,7 +48,8 @@ def _hand_written(model, precision, steps, bs, lr, max_norm):
     autocast = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(precision)
     scaler = torch.amp.GradScaler("cuda") if precision == "16-mixed" else None
     opt = torch.optim.SGD(model.parameters(), lr=lr)
-    for batch in _batches(steps * bs, bs):
+    for batch in _batches(steps * bs, bs):  # test_precision_reference's, moved to the GPU
+        batch = {k: v.to(CUDA) for k, v in batch.items()}
         if half is not None:
             batch["x"] = batch["x"].to(half)
         with torch.autocast("cuda", dtype=autocast or torch.float32, enabled=autocast is not None):
@@ -197,7 +193,7 @@ def test_dropout_on_the_gpu_resumes_bit_for_bit_with_lightlikes_sampler_and_a_us
                            loggers=[], model_summary=False, callbacks=[StopAt(stop)] if stop else [])
         with contextlib.suppress(KeyboardInterrupt):
             fitter.fit(model, data(), resume=resume)
-        return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        return flat_params(model)
 
     reference = go(tmp_path / "ref")
     go(tmp_path / "cut", stop=5)
