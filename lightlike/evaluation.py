@@ -81,13 +81,9 @@ def call_module(model: Any, batch: Any, where: str, *where_args: Any) -> Any:
     """``model(batch)``, turning a missing batch key into an error that names it."""
     try:
         return model(batch)
-    except KeyError as e:
-        if not _missing_key(e, batch):
-            raise  # a KeyError of the module's own (a dict attribute): not the batch's fault
-        raise _missing_key_error(e, batch, "the module", where, where_args) from e
-    except TypeError as e:
-        if (error := _sequence_read_error(e, batch, "the module", where, where_args)) is None:
-            raise
+    except (KeyError, TypeError) as e:
+        if (error := _batch_error(e, batch, "the module", where, where_args)) is None:
+            raise  # the module's own error (a KeyError of a dict attribute, say): not the batch's fault
         raise error from e
 
 
@@ -96,17 +92,38 @@ def call_loss(module: Any, outputs: Any, batch: Any, where: str, *where_args: An
     key the loss reads and the batch lacks raises a ``DataError`` naming it."""
     try:
         loss = module.loss(outputs, batch)
-    except KeyError as e:
-        if not _missing_key(e, batch):
-            raise
-        raise _missing_key_error(e, batch, "loss()", where, where_args) from e
-    except TypeError as e:
-        if (error := _sequence_read_error(e, batch, "loss()", where, where_args)) is None:
+    except (KeyError, TypeError) as e:
+        if (error := _batch_error(e, batch, "loss()", where, where_args)) is None:
             raise
         raise error from e
     if type(loss) is torch.Tensor and loss.ndim == 0 and loss.requires_grad:  # the usual loss, checked in place
         return loss
     return check_loss(loss, where, *where_args)
+
+
+def forward_loss(model: Any, module: Any, batch: Any, where: str, *where_args: Any) -> torch.Tensor:
+    """``module.loss(model(batch), batch)`` for a training micro-batch, with ``call_module``'s and
+    ``call_loss``'s errors and checks, in one call (the loop makes it once per micro-batch)."""
+    who = "the module"
+    try:
+        outputs = model(batch)
+        who = "loss()"
+        loss = module.loss(outputs, batch)
+    except (KeyError, TypeError) as e:
+        if (error := _batch_error(e, batch, who, where, where_args)) is None:
+            raise
+        raise error from e
+    if type(loss) is torch.Tensor and loss.ndim == 0 and loss.requires_grad:  # the usual loss, checked in place
+        return loss
+    return check_loss(loss, where, *where_args)
+
+
+def _batch_error(e: KeyError | TypeError, batch: Any, who: str, where: str, where_args: tuple) -> Exception | None:
+    """The error naming what ``batch`` lacks, for a read of it by ``who`` that raised ``e``; None
+    where ``e`` is not about the batch (then it propagates as it is)."""
+    if isinstance(e, KeyError):
+        return _missing_key_error(e, batch, who, where, where_args) if _missing_key(e, batch) else None
+    return _sequence_read_error(e, batch, who, where, where_args)
 
 
 def call_hook(hook: Callable[..., Any], name: str, batch: Any, where: str, *args: Any) -> Any:

@@ -21,8 +21,8 @@ from lightlike.config import FitConfig, check_keys
 from lightlike.data.eval_loading import build_eval_loader, normalise_eval_sets
 from lightlike.data.loading import TrainData, build_train_data
 from lightlike.errors import ConfigError, DataError
-from lightlike.evaluation import call_loss, call_module, greater_is_better, is_improvement, run_evaluation
-from lightlike.module import TaskModule, check_task_module
+from lightlike.evaluation import forward_loss, greater_is_better, is_improvement, run_evaluation
+from lightlike.module import TaskModule, batch_length, check_task_module
 from lightlike.pending import item_weight, read_pending, sum_pending
 from lightlike.precision import get_precision
 from lightlike.preemption import PreemptionHandler, save_and_exit
@@ -176,7 +176,12 @@ class Fitter:
         if strategy.root_device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(strategy.root_device)
 
-        self._uniform_counts = train_data.deals_evenly and type(module).num_items is TaskModule.num_items
+        default_counts = type(module).num_items is TaskModule.num_items
+        self._uniform_counts = train_data.deals_evenly and default_counts
+        self._count_items = batch_length if default_counts else module.num_items  # (what num_items calls)
+        self._moves_batches = strategy.moves_batches()
+        step_start, step_end = callbacks.handlers("on_step_start"), callbacks.handlers("on_step_end")
+        self._before_optimizer_step = callbacks.handlers("on_before_optimizer_step")
         preemption = self._preemption  # installed by fit(); an out-of-memory retry keeps what it received
         preemption.vote = None
         self._stop_agreed: Any = False  # the stop flag agreed in this step's item-count reduction
@@ -211,7 +216,8 @@ class Fitter:
                         if self._save_due(epoch_ended=True, final=last):
                             self._save_checkpoint(wait=False)
                         break
-                    callbacks.call("on_step_start", self, state, control)
+                    for handler in step_start:  # the callbacks' on_step_start (usually none)
+                        handler(self, state, control)
                     step = state.global_step + 1  # the norm is logged at log steps and the last one
                     log_step = step % log_every == 0
                     stepped = self._training_step(window, want_norm=log_step or step >= max_steps)
@@ -224,7 +230,8 @@ class Fitter:
                     state.samples_seen += in_epoch - state.samples_in_epoch
                     state.samples_in_epoch = in_epoch
                     state.epoch = epoch + fraction
-                    callbacks.call("on_step_end", self, state, control)
+                    for handler in step_end:
+                        handler(self, state, control)
 
                     # ---- the step boundary: log, evaluate, end the epoch, then save ---------------
                     # (a checkpoint taken here holds everything done at this step, so a resumed
@@ -309,8 +316,8 @@ class Fitter:
         Returns whether the optimizer update was applied."""
         cfg = self.config
         strategy, module, model, optimizer = self._step_parts  # (set up by fit)
-        batches = list(map(strategy.batch_to_device, window))
-        counts = list(map(module.num_items, batches))
+        batches = list(map(strategy.batch_to_device, window)) if self._moves_batches else window
+        counts = list(map(self._count_items, batches))
         normaliser = strategy.item_normaliser(counts, self._preemption.received is not None,
                                               uniform=self._uniform_counts)
         last = len(batches) - 1
@@ -320,15 +327,14 @@ class Fitter:
         for i, batch in enumerate(batches):
             with strategy.no_sync(model, enabled=i < last):
                 with strategy.autocast():
-                    outputs = call_module(model, batch, "at step {}, micro-batch {}", step, i)
-                    loss = call_loss(module, outputs, batch, "at step {}, micro-batch {}", step, i)
-                n, total = counts[i], normaliser.total()
+                    loss = forward_loss(model, module, batch, "at step {}, micro-batch {}", step, i)
+                n, total = counts[i], normaliser.total
                 if type(n) is int and type(total) is int and n == total and n:  # every item of the step:
                     strategy.backward(loss, model)  # weight 1, no extra op
                 else:
                     strategy.backward(loss * item_weight(n, total, loss.dtype), model)
             self._pending.append((loss.detach(), n, step, i))
-        self._stop_agreed = normaliser.stop_flag()
+        self._stop_agreed = normaliser.flag
         if skip_nonfinite:
             window_losses = torch.stack([p[0] for p in self._pending[-len(batches):]])
             # one host read per step, by choice; every rank skips if any rank saw a non-finite loss
@@ -343,7 +349,8 @@ class Fitter:
                 return False
         # this step's norm, or None (a step that logs no norm, or is skipped, shows none)
         self._grad_norm = strategy.clip_gradients(model, optimizer, cfg.max_grad_norm, cfg.max_grad_value, want_norm)
-        self.callbacks.call("on_before_optimizer_step", self, self.state, self.control, optimizer)
+        for handler in self._before_optimizer_step:
+            handler(self, self.state, self.control, optimizer)
         stepped = strategy.optimizer_step(optimizer, model)
         strategy.zero_grad(optimizer)
         if not stepped:

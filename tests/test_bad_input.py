@@ -277,6 +277,23 @@ def test_output_dir_without_a_resumable_checkpoint_does_not_suggest_resume(tmp_p
               model_summary=False).fit(Classifier(), DictDataset(), resume="auto")  # the advice works
 
 
+def test_a_missing_key_is_blamed_on_who_read_it_and_a_modules_own_key_error_passes_through(tmp_path):
+    class LossReadsZ(Classifier):
+        def loss(self, outputs, batch):
+            return nn.functional.cross_entropy(outputs, batch["z"])
+
+    with pytest.raises(ll.DataError, match=r"^loss\(\) read batch key 'z' at step 1, micro-batch 0"):
+        fitter(tmp_path).fit(LossReadsZ(), DictDataset())
+
+    class OwnTable(Classifier):  # a KeyError of the module's own dict: not the batch's fault
+        def forward(self, batch):
+            return self.net(batch["x"]) * {"scale": 1.0}["missing"]
+
+    with pytest.raises(KeyError, match="missing") as caught:
+        fitter(tmp_path, overwrite_output_dir=True).fit(OwnTable(), DictDataset())
+    assert not isinstance(caught.value, ll.DataError)
+
+
 def test_output_dir_that_is_a_file(tmp_path):
     (tmp_path / "run").write_text("notes")
     with pytest.raises(ll.OutputDirError, match="is a file, not a directory: choose another output_dir"):

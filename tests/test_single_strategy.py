@@ -52,3 +52,42 @@ def test_single_refuses_a_task_of_a_multi_task_srun_step(clean_env):
         clean_env.setenv(k, v)
     with pytest.raises(ConfigError, match="strategy='single' but SLURM_STEP_NUM_TASKS=2.*launch a single process"):
         SingleDeviceStrategy("cpu").setup_environment()
+
+
+def test_the_loop_skips_the_batch_move_only_where_it_could_change_nothing(clean_env, tmp_path):
+    """``moves_batches`` is False on the CPU with no input cast, where the loop skips the call;
+    an input cast, or an overridden ``convert_input`` / ``batch_to_device``, keeps every batch going through it."""
+    from helpers import Classifier, DictDataset
+
+    import lightlike as ll
+    from lightlike.precision import Precision, get_precision
+
+    assert not SingleDeviceStrategy("cpu", precision=get_precision("32-true")).moves_batches()
+    assert not SingleDeviceStrategy("cpu", precision=get_precision("bf16-mixed")).moves_batches()
+    assert SingleDeviceStrategy("cpu", precision=get_precision("bf16-true")).moves_batches()
+    seen = []
+
+    class Marking(Precision):  # a user's plugin that changes the inputs
+        def convert_input(self, batch):
+            seen.append(batch["x"].shape[0])
+            return {**batch, "x": batch["x"] * 0}
+
+    class Moving(SingleDeviceStrategy):
+        def batch_to_device(self, batch):
+            seen.append(-1)
+            return super().batch_to_device(batch)
+
+    assert SingleDeviceStrategy("cpu", precision=Marking()).moves_batches()
+    assert Moving("cpu").moves_batches()
+    fitter = ll.Fitter(strategy=SingleDeviceStrategy("cpu", precision=Marking()), max_steps=3, batch_size=4,
+                       output_dir=str(tmp_path / "a"), loggers=[], model_summary=False, learning_rate=0.1)
+    module = Classifier()
+    first = [p.detach().clone() for p in module.net[0].parameters()]
+    fitter.fit(module, DictDataset())
+    assert seen == [4, 4, 4]
+    # zero inputs: the first layer's weight gets no gradient (its bias does); the cast was applied
+    assert torch.equal(module.net[0].weight, first[0]) and not torch.equal(module.net[0].bias, first[1])
+    seen.clear()
+    ll.Fitter(strategy=Moving("cpu"), max_steps=2, batch_size=4, output_dir=str(tmp_path / "b"), loggers=[],
+              model_summary=False).fit(Classifier(), DictDataset())
+    assert seen == [-1, -1]

@@ -92,6 +92,11 @@ class CallbackList:
         for handler in self._handlers[event]:
             handler(fitter, state, control, *args)
 
+    def handlers(self, event: str) -> list[Any]:
+        """The callbacks' handlers of ``event``, in order: the loop calls those of the per-step
+        events itself (no dispatch call on a step when, as usual, there is none)."""
+        return self._handlers[event]
+
     def call_on_save(self, fitter: Fitter, state: FitState, control: Control, path: str) -> None:
         """``on_save`` comes after the step's checkpoint. A stop set there ends the run at it; a
         flag that would change what the step did is dropped, with a warning: the checkpoint

@@ -106,9 +106,17 @@ class Strategy:
         return getattr(module, "_orig_mod", module)  # type: ignore[no-any-return]
 
     def batch_to_device(self, batch: Any) -> Any:
+        """The batch on this process's device, cast as the precision wants its inputs."""
         if self.root_device.type != "cpu":  # CPU batches are already where they need to be
             batch = move_to_device(batch, self.root_device)
         return self.precision.convert_input(batch)
+
+    def moves_batches(self) -> bool:
+        """Whether ``batch_to_device`` can change a batch: False on the CPU with the precision
+        casting no input (and neither method overridden), where the loop then skips the call."""
+        precision = self.precision
+        return (type(self).batch_to_device is not Strategy.batch_to_device or self.root_device.type != "cpu"
+                or precision.param_dtype is not None or type(precision).convert_input is not Precision.convert_input)
 
     # -- a training step -----------------------------------------------------------------------
     def no_sync(self, module: nn.Module, enabled: bool) -> contextlib.AbstractContextManager:
@@ -300,25 +308,14 @@ _TORCH_ZERO_GRAD = torch.optim.Optimizer.zero_grad
 
 
 class StepNormaliser:
-    """This step's item normaliser and agreed stop flag (see ``Strategy.item_normaliser``)."""
+    """This step's item normaliser ``total`` and agreed stop ``flag`` (see ``Strategy.item_normaliser``):
+    plain attributes, read by the loop without a call. A strategy that reduces them asynchronously
+    returns a subclass whose attributes wait for the reduction (``DDPStrategy``)."""
 
-    def __init__(self, total: int | torch.Tensor, flag: Any, wait: Any = None):
-        self._total, self._flag, self._wait = total, flag, wait
+    __slots__ = ("total", "flag")
 
-    def _finish(self) -> None:
-        wait, self._wait = self._wait, None
-        wait()
-
-    def total(self) -> int | torch.Tensor:
-        if self._wait is not None:
-            self._finish()
-        return self._total
-
-    def stop_flag(self) -> Any:
-        """A bool, or a device tensor (read it only where a host sync is acceptable)."""
-        if self._wait is not None:
-            self._finish()
-        return self._flag
+    def __init__(self, total: int | torch.Tensor, flag: Any):
+        self.total, self.flag = total, flag
 
 
 def _nbytes(tensors: Iterable[torch.Tensor]) -> int:

@@ -209,22 +209,13 @@ class DDPStrategy(Strategy):
         averages gradients over ranks, so ``n_i / (N_global / W)`` gives the global item mean.
         The flag stays a device tensor: the Fitter reads it every step on CPU, and on an
         accelerator only at log steps, where it synchronises anyway."""
-        local = super().item_normaliser(counts).total()
+        local = super().item_normaliser(counts).total
         if uniform and not isinstance(local, torch.Tensor):
             # every rank holds the same count: N_global / W is the local count, no collective
             return StepNormaliser(local, None)
         packed = torch.stack([torch.as_tensor(local, dtype=torch.float64, device=self.root_device),
                               torch.tensor(1.0 if flag else 0.0, dtype=torch.float64, device=self.root_device)])
-        work = dist.all_reduce(packed, async_op=True)
-        result = StepNormaliser(packed[0], packed[1], wait=None)
-
-        def finish() -> None:
-            work.wait()
-            result._total = packed[0] / self.world_size
-            result._flag = packed[1] > 0
-
-        result._wait = finish
-        return result
+        return _ReducingNormaliser(packed, dist.all_reduce(packed, async_op=True), self.world_size)
 
     # -- collectives -------------------------------------------------------------------------------
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
@@ -315,3 +306,28 @@ def _reassemble(parts: list[Any], dealt: bool = True) -> Any:
     for r, p in enumerate(parts):
         merged[r::len(parts)] = p if isinstance(first, torch.Tensor) else list(p)
     return merged
+
+
+class _ReducingNormaliser(StepNormaliser):
+    """``DDPStrategy.item_normaliser``'s result while its all-reduce runs: the first read of
+    ``total`` or ``flag`` waits for it, so the reduction overlaps the first forward pass."""
+
+    __slots__ = ("_packed", "_work", "_world_size", "_result")
+
+    def __init__(self, packed: torch.Tensor, work: Any, world_size: int):
+        self._packed, self._work, self._world_size = packed, work, world_size
+        self._result: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def _finish(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._result is None:
+            self._work.wait()
+            self._result = (self._packed[0] / self._world_size, self._packed[1] > 0)
+        return self._result
+
+    @property
+    def total(self) -> torch.Tensor:  # type: ignore[override]
+        return self._finish()[0]
+
+    @property
+    def flag(self) -> torch.Tensor:
+        return self._finish()[1]
