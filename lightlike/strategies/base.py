@@ -181,7 +181,7 @@ class Strategy:
         step (all micro-batches, all ranks). On one process: the sum of the counts (ints stay
         ints; tensors stay on the device, so no host read). ``flag`` (a stop request such as
         preemption) rides along, so agreeing on it costs no extra collective. A distributed
-        strategy may start its reduction here and finish it when ``total()`` is first called,
+        strategy may start its reduction here and finish it when ``total`` is first read,
         so it overlaps the first forward pass. ``uniform=True`` promises that every rank holds the
         same integer counts this step (lightlike's sampler deals equal shares), which lets a
         distributed strategy skip the reduction; the flag is then returned as None (not agreed)."""

@@ -27,6 +27,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from lightlike.errors import ConfigError
 from lightlike.precision import Precision
+from lightlike.precision.base import NO_CONTEXT
 from lightlike.strategies.base import StepNormaliser, Strategy
 from lightlike.strategies.environment import ClusterEnvironment, detect_environment
 
@@ -191,15 +192,15 @@ class DDPStrategy(Strategy):
     def no_sync(self, module: nn.Module, enabled: bool) -> contextlib.AbstractContextManager:
         inner = getattr(module, "_orig_mod", module)
         if not isinstance(inner, DistributedDataParallel):
-            return contextlib.nullcontext()
+            return NO_CONTEXT
         if self.ddp_kwargs["static_graph"] and inner not in self._synced:
             # static_graph's reducer must see a synchronised backward before any under no_sync
             # (torch's "expect_autograd_hooks_" assert): the first window all-reduces every
             # micro-step, which sums to the same gradient
             if not enabled:
                 self._synced.add(inner)
-            return contextlib.nullcontext()
-        return inner.no_sync() if enabled else contextlib.nullcontext()
+            return NO_CONTEXT
+        return inner.no_sync() if enabled else NO_CONTEXT
 
     # -- exact accumulation ----------------------------------------------------------------------
     def item_normaliser(self, counts: list[int | torch.Tensor], flag: bool = False,
@@ -209,7 +210,7 @@ class DDPStrategy(Strategy):
         averages gradients over ranks, so ``n_i / (N_global / W)`` gives the global item mean.
         The flag stays a device tensor: the Fitter reads it every step on CPU, and on an
         accelerator only at log steps, where it synchronises anyway."""
-        local = super().item_normaliser(counts).total
+        local = sum(counts[1:], counts[0])  # this rank's count (as the base's total)
         if uniform and not isinstance(local, torch.Tensor):
             # every rank holds the same count: N_global / W is the local count, no collective
             return StepNormaliser(local, None)

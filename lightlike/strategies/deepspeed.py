@@ -47,6 +47,7 @@ from torch import nn
 
 from lightlike.errors import CheckpointError, ConfigError
 from lightlike.precision import Precision
+from lightlike.precision.base import NO_CONTEXT
 from lightlike.strategies import deepspeed_config as dsc
 from lightlike.strategies import deepspeed_fixes as ds_fixes
 from lightlike.strategies.base import Strategy
@@ -243,7 +244,7 @@ class DeepSpeedStrategy(DDPStrategy):
         window of an epoch may hold fewer micro-batches than ``gradient_accumulation_steps``).
         ZeRO-2/3 reduce-scatter on every micro-batch anyway; ZeRO-1 waits for the boundary."""
         self._engine().set_gradient_accumulation_boundary(not enabled)
-        return contextlib.nullcontext()
+        return NO_CONTEXT
 
     def backward(self, loss: torch.Tensor, module: nn.Module) -> None:
         # the Fitter's weights already make the window's gradient the item mean: no 1/GAS here

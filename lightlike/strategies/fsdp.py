@@ -38,6 +38,7 @@ from torch import nn
 
 from lightlike.errors import ConfigError
 from lightlike.precision import Precision
+from lightlike.precision.base import NO_CONTEXT
 from lightlike.strategies.base import _params
 from lightlike.strategies.ddp import DDPStrategy
 
@@ -335,7 +336,7 @@ class FSDPStrategy(DDPStrategy):
             inner.set_requires_gradient_sync(sync)  # type: ignore[operator]
             inner.set_reshard_after_backward(sync)  # type: ignore[operator]
             self._syncing = sync
-        return contextlib.nullcontext()
+        return NO_CONTEXT
 
     def discard_gradients(self, module: nn.Module) -> None:
         """Also FSDP's state of an iteration an error cut short (a forward that never reached its
