@@ -190,7 +190,9 @@ class DDPStrategy(Strategy):
                 dist.broadcast(buffer, src=0)
 
     def no_sync(self, module: nn.Module, enabled: bool) -> contextlib.AbstractContextManager:
-        inner = getattr(module, "_orig_mod", module)
+        # (the usual module is the DDP wrapper itself: asked first, since getattr of a missing
+        # attribute goes through nn.Module.__getattr__, which builds and raises an AttributeError)
+        inner = module if type(module) is DistributedDataParallel else getattr(module, "_orig_mod", module)
         if not isinstance(inner, DistributedDataParallel):
             return NO_CONTEXT
         if self.ddp_kwargs["static_graph"] and inner not in self._synced:
