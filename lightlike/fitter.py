@@ -176,7 +176,7 @@ class Fitter:
         if strategy.root_device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(strategy.root_device)
 
-        default_counts = type(module).num_items is TaskModule.num_items
+        default_counts = type(module).num_items is TaskModule.num_items and "num_items" not in vars(module)
         self._uniform_counts = train_data.deals_evenly and default_counts
         self._count_items = batch_length if default_counts else module.num_items  # (what num_items calls)
         self._moves_batches = strategy.moves_batches()

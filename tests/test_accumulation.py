@@ -141,3 +141,19 @@ def test_default_item_count_of_list_fields(tmp_path):
               output_dir=str(tmp_path / "run"), loggers=[], model_summary=False, callbacks=[rec]).fit(model, ListItems(data))
     assert len(rec.grads) == 2
     torch.testing.assert_close(rec.grads[1], reference_grad(Classifier, data, [8, 9, 10]), rtol=1e-12, atol=1e-14)
+
+
+def test_a_num_items_set_on_the_instance_is_the_count(tmp_path):
+    """The loop reads the default count without the method call; a ``num_items`` the user sets
+    on the instance (not the class) must still be the one used, for the weights and the log."""
+    module = Classifier()
+    seen = []
+
+    def count_half(batch):
+        seen.append(batch["x"].shape[0])
+        return batch["x"].shape[0] // 2
+
+    module.num_items = count_half
+    ll.Fitter(max_steps=3, batch_size=4, grad_accum_steps=2, output_dir=str(tmp_path / "run"), loggers=[],
+              model_summary=False).fit(module, DictDataset())
+    assert seen == [4] * 6
