@@ -3,13 +3,17 @@
 1. Save and load of a full training checkpoint (weights, AdamW state, scheduler, RNG, state,
    manifest with CRC-32 checksums, fsync, atomic rename) against writing the same tensors with raw
    ``safetensors.torch.save_file`` + ``torch.save`` (no checksums, no fsync). Ratio target <= 1.10.
-   Checksums and fsync are what make a checkpoint verifiable and durable, so the save is also
-   compared with the raw files plus their fsync (the same durability), the ratio is also printed
-   with ``verify_hashes=False`` on load, and the save is also timed with ``async_save=True`` (the
-   time the loop waits: files written; fsync and commit run in a thread). Loads are timed twice:
-   right after the save (the files in the page cache: the checksum's CPU cost shows in full) and
-   from disk, as a job resumed on a fresh node reads them (both checkpoints' pages dropped from
-   the cache first with ``posix_fadvise(DONTNEED)``; Linux only).
+   A lightlike checkpoint does two things the raw calls do not, both required of it: it is
+   durable (every file and directory fsynced before the rename) and verified (the CRC-32 of every
+   file checked on load, by default). So each figure is also printed against the same work done
+   by hand: the save against the raw files plus their fsync, the load against a CRC-32 of each
+   raw file (read in 1 MiB blocks, one thread) followed by the raw load. The load is also timed
+   with ``verify_hashes=False`` (sizes only), and the save with ``async_save=True`` (the time the
+   loop waits: files written; fsync and commit run in a thread). Loads are timed right after the
+   save (the files in the page cache: the checksum's CPU cost shows in full) and from disk, as a
+   job resumed on a fresh node reads them (the pages dropped from the cache first with
+   ``posix_fadvise(DONTNEED)``; Linux only). The saves run in rotating order, each from a synced
+   disk and each deleted as soon as it is timed (see ``bench_save``); the loads rotate too.
 2. Time from ``fit(resume=True)`` to the first optimizer step, for a checkpoint taken at step
    10 and at step 10,000 of the same run length: the data position is a number, so the sampler
    seeks in O(1) and the two must be the same.
@@ -26,6 +30,7 @@ import shutil
 import statistics
 import tempfile
 import time
+import zlib
 from pathlib import Path
 
 import torch
@@ -86,7 +91,37 @@ def prepared_fitter(out: str, args: argparse.Namespace, **kw) -> ll.Fitter:
     return fitter
 
 
-def load_raw(fitter: ll.Fitter, raw: Path) -> None:
+def raw_save(fitter: ll.Fitter, raw: Path) -> tuple[float, float]:
+    """The baseline: the same tensors with raw ``save_file`` + ``torch.save``. Returns the time
+    to write them and the time to write and fsync them (files and directory: the durability of
+    a lightlike checkpoint)."""
+    raw.mkdir()
+    t = time.perf_counter()
+    save_file({k: v.contiguous() for k, v in fitter.module.state_dict().items()}, str(raw / "model.safetensors"))
+    torch.save(fitter.optimizer.state_dict(), raw / "optimizer.pt")
+    torch.save(fitter.scheduler.state_dict(), raw / "scheduler.pt")
+    written = time.perf_counter() - t
+    for f in (*raw.iterdir(), raw):
+        fd = os.open(f, os.O_RDONLY)
+        os.fsync(fd)
+        os.close(fd)
+    return written, time.perf_counter() - t
+
+
+def crc_by_hand(path: Path) -> int:
+    """What a hand-written verification does: CRC-32 of the file, read in 1 MiB blocks."""
+    crc = 0
+    with open(path, "rb") as f:
+        while block := f.read(1 << 20):
+            crc = zlib.crc32(block, crc)
+    return crc
+
+
+def raw_load(fitter: ll.Fitter, raw: Path, expected: dict[str, int] | None = None) -> None:
+    """The baseline load; with ``expected`` (file name -> CRC-32) each file is checked first."""
+    for name, crc in (expected or {}).items():
+        if crc_by_hand(raw / name) != crc:
+            raise RuntimeError(f"{name} has changed")
     fitter.module.load_state_dict(load_file(str(raw / "model.safetensors")))
     fitter.optimizer.load_state_dict(torch.load(raw / "optimizer.pt", weights_only=True))
     fitter.scheduler.load_state_dict(torch.load(raw / "scheduler.pt", weights_only=True))
@@ -103,95 +138,108 @@ def drop_from_page_cache(*dirs: Path) -> None:
                 os.close(fd)
 
 
-def bench_save_load(args: argparse.Namespace) -> None:
-    root = tempfile.mkdtemp(dir=args.dir)
-    try:
-        fitter = prepared_fitter(os.path.join(root, "run"), args)
-        nbytes = sum(p.numel() * p.element_size() for p in fitter.module.parameters())
-        ours_save, raw_save, raw_durable, ours_load, ours_load_fast, raw_load = [], [], [], [], [], []
-        cold: dict[str, list[float]] = {"ours": [], "sizes only": [], "raw": []}
-        stall, committed = [], []
-        for i in range(args.repeats):
-            # on this VM a save right after another large write + fsync takes up to 2.5x as long
-            # (see RESULTS.md), so each kind goes first, second and third in turn, from a synced disk
-            kinds = ["ours", "async", "raw"]
-            for kind in kinds[i % 3:] + kinds[:i % 3]:
-                os.sync()
-                time.sleep(0.5)
-                if kind == "ours":
-                    fitter.state.global_step = 100 + i
-                    t = time.perf_counter()
-                    path = save_training_checkpoint(fitter)
-                    ours_save.append(time.perf_counter() - t)
-                elif kind == "async":
-                    # the loop waits only for the files to be written; fsync, hashing, the
-                    # manifest and the rename run in a thread while training would go on
-                    fitter.config = fitter.config.replace(async_save=True)
-                    fitter.state.global_step = 1000 + i
-                    t = time.perf_counter()
-                    save_training_checkpoint(fitter, wait=False)
-                    stall.append(time.perf_counter() - t)
-                    async_path = commit_pending_checkpoint(fitter)
-                    committed.append(time.perf_counter() - t)
-                    fitter.config = fitter.config.replace(async_save=False)
-                    shutil.rmtree(async_path)  # type: ignore[arg-type]
-                else:
-                    raw = Path(root) / f"raw-{i}"
-                    raw.mkdir()
-                    t = time.perf_counter()
-                    save_file({k: v.contiguous() for k, v in fitter.module.state_dict().items()},
-                              str(raw / "model.safetensors"))
-                    torch.save(fitter.optimizer.state_dict(), raw / "optimizer.pt")
-                    torch.save(fitter.scheduler.state_dict(), raw / "scheduler.pt")
-                    raw_save.append(time.perf_counter() - t)
-                    for f in (*raw.iterdir(), raw):  # the same durability as a lightlike checkpoint
-                        fd = os.open(f, os.O_RDONLY)
-                        os.fsync(fd)
-                        os.close(fd)
-                    raw_durable.append(time.perf_counter() - t)
-            assert path is not None
-            if args.each:
-                print(f"repeat {i}, order {kinds[i % 3:] + kinds[:i % 3]}: save {ours_save[-1]:.3f} s, "
-                      f"async_save waits {stall[-1]:.3f} s, raw {raw_save[-1]:.3f} s")
+def settle() -> None:
+    """Start each timed save from a synced disk (no other write-back going on)."""
+    os.sync()
+    time.sleep(0.5)
 
-            for hashes, sink in ((True, ours_load), (False, ours_load_fast)):
-                fitter.config = fitter.config.replace(verify_hashes=hashes)
+
+def bench_save(fitter: ll.Fitter, root: Path, repeats: int, each: bool) -> dict[str, list[float]]:
+    """Times of the three saves, in rotating order. Each one's files are deleted as soon as it is
+    timed, so that every save writes into memory the kernel has just freed: on this VM a write
+    into memory the guest has not used lately costs up to 10x (a 384 MiB write 0.1 s after a
+    deletion, 1.1 s when the files before it are kept; see RESULTS.md), and kept files would
+    make each save pay for what the one before it wrote."""
+    times: dict[str, list[float]] = {k: [] for k in ("ours", "async", "committed", "raw", "raw + fsync")}
+    kinds = ["ours", "async", "raw"]
+    for i in range(repeats):
+        order = kinds[i % 3:] + kinds[:i % 3]
+        for kind in order:
+            settle()
+            if kind == "ours":
+                fitter.state.global_step = 100 + i
                 t = time.perf_counter()
-                load_training_checkpoint(fitter, path)
-                sink.append(time.perf_counter() - t)
-            t = time.perf_counter()
-            load_raw(fitter, raw)
-            raw_load.append(time.perf_counter() - t)
-            if hasattr(os, "posix_fadvise"):
-                for name in ("ours", "sizes only", "raw"):
-                    fitter.config = fitter.config.replace(verify_hashes=name == "ours")
+                path = save_training_checkpoint(fitter)
+                times["ours"].append(time.perf_counter() - t)
+            elif kind == "async":
+                # the loop waits only for the files to be written; fsync, hashing, the
+                # manifest and the rename run in a thread while training would go on
+                fitter.config = fitter.config.replace(async_save=True)
+                fitter.state.global_step = 1000 + i
+                t = time.perf_counter()
+                save_training_checkpoint(fitter, wait=False)
+                times["async"].append(time.perf_counter() - t)
+                path = commit_pending_checkpoint(fitter)
+                times["committed"].append(time.perf_counter() - t)
+                fitter.config = fitter.config.replace(async_save=False)
+            else:
+                path = root / f"raw-{i}"
+                written, durable = raw_save(fitter, path)
+                times["raw"].append(written)
+                times["raw + fsync"].append(durable)
+            shutil.rmtree(path)  # type: ignore[arg-type]
+        if each:
+            print(f"repeat {i}, order {order}: save {times['ours'][-1]:.3f} s, async_save waits "
+                  f"{times['async'][-1]:.3f} s, raw {times['raw'][-1]:.3f} s (+ fsync {times['raw + fsync'][-1]:.3f} s)")
+    return times
+
+
+def bench_load(fitter: ll.Fitter, root: Path, repeats: int) -> dict[str, list[float]]:
+    """Load times of one lightlike checkpoint and the same tensors saved raw: right after they
+    were written (in the page cache) and read from the disk. Each lightlike load is timed with
+    checksums verified (the default) and with sizes only; the raw load alone and after a CRC-32
+    of each file by hand (the same verification, written plainly)."""
+    fitter.state.global_step = 100
+    path = save_training_checkpoint(fitter)
+    raw = root / "raw"
+    raw_save(fitter, raw)
+    expected = {f.name: crc_by_hand(f) for f in raw.iterdir()}
+    assert path is not None
+    times: dict[str, list[float]] = {}
+    cold = [False, True] if hasattr(os, "posix_fadvise") else [False]
+    names = ["ours", "sizes only", "raw", "raw + crc"]
+    for i in range(repeats):
+        for from_disk in cold:
+            for name in names[i % 4:] + names[:i % 4]:  # each goes first in turn
+                if from_disk:
                     drop_from_page_cache(path, raw)
-                    t = time.perf_counter()
-                    if name == "raw":
-                        load_raw(fitter, raw)
-                    else:
-                        load_training_checkpoint(fitter, path)
-                    cold[name].append(time.perf_counter() - t)
-            shutil.rmtree(path)
-            shutil.rmtree(raw)
+                fitter.config = fitter.config.replace(verify_hashes=name == "ours")
+                t = time.perf_counter()
+                if name.startswith("raw"):
+                    raw_load(fitter, raw, expected if name == "raw + crc" else None)
+                else:
+                    load_training_checkpoint(fitter, path)
+                times.setdefault(f"{name}, disk" if from_disk else name, []).append(time.perf_counter() - t)
+    return times
+
+
+def bench_save_load(args: argparse.Namespace) -> None:
+    root = Path(tempfile.mkdtemp(dir=args.dir))
+    try:
+        fitter = prepared_fitter(str(root / "run"), args)
+        nbytes = sum(p.numel() * p.element_size() for p in fitter.module.parameters())
+        s = bench_save(fitter, root, args.repeats, args.each)
+        ld = bench_load(fitter, root, args.repeats)
         m = statistics.median
         print(f"weights {nbytes / 2**20:.0f} MiB, optimizer state {2 * nbytes / 2**20:.0f} MiB, "
               f"{args.repeats} repeats, medians")
-        print(f"save: lightlike {m(ours_save):.3f} s   raw {m(raw_save):.3f} s   ratio {m(ours_save) / m(raw_save):.2f}"
-              f"   (raw + fsync: {m(raw_durable):.3f} s, ratio {m(ours_save) / m(raw_durable):.2f})")
+        ours, raw, durable = m(s["ours"]), m(s["raw"]), m(s["raw + fsync"])
+        print(f"save: lightlike {ours:.3f} s   raw {raw:.3f} s   ratio {ours / raw:.2f}   "
+              f"(raw + fsync, the same durability: {durable:.3f} s, ratio {ours / durable:.2f})")
         # this VM's disk and memory add up to 2x to single saves at random: the best run of each
         # is the cost without that interference
-        print(f"save, best runs: lightlike {min(ours_save):.3f} s   raw {min(raw_save):.3f} s   ratio "
-              f"{min(ours_save) / min(raw_save):.2f}   (raw + fsync {min(raw_durable):.3f} s, ratio "
-              f"{min(ours_save) / min(raw_durable):.2f}; async_save waits {min(stall):.3f} s)")
-        print(f"save, async_save=True: the loop waits {m(stall):.3f} s (ratio {m(stall) / m(raw_save):.2f}); "
-              f"committed after {m(committed):.3f} s")
-        print(f"load: lightlike {m(ours_load):.3f} s   raw {m(raw_load):.3f} s   ratio {m(ours_load) / m(raw_load):.2f}"
-              f"   (sizes only: {m(ours_load_fast):.3f} s, ratio {m(ours_load_fast) / m(raw_load):.2f})")
-        if cold["raw"]:
-            r = m(cold["raw"])
-            print(f"load from disk: lightlike {m(cold['ours']):.3f} s   raw {r:.3f} s   ratio {m(cold['ours']) / r:.2f}"
-                  f"   (sizes only: {m(cold['sizes only']):.3f} s, ratio {m(cold['sizes only']) / r:.2f})")
+        print(f"save, best runs: lightlike {min(s['ours']):.3f} s   raw {min(s['raw']):.3f} s   ratio "
+              f"{min(s['ours']) / min(s['raw']):.2f}   (raw + fsync {min(s['raw + fsync']):.3f} s, ratio "
+              f"{min(s['ours']) / min(s['raw + fsync']):.2f}; async_save waits {min(s['async']):.3f} s)")
+        print(f"save, async_save=True: the loop waits {m(s['async']):.3f} s (ratio {m(s['async']) / raw:.2f}); "
+              f"committed after {m(s['committed']):.3f} s")
+        for where, k in (("", ""), (" from disk", ", disk")):
+            if f"raw{k}" not in ld:
+                continue
+            ours, fast, raw, crc = (m(ld[f"{n}{k}"]) for n in ("ours", "sizes only", "raw", "raw + crc"))
+            print(f"load{where}: lightlike {ours:.3f} s   raw {raw:.3f} s   ratio {ours / raw:.2f}   (raw + CRC-32 "
+                  f"by hand, the same checks: {crc:.3f} s, ratio {ours / crc:.2f}; sizes only: {fast:.3f} s, "
+                  f"ratio {fast / raw:.2f})")
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
