@@ -1,9 +1,11 @@
 """``Fitter``: the training loop, written out in one readable place.
 
-``fit`` reads like a hand-written loop: set up, then for each epoch, for each optimizer step,
-take the step's micro-batches (the accumulation window), forward/backward each with weight
-``items_i / items_in_step``, clip, step, then log / evaluate / save when due. Distribution is
-the ``Strategy``'s business and numerics the ``Precision`` plugin's; the loop only calls them.
+``fit`` reads like a hand-written loop: set up (``_set_up`` returns this fit's ``Run``), then
+for each epoch, for each optimizer step, take the step's micro-batches (the accumulation window),
+forward/backward each with weight ``items_i / items_in_step``, clip, step; then the step
+boundary: log, evaluate, end the epoch, save, stop, when due (``Due``, decided once per step);
+then the result. Distribution is the ``Strategy``'s business, numerics the ``Precision``
+plugin's, and what a checkpoint holds the ``Checkpointer``'s; the loop only calls them.
 """
 
 from __future__ import annotations
@@ -16,21 +18,33 @@ from typing import Any
 
 import torch
 
+from lightlike import optim
 from lightlike.callbacks.base import Callback, CallbackList
+from lightlike.callbacks.checks import built_in_callbacks
+from lightlike.callbacks.progress import ProgressBar
+from lightlike.checkpoint.checkpointer import Checkpointer
+from lightlike.checkpoint.resume import resolve_resume
+from lightlike.checkpoint.rotation import prepare_output_dir
+from lightlike.checkpoint.training import LoopState
 from lightlike.config import FitConfig, check_keys
 from lightlike.data.eval_loading import build_eval_loader, normalise_eval_sets
-from lightlike.data.loading import TrainData, build_train_data
+from lightlike.data.loading import build_train_data
 from lightlike.errors import ConfigError, DataError
 from lightlike.evaluation import forward_loss, greater_is_better, is_improvement, run_evaluation
-from lightlike.module import TaskModule, batch_length, check_task_module
-from lightlike.pending import item_weight, read_pending, sum_pending
+from lightlike.loggers import build_loggers
+from lightlike.loggers.console import setup_logging
+from lightlike.loggers.summary import model_summary
+from lightlike.loop import Due, Run, save_due
+from lightlike.module import TaskModule, check_task_module
+from lightlike.pending import LossBuffer, item_weight
 from lightlike.precision import get_precision
-from lightlike.preemption import PreemptionHandler, save_and_exit
+from lightlike.preemption import Preempted, PreemptionHandler, requeue_slurm_job
 from lightlike.state import Control, FitResult, FitState, PredictionResult
 from lightlike.strategies import Strategy, get_strategy
 from lightlike.utils.buffers import restore_buffers, snapshot_buffers
 from lightlike.utils.failfast import decided_on_main, failing_fast, guarded
 from lightlike.utils.memory import peak_memory_bytes
+from lightlike.utils.oom import OutOfMemoryRetry
 from lightlike.utils.seed import rng_kept, seed_everything
 
 log = logging.getLogger("lightlike")
@@ -40,7 +54,10 @@ class Fitter:
     """Trains, evaluates and predicts with a ``TaskModule``.
 
     Every keyword is a ``FitConfig`` field (``Fitter(config=cfg, max_steps=10)`` overrides a
-    field of ``cfg``). ``callbacks`` is a list of ``Callback`` objects.
+    field of ``cfg``). ``callbacks`` is a list of ``Callback`` objects. During and after a fit,
+    ``module``, ``model`` (the module as the strategy wrapped it), ``optimizer``, ``scheduler``,
+    ``state``, ``control``, ``strategy``, ``checkpointer`` and ``phase`` (what the fit is doing,
+    for error reports) are public.
     """
 
     def __init__(self, config: FitConfig | None = None, *, callbacks: list[Callback] | None = None, **kwargs: Any):
@@ -55,72 +72,317 @@ class Fitter:
         self.model: Any = None  # what the loop calls: the module as wrapped by the strategy
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler: Any = None
-        self.state = FitState()
-        self.control = Control()
+        self.state, self.control = FitState(), Control()
         self.loggers: list[Any] = []
         self.callbacks = CallbackList([])
-        self.train_data: TrainData | None = None
+        self.train_data: Any = None
+        self.checkpointer: Checkpointer | None = None
+        self.preemption = PreemptionHandler(self.config.preemption_signals)
         self.resumed_from: str | None = None
-        self._phase = "set-up"
-        self._bar_active = False
-        # (loss, items, step, micro-batch) of every micro-batch not yet logged; losses stay on the
-        # device until a log step reads them all at once
-        self._pending: list[tuple[torch.Tensor, int | torch.Tensor, int, int]] = []
-        self._loss_total, self._items_total = 0.0, 0.0
-        self._checkpoint_in_flight: Any = None  # an asynchronous save not yet committed
+        self.phase = "set-up"
+        self._resume_choice: Path | None = None  # where this fit's first try started (an out-of-memory retry's too)
 
     def init_module(self) -> Any:
         """Context in which to build a module too large for one device: ``with
         fitter.init_module(): module = Model()``. The strategy decides (FSDP: on the meta device,
         materialised shard by shard in ``fit``; DeepSpeed ZeRO-3: partitioned as it is built;
         others: as usual). Sets up the process group first."""
-        return self._setup_strategy().module_init_context()
+        return self.setup_strategy().module_init_context()
 
     # ==== fit =====================================================================================
     def fit(self, module: TaskModule, train: Any, val: Any = None, *, resume: bool | str | None = None) -> FitResult:
         """Train ``module`` on ``train``; evaluate on ``val`` (a Dataset/DataLoader or a dict of
         them). ``resume=True`` continues from the newest valid checkpoint in ``output_dir``,
-        ``resume="path"`` from that checkpoint."""
+        ``resume="path"`` from that checkpoint. With ``auto_find_batch_size``, a fit that runs
+        out of memory starts again with about half the batch (``OutOfMemoryRetry``)."""
         self.config.need_stopping_criterion()
-        self._preemption = PreemptionHandler(self.config.preemption_signals)  # one per fit(): kept over retries
+        self.preemption = PreemptionHandler(self.config.preemption_signals)  # one per fit(): kept over retries
+        self._resume_choice = None
         try:
             with guarded(self):
-                if not self.config.auto_find_batch_size:
-                    return self._fit(module, train, val, resume)
-                from lightlike.utils.oom import fit_finding_batch_size
-
-                return fit_finding_batch_size(self, module, train, val, resume)
+                retry = OutOfMemoryRetry(module, train) if self.config.auto_find_batch_size else None
+                while True:
+                    try:
+                        result = self._fit_once(module, train, val, resume)
+                        break
+                    except RuntimeError as error:  # torch.OutOfMemoryError is one
+                        if retry is None or not retry.applies(error, self.config, self.strategy):
+                            raise
+                        if self.checkpointer is not None:  # the failed try's asynchronous save lands first
+                            self.checkpointer.commit()
+                        self.config, resume = retry.next_try(self.config, self.strategy, self._resume_choice)
+                if retry is not None and self.checkpointer is not None:
+                    retry.release_resume_source(self.checkpointer, self.strategy)
+                return result
         finally:
-            self._preemption.uninstall()
+            self.preemption.uninstall()
 
-    def _fit(self, module: TaskModule, train: Any, val: Any, resume: bool | str | None) -> FitResult:
+    def _fit_once(self, module: TaskModule, train: Any, val: Any, resume: bool | str | None) -> FitResult:
+        run = self._set_up(module, train, val, resume)
+        state, control = self.state, self.control
+        try:
+            self.callbacks.call("on_fit_start", self, state, control)
+            run.bar_active = any(isinstance(cb, ProgressBar) and cb.bar is not None for cb in self.callbacks.callbacks)
+            run.start = (time.perf_counter(), state.global_step, state.samples_seen)
+            self._train(run)
+            self._end_fit(run)
+            self.callbacks.call("on_fit_end", self, state, control)
+        finally:
+            for lg in self.loggers:
+                lg.finalize()
+        return self._result(run)
+
+    def _train(self, run: Run) -> None:
+        """The loop: epochs of optimizer steps, each followed by its step boundary."""
+        state, control = self.state, self.control
+        run.model.train()
+        while state.global_step < run.max_steps and not control.should_training_stop \
+                and state.epoch_index < run.epoch_limit:
+            batches = run.train_data.epoch_iterator(state.epoch_index, state.samples_in_epoch, state.batches_in_epoch)
+            position = run.train_data.position(state.samples_in_epoch, state.batches_in_epoch,
+                                               self.strategy.world_size)
+            batches = position.watch(batches)  # reads one batch ahead where the epoch's length is unknown
+            if state.batches_in_epoch == 0:
+                self.callbacks.call("on_epoch_start", self, state, control)
+            while state.global_step < run.max_steps:
+                self.phase = "train step"
+                window = self._next_window(run, batches, position)
+                if not window:  # the epoch ran out (its length was not known, or drop_last)
+                    self._data_ran_out(run)
+                    break
+                self.callbacks.call("on_step_start", self, state, control)
+                self._training_step(run, window)
+                epoch_done = self._advance(position, len(window))
+                self.callbacks.call("on_step_end", self, state, control)
+                if self._step_boundary(run, epoch_done):
+                    break
+
+    # ---- a training step ------------------------------------------------------------------------
+    def _next_window(self, run: Run, batches: Any, position: Any) -> list[Any]:
+        """This step's micro-batches. Ranks whose shares may run out at different steps agree
+        on each step that all still have data (every rank must take the same steps)."""
+        window = list(itertools.islice(batches, self.config.grad_accum_steps))
+        if run.agree_on_data and not position.follows and self.strategy.reduce_flag(not window) and window:
+            log.warning("another rank ran out of training data: skipping this rank's last %d batch(es) of epoch %d",
+                        len(window), self.state.epoch_index)
+            return []
+        return window
+
+    def _training_step(self, run: Run, window: list[Any]) -> None:
+        """One optimizer step over ``window``; the scheduler steps when the update was applied."""
+        step = self.state.global_step + 1  # the norm is logged at log steps and the last one
+        want_norm = step % self.config.log_every == 0 or step >= run.max_steps
+        if self._accumulate_and_step(run, window, step, want_norm) and run.scheduler is not None:
+            run.scheduler.step()
+        self.state.global_step = step
+        self.phase = "step end"
+
+    def _accumulate_and_step(self, run: Run, window: list[Any], step: int, want_norm: bool) -> bool:
+        """Forward/backward every micro-batch of one optimizer step, then clip and step.
+
+        Micro-batch i is weighted by ``items_i / items_in_step``, so the step's gradient is the
+        gradient of the mean loss over every item in the step, whatever each micro-batch holds.
+        Returns whether the optimizer update was applied."""
+        strategy, model, state = self.strategy, run.model, self.state
+        batches = [strategy.batch_to_device(b) for b in window]
+        counts = [run.count_items(b) for b in batches]
+        normaliser = strategy.item_normaliser(counts, uniform=run.uniform_counts)
+        skip_nonfinite = self.config.nonfinite_loss == "skip"
+        buffers = snapshot_buffers(run.module) if skip_nonfinite else None  # BatchNorm statistics
+        for i, batch in enumerate(batches):
+            with strategy.no_sync(model, enabled=i < len(batches) - 1):
+                with strategy.autocast():
+                    loss = forward_loss(model, run.module, batch, "at step {}, micro-batch {}", step, i)
+                strategy.backward(loss * item_weight(counts[i], normaliser.total, loss.dtype), model)
+            run.losses.add(loss, counts[i], step, i)
+        if skip_nonfinite and self._skipped_nonfinite(run, len(batches), buffers, step):
+            return False
+        # this step's norm, or None (a step that logs no norm shows none)
+        run.grad_norm = strategy.clip_gradients(model, run.optimizer, self.config.max_grad_norm,
+                                                self.config.max_grad_value, want_norm)
+        self.callbacks.call("on_before_optimizer_step", self, state, self.control, run.optimizer)
+        stepped = strategy.optimizer_step(run.optimizer, model)
+        strategy.zero_grad(run.optimizer)
+        if not stepped:
+            state.skipped_steps += 1
+        return stepped
+
+    def _skipped_nonfinite(self, run: Run, micro_batches: int, buffers: Any, step: int) -> bool:
+        """``nonfinite_loss="skip"``: whether any rank saw a non-finite loss this step (one host
+        read per step, by choice); if so the step is undone: no update, buffers restored."""
+        losses = run.losses.last_losses(micro_batches)
+        if not self.strategy.reduce_flag(not bool(torch.isfinite(losses).all())):
+            return False
+        self.strategy.zero_grad(run.optimizer)
+        restore_buffers(buffers)
+        run.grad_norm = None
+        run.losses.drop_last(micro_batches)
+        self.state.skipped_steps += 1
+        log.warning("non-finite loss at step %d: step skipped (%d skipped so far)", step, self.state.skipped_steps)
+        return True
+
+    def _advance(self, position: Any, micro_batches: int) -> bool:
+        """Move the data position past this step's batches; whether the epoch's data is used up."""
+        state = self.state
+        state.batches_in_epoch += micro_batches
+        in_epoch, fraction, epoch_done = position.advance(micro_batches)
+        state.samples_seen += in_epoch - state.samples_in_epoch
+        state.samples_in_epoch = in_epoch
+        state.epoch = state.epoch_index + fraction
+        return epoch_done
+
+    # ---- the step boundary ----------------------------------------------------------------------
+    def _step_boundary(self, run: Run, epoch_done: bool) -> bool:
+        """After a step: log, evaluate, end the epoch, save, and stop, when due, in that order, so
+        that a checkpoint taken here holds everything done at this step (a resumed run repeats
+        none of it). Flags callbacks set in ``on_log``, ``on_evaluate`` or ``on_epoch_end`` count
+        at this step. Returns whether the epoch's loop ends here."""
+        state, control = self.state, self.control
+        due = Due.at(state.global_step, self.config, max_steps=run.max_steps, epoch_done=epoch_done,
+                     epoch_index=state.epoch_index, epoch_limit=run.epoch_limit, has_eval_sets=bool(run.eval_sets))
+        if due.log(control):
+            self._log_training(run)
+        if due.evaluate(control, state):
+            self._evaluate_all(run)
+        epoch_ended = due.ends_epoch(control)
+        if epoch_ended:
+            self._end_epoch(run)
+        stop = due.ends_run(control) or state.epoch_index >= run.epoch_limit
+        if stop:  # what is pending is logged and evaluated before this step's checkpoint
+            self._finish_step(run)
+        if save_due(self.config, state, control, epoch_ended, final=stop):
+            self._save(wait=False)
+        if self.preemption.stop_requested(self.strategy, state.global_step):
+            self._preempted(stop or control.should_training_stop)
+        return epoch_ended or control.should_training_stop
+
+    def _data_ran_out(self, run: Run) -> None:
+        """The epoch's data ended before a step (its length was not known, or drop_last): the
+        epoch ends at the last step's boundary."""
+        if self.state.batches_in_epoch == 0:
+            raise DataError(f"epoch {self.state.epoch_index} of the training data produced no batch")
+        self._end_epoch(run)
+        stop = self.control.should_training_stop or self.state.epoch_index >= run.epoch_limit
+        if stop:
+            self._finish_step(run)
+        if save_due(self.config, self.state, self.control, epoch_ended=True, final=stop):
+            self._save(wait=False)
+
+    def _preempted(self, ending: bool) -> None:
+        """A preemption signal, agreed by every rank: save a full checkpoint (once), ask SLURM to
+        requeue, and exit with code 75 (``Preempted``); at the run's last step it just ends."""
+        name = self.preemption.signal_name or "a signal on another rank"
+        step = self.state.global_step
+        if ending:
+            log.warning("%s received at the run's last step %d: it ends normally (no requeue)", name, step)
+            return
+        log.warning("%s received: saving a checkpoint at step %d and exiting", name, step)
+        self.preemption.finish_vote()
+        # always a full, resumable checkpoint (also over this step's weights-only one)
+        resave = self.state.last_save_step != step or self.config.save_only_model
+        path = self._save(full=True) if resave else None
+        self._commit()  # this step's save may still be in flight
+        if self.config.requeue_on_preemption and self.strategy.is_global_zero:
+            requeue_slurm_job()
+        raise Preempted(name, str(path) if path else f"{self.config.output_dir}/checkpoint-{step}")
+
+    def _end_epoch(self, run: Run) -> None:
+        """End the epoch at this step boundary: callbacks (their flags are acted on here), the
+        end-of-epoch evaluation, and the data position moves to the start of the next epoch,
+        before any checkpoint of this step is written."""
+        state, control = self.state, self.control
+        self.phase = "epoch end"
+        self.callbacks.call("on_epoch_end", self, state, control)
+        if control.should_log:
+            self._log_training(run, final=True)  # nothing new since this step's log: no row
+        if (control.should_evaluate or (self.config.eval_on_epoch_end and run.eval_sets)) \
+                and state.last_eval_step != state.global_step:
+            self._evaluate_all(run)  # once per step, however many reasons there are
+        # spent: this epoch is ending, and evaluated (a flag set in on_epoch_end or the end's row or evaluation)
+        control.should_epoch_stop = control.should_evaluate = False
+        state.epoch_index += 1
+        state.batches_in_epoch, state.samples_in_epoch = 0, 0
+        state.epoch = float(state.epoch_index)
+
+    def _finish_step(self, run: Run) -> None:
+        """Before this step's last checkpoint: log what is pending and evaluate the step, unless
+        done already."""
+        self._log_training(run, final=True)
+        if run.eval_sets and self.state.last_eval_step != self.state.global_step:
+            self._evaluate_all(run)
+
+    def _end_fit(self, run: Run) -> None:
+        """Training ended (stopped, or no step left): the last checkpoint committed, the best
+        weights loaded if asked for."""
+        self.preemption.finish_vote()
+        self.phase = "end of fit"
+        state = self.state
+        if state.last_save_step != state.global_step:  # a stop set in on_save: the step's checkpoint
+            self._finish_step(run)  # is the run's last record, so nothing is logged after it
+        if save_due(self.config, state, self.control, epoch_ended=False, final=True):
+            self._save()
+        self._commit()  # an asynchronous write still in flight
+        self.phase = "end of fit"
+        if self.config.load_best_at_end and state.best_checkpoint:
+            self.checkpointer.load_weights(Path(state.best_checkpoint))  # type: ignore[union-attr]
+
+    def _result(self, run: Run) -> FitResult:
+        state, (start_time, start_step, start_samples) = self.state, run.start
+        runtime = time.perf_counter() - start_time
+        training_loss = run.losses.mean_loss(self.strategy)
+        return FitResult(
+            global_step=state.global_step,
+            training_loss=training_loss,
+            metrics={**run.last_metrics, "train/loss": training_loss},
+            runtime=runtime,
+            samples_per_second=(state.samples_seen - start_samples) / runtime if runtime else 0.0,
+            steps_per_second=(state.global_step - start_step) / runtime if runtime else 0.0,
+            peak_memory_bytes=peak_memory_bytes(self.strategy.root_device),
+            skipped_steps=state.skipped_steps,
+            best_checkpoint=state.best_checkpoint,
+            state=state,
+        )
+
+    # ---- set-up ---------------------------------------------------------------------------------
+    def _set_up(self, module: TaskModule, train: Any, val: Any, resume: bool | str | None) -> Run:
+        """Processes and devices, output directory, data, module, optimizer, checkpoint, loggers."""
         cfg = self.config
-        self._phase = "set-up"
-        # ---- set up: processes and devices, output dir, data, module, optimizer ----------------
-        strategy = self._setup_strategy()
+        self.phase = "set-up"
+        strategy = self.setup_strategy()
         # from here a signal (during a checkpoint load, say) waits for the first step boundary; not
         # before: a rank meeting a peer that failed to start must end at the launcher's SIGTERM
-        self._preemption.install()
+        self.preemption.install()
         # this fit's callbacks, state and control first: on_exception gets them for any error from
         # here on (set-up errors included), never an earlier fit's
         self.state, self.control = FitState(), Control()
-        from lightlike.callbacks.checks import built_in_callbacks
-        from lightlike.callbacks.progress import ProgressBar
-
-        built_in = built_in_callbacks(cfg, module, strategy.is_global_zero)
-        bars = [cb for cb in built_in if isinstance(cb, ProgressBar)]
-        self.callbacks = callbacks = CallbackList(built_in + self.user_callbacks)
+        self.callbacks = CallbackList(built_in_callbacks(cfg, module, strategy.is_global_zero) + self.user_callbacks)
         strategy.precision.reset()  # an earlier fit's loss scale is not this one's
         check_task_module(module)
-        from lightlike.checkpoint.resume import resolve_resume  # chosen once, on the main rank, for all
-
+        # which checkpoint to resume is chosen once, on the main rank, for all
         resume_from = decided_on_main(strategy, resolve_resume, cfg, resume) if resume else None
-        self._resume_choice = resume_from  # an out-of-memory retry starts from the same place
+        self._resume_choice = resume_from
         if resume_from is None:  # a fresh fit must not mix with an old run
-            from lightlike.checkpoint.rotation import prepare_output_dir
-
             decided_on_main(strategy, prepare_output_dir, cfg.output_dir, cfg.overwrite_output_dir, resume)
         seed_everything(cfg.seed)
+        run = self._set_up_data(module, train, val, resume_from)
+        self._set_up_model(run)
+        if resume_from is not None:
+            self.checkpointer.load(resume_from, verified=resume in (True, "auto"))  # type: ignore[union-attr]
+            self.resumed_from = str(resume_from)
+            run.last_metrics = self.state.last_evaluation()  # what a run that evaluates no more reports
+        self.state.max_steps = run.max_steps
+        self.loggers = build_loggers(cfg.loggers, cfg.output_dir, enabled=strategy.is_global_zero,
+                                     resume_step=self.state.global_step if resume_from else None,
+                                     hyperparams=cfg.to_dict())
+        if cfg.model_summary and strategy.is_global_zero and resume_from is None:
+            log.info("model summary\n%s", model_summary(module))
+        if strategy.root_device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(strategy.root_device)
+        return run
+
+    def _set_up_data(self, module: TaskModule, train: Any, val: Any, resume_from: Path | None) -> Run:
+        cfg, strategy = self.config, self.strategy
+        assert strategy is not None
         self.train_data = train_data = build_train_data(
             train, batch_size=cfg.batch_size, shuffle=cfg.shuffle, drop_last=cfg.drop_last,
             num_workers=cfg.num_workers, pin_memory=cfg.pin_memory, seed=cfg.seed,
@@ -131,298 +393,119 @@ class Fitter:
                 raise ConfigError(f"{option} is set but fit() got no evaluation data: pass val=..., or drop {option}")
         if cfg.metric_for_best and not eval_sets:
             raise ConfigError(f"metric_for_best={cfg.metric_for_best!r} needs evaluation data: pass val=...")
-        accum = cfg.grad_accum_steps
         # lightlike's sampler gives every rank the same batches, and with the default num_items
         # the same counts; otherwise the ranks agree on the epoch's length where it is known (the
-        # shortest share's) and each step that all still have data, and sum their item counts
+        # shortest share's) and on each step that all still have data, and sum their item counts
         agree_on_data = strategy.world_size > 1 and not train_data.deals_evenly
         if agree_on_data:
             train_data.agree_on_length(strategy)
         resumed = FitState.saved_in(resume_from) if resume_from is not None else None
-        max_steps, epoch_limit = train_data.step_budget(cfg.max_steps, cfg.max_epochs, accum, resumed)
+        max_steps, epoch_limit = train_data.step_budget(cfg.max_steps, cfg.max_epochs, cfg.grad_accum_steps, resumed)
+        default_counts = type(module).num_items is TaskModule.num_items and "num_items" not in vars(module)
+        losses = LossBuffer(strategy.root_device, raise_nonfinite=cfg.nonfinite_loss == "raise")
+        return Run(module=module, model=None, optimizer=None, scheduler=None, train_data=train_data,
+                   eval_sets=eval_sets, max_steps=max_steps, epoch_limit=epoch_limit, losses=losses,
+                   count_items=module.num_items, uniform_counts=train_data.deals_evenly and default_counts,
+                   agree_on_data=agree_on_data, resume_from=resume_from)
 
+    def _set_up_model(self, run: Run) -> None:
+        """The module wrapped by the strategy, its optimizer and scheduler, and the checkpointer
+        that holds them (with the callbacks and the loop's state)."""
+        cfg, strategy, module = self.config, self.strategy, run.module
+        assert strategy is not None
         module.gradient_checkpointing = cfg.gradient_checkpointing
         self.module = module
         module.zero_grad(set_to_none=True)  # gradients left by an earlier fit that failed, or by the user
         model = strategy.setup_module(module)
-        optimizer, scheduler = self._configure_optimizers(module, max_steps)
+        custom = optim.call_configure_optimizers(module, cfg)
+        if custom is not None:
+            optimizer, scheduler = optim.unwrap_configure_optimizers(custom)
+        else:
+            optimizer = optim.build_optimizer(module, cfg, strategy.precision)
+            scheduler = optim.build_scheduler(optimizer, cfg, run.max_steps)
         model, optimizer = strategy.setup_optimizer(model, optimizer)
         if cfg.compile:
-            model = torch.compile(model)  # type: ignore[assignment]
-        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
-        self._step_parts = (strategy, module, model, optimizer)
-        self._pending = []
-        self._checkpoint_in_flight = None
-        self._loss_total, self._items_total = 0.0, 0.0
+            model = torch.compile(model)
+        self.model = run.model = model
+        self.optimizer = run.optimizer = optimizer
+        self.scheduler = run.scheduler = scheduler
         self.resumed_from = None
-        if resume_from is not None:
-            from lightlike.checkpoint.training import load_training_checkpoint
+        self.checkpointer = Checkpointer(cfg, strategy, module=module, model=model, optimizer=optimizer,
+                                         scheduler=scheduler, callbacks=self.callbacks,
+                                         loop=LoopState(self.state, run.losses, run.train_data))
 
-            load_training_checkpoint(self, resume_from, verified=resume in (True, "auto"))  # chosen by verifying
-        state, control = self.state, self.control
-        state.max_steps = max_steps
-        from lightlike.loggers import build_loggers
+    def setup_strategy(self) -> Strategy:
+        """The strategy named by the config, its processes and devices set up (once)."""
+        if self.strategy is None:
+            cfg = self.config
+            precision = None if cfg.precision == "auto" else get_precision(cfg.precision)
+            strategy = get_strategy(cfg.strategy, cfg.accelerator, precision)
+            strategy.configure(cfg)
+            strategy.setup_environment()
+            setup_logging(cfg.log_level, strategy.is_global_zero, cfg.log_level_other_ranks)
+            self.strategy = strategy
+        return self.strategy
 
-        self.loggers = build_loggers(cfg.loggers, cfg.output_dir, enabled=strategy.is_global_zero,
-                                     resume_step=state.global_step if resume_from else None, hyperparams=cfg.to_dict())
-        if cfg.model_summary and strategy.is_global_zero and resume_from is None:
-            from lightlike.loggers.summary import model_summary
+    def _eval_loaders(self, data: Any, default_name: str = "val") -> dict[str, Any]:
+        cfg, strategy = self.config, self.strategy
+        assert strategy is not None
+        return {
+            name: build_eval_loader(d, batch_size=cfg.eval_batch_size or cfg.batch_size,
+                                    num_workers=cfg.num_workers, pin_memory=cfg.pin_memory,
+                                    rank=strategy.global_rank, world_size=strategy.world_size, name=name)
+            for name, d in normalise_eval_sets(data, default_name).items()
+        }
 
-            log.info("model summary\n%s", model_summary(module))
-
-        self._grad_norm: torch.Tensor | None = None
-        self._last_metrics: dict[str, float] = state.last_evaluation()  # resumed: its last evaluation's
-        start_time, start_step, start_samples = time.perf_counter(), state.global_step, state.samples_seen
-        if strategy.root_device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(strategy.root_device)
-
-        default_counts = type(module).num_items is TaskModule.num_items and "num_items" not in vars(module)
-        self._uniform_counts = train_data.deals_evenly and default_counts
-        self._count_items = batch_length if default_counts else module.num_items  # (what num_items calls)
-        self._moves_batches = strategy.moves_batches()
-        step_start, step_end = callbacks.handlers("on_step_start"), callbacks.handlers("on_step_end")
-        self._before_optimizer_step = callbacks.handlers("on_before_optimizer_step")
-        preemption = self._preemption  # installed by fit(); an out-of-memory retry keeps what it received
-        preemption.vote = None
-        self._stop_agreed: Any = False  # the stop flag agreed in this step's item-count reduction
-        world_size, log_every = strategy.world_size, cfg.log_every
-        try:
-            callbacks.call("on_fit_start", self, state, control)
-            self._bar_active = any(bar.bar is not None for bar in bars)  # a bar drawn replaces log lines
-            model.train()
-            epoch = state.epoch_index
-            next_due = self._next_due(state.global_step, max_steps)
-            # ---- the loop ----------------------------------------------------------------------
-            while state.global_step < max_steps and not control.should_training_stop and epoch < epoch_limit:
-                batches = train_data.epoch_iterator(epoch, state.samples_in_epoch, state.batches_in_epoch)
-                position = train_data.position(state.samples_in_epoch, state.batches_in_epoch, strategy.world_size)
-                batches = position.watch(batches)  # read one batch ahead where the epoch's length is unknown
-                if state.batches_in_epoch == 0:
-                    callbacks.call("on_epoch_start", self, state, control)
-                while state.global_step < max_steps:
-                    self._phase = "train step"
-                    window = list(itertools.islice(batches, accum))  # this step's micro-batches
-                    if agree_on_data and not position.follows and strategy.reduce_flag(not window) and window:
-                        log.warning("another rank ran out of training data: skipping this rank's last "
-                                    "%d batch(es) of epoch %d", len(window), epoch)
-                        window = []
-                    if not window:  # the epoch ran out (its length was not known, or drop_last)
-                        if state.batches_in_epoch == 0:
-                            raise DataError(f"epoch {epoch} of the training data produced no batch")
-                        epoch = self._end_epoch(epoch, eval_sets)
-                        last = control.should_training_stop or epoch >= epoch_limit
-                        if last:  # what is pending is logged and evaluated before the checkpoint
-                            self._finish_step(eval_sets)
-                        if self._save_due(epoch_ended=True, final=last):
-                            self._save_checkpoint(wait=False)
-                        break
-                    for handler in step_start:  # the callbacks' on_step_start (usually none)
-                        handler(self, state, control)
-                    step = state.global_step + 1  # the norm is logged at log steps and the last one
-                    log_step = step % log_every == 0
-                    stepped = self._training_step(window, want_norm=log_step or step >= max_steps)
-                    if stepped and scheduler is not None:
-                        scheduler.step()
-                    state.global_step += 1
-                    self._phase = "step end"
-                    state.batches_in_epoch += len(window)
-                    in_epoch, fraction, epoch_done = position.advance(len(window))
-                    state.samples_seen += in_epoch - state.samples_in_epoch
-                    state.samples_in_epoch = in_epoch
-                    state.epoch = epoch + fraction
-                    for handler in step_end:
-                        handler(self, state, control)
-
-                    # ---- the step boundary: log, evaluate, end the epoch, then save ---------------
-                    # (a checkpoint taken here holds everything done at this step, so a resumed
-                    # run repeats none of it: no log line, evaluation or epoch end twice)
-                    # (flags set in on_log / on_evaluate / on_epoch_end count at this step)
-                    # (most steps have nothing due: no scheduled log, evaluation or save, no epoch
-                    # end, no flag set and no stop to agree on; one test skips the rest for them)
-                    if step < next_due and not epoch_done and not control.pending() \
-                            and not preemption.may_stop(world_size, step, self._stop_agreed):
-                        continue
-                    epoch_ended = epoch_done or control.should_epoch_stop
-                    last = step >= max_steps or control.should_training_stop or (epoch_ended and epoch + 1 >= epoch_limit)
-                    if control.should_log or log_step or last:
-                        self._log_training()
-                        epoch_ended = epoch_ended or control.should_epoch_stop
-                        last = last or control.should_training_stop or (epoch_ended and epoch + 1 >= epoch_limit)
-                    if control.should_evaluate or (cfg.eval_every and step % cfg.eval_every == 0) \
-                            or (last and eval_sets and state.last_eval_step != step):
-                        self._evaluate_all(eval_sets)
-                        epoch_ended = epoch_ended or control.should_epoch_stop
-                    if epoch_ended:
-                        epoch = self._end_epoch(epoch, eval_sets)
-                    if not last and (control.should_training_stop or epoch >= epoch_limit):
-                        last = True  # stopped by an evaluation or an epoch end: what is pending is
-                        self._finish_step(eval_sets)  # logged and evaluated before this step's checkpoint
-                    if self._save_due(epoch_ended, final=last):
-                        self._save_checkpoint(wait=False)
-                    if preemption.stop_requested(strategy, step, self._stop_agreed, log_step):
-                        if last or control.should_training_stop:  # it ends here anyway: no preemption
-                            log.warning("%s received at the run's last step %d: it ends normally (no requeue)",
-                                        preemption.signal_name or "a signal", step)
-                        else:
-                            save_and_exit(self, preemption.signal_name or "a signal on another rank")
-                    next_due = self._next_due(step, max_steps)
-                    if control.should_training_stop or epoch_ended:
-                        break
-            # ---- end of training (stopped by a callback, or no step left to take) ----------------
-            self._preemption.finish_vote()
-            self._phase = "end of fit"
-            if state.last_save_step != state.global_step:  # a stop set in on_save: the step's checkpoint
-                self._finish_step(eval_sets)  # is the run's last record, so nothing is logged after it
-            if self._save_due(final=True):
-                self._save_checkpoint()
-            self._commit_checkpoint()  # an asynchronous write still in flight
-            self._phase = "end of fit"
-            if cfg.load_best_at_end and state.best_checkpoint:
-                from lightlike.checkpoint.training import load_weights_from
-
-                load_weights_from(self, Path(state.best_checkpoint))
-            callbacks.call("on_fit_end", self, state, control)
-        finally:
-            for lg in self.loggers:
-                lg.finalize()
-
-        runtime = time.perf_counter() - start_time
-        steps = state.global_step - start_step
-        loss_total, items_total = self._loss_total, self._items_total
-        if self._pending:  # left pending in the last checkpoint by a stop set in on_save: counted, not logged
-            more = sum_pending(self.strategy, self._read_pending())
-            loss_total, items_total = loss_total + more[0], items_total + more[1]
-        training_loss = loss_total / items_total if items_total else float("nan")
-        metrics = {**self._last_metrics, "train/loss": training_loss}
-        return FitResult(
-            global_step=state.global_step,
-            training_loss=training_loss,
-            metrics=metrics,
-            runtime=runtime,
-            samples_per_second=(state.samples_seen - start_samples) / runtime if runtime else 0.0,
-            steps_per_second=steps / runtime if runtime else 0.0,
-            peak_memory_bytes=peak_memory_bytes(strategy.root_device),
-            skipped_steps=state.skipped_steps,
-            best_checkpoint=state.best_checkpoint,
-            state=state,
-        )
-
-    # ------------------------------------------------------------------------------------------
-    def _training_step(self, window: list[Any], want_norm: bool) -> bool:
-        """Forward/backward every micro-batch of one optimizer step, then clip and step.
-
-        Micro-batch i is weighted by ``items_i / items_in_step``, so the step's gradient is the
-        gradient of the mean loss over every item in the step, whatever each micro-batch holds.
-        Returns whether the optimizer update was applied."""
-        cfg = self.config
-        strategy, module, model, optimizer = self._step_parts  # (set up by fit)
-        batches = list(map(strategy.batch_to_device, window)) if self._moves_batches else window
-        counts = list(map(self._count_items, batches))
-        normaliser = strategy.item_normaliser(counts, self._preemption.received is not None,
-                                              uniform=self._uniform_counts)
-        last = len(batches) - 1
-        step = self.state.global_step + 1
-        skip_nonfinite = cfg.nonfinite_loss == "skip"
-        buffers = snapshot_buffers(module) if skip_nonfinite else None  # BatchNorm statistics
-        for i, batch in enumerate(batches):
-            with strategy.no_sync(model, enabled=i < last):
-                with strategy.autocast():
-                    loss = forward_loss(model, module, batch, "at step {}, micro-batch {}", step, i)
-                n, total = counts[i], normaliser.total
-                if type(n) is int and type(total) is int and n == total and n:  # every item of the step:
-                    strategy.backward(loss, model)  # weight 1, no extra op
-                else:
-                    strategy.backward(loss * item_weight(n, total, loss.dtype), model)
-            self._pending.append((loss.detach(), n, step, i))
-        self._stop_agreed = normaliser.flag
-        if skip_nonfinite:
-            window_losses = torch.stack([p[0] for p in self._pending[-len(batches):]])
-            # one host read per step, by choice; every rank skips if any rank saw a non-finite loss
-            if strategy.reduce_flag(not bool(torch.isfinite(window_losses).all())):
-                strategy.zero_grad(optimizer)
-                restore_buffers(buffers)  # type: ignore[arg-type]
-                self._grad_norm = None
-                del self._pending[-len(batches):]
-                self.state.skipped_steps += 1
-                log.warning("non-finite loss at step %d: step skipped (%d skipped so far)", step,
-                            self.state.skipped_steps)
-                return False
-        # this step's norm, or None (a step that logs no norm, or is skipped, shows none)
-        self._grad_norm = strategy.clip_gradients(model, optimizer, cfg.max_grad_norm, cfg.max_grad_value, want_norm)
-        for handler in self._before_optimizer_step:
-            handler(self, self.state, self.control, optimizer)
-        stepped = strategy.optimizer_step(optimizer, model)
-        strategy.zero_grad(optimizer)
-        if not stepped:
-            self.state.skipped_steps += 1
-        return stepped
-
-    # ------------------------------------------------------------------------------------------
-    def _read_pending(self) -> list[tuple[float, float, int, int]]:
-        """This rank's pending (loss, items, step, micro-batch) values, on the host (``read_pending``)."""
-        return read_pending(self._pending, self.strategy.root_device,  # type: ignore[union-attr]
-                            raise_nonfinite=self.config.nonfinite_loss == "raise")
-
-    def _finish_step(self, eval_sets: dict[str, Any]) -> None:
-        """Before this step's last checkpoint: log what is pending and evaluate the step, unless
-        done already."""
-        self._log_training(final=True)
-        if eval_sets and self.state.last_eval_step != self.state.global_step:
-            self._evaluate_all(eval_sets)
-
-    def _log_training(self, final: bool = False) -> None:
+    # ---- logging, evaluation and checkpoints during fit -----------------------------------------
+    def _log_training(self, run: Run, final: bool = False) -> None:
         """Log the losses pending since the last row (with ``final``: only if there are any)."""
         self.control.should_log = False
-        values = self._read_pending()
-        self._pending = []
-        if not values and final:
+        if final and not run.losses.pending:
             return
-        loss_sum, item_sum = sum_pending(self.strategy, values)
-        self._loss_total += loss_sum
-        self._items_total += item_sum
+        loss_sum, item_sum = run.losses.take(self.strategy)
         state = self.state
         state.items_seen += item_sum
         metrics: dict[str, float] = {
             "train/loss": loss_sum / item_sum if item_sum else float("nan"),
             "train/epoch": round(state.epoch, 4),
         }
-        if self.scheduler is not None:
-            metrics["train/lr"] = float(self.scheduler.get_last_lr()[0])
+        if run.scheduler is not None:
+            metrics["train/lr"] = float(run.scheduler.get_last_lr()[0])
         else:
-            metrics["train/lr"] = float(self.optimizer.param_groups[0]["lr"])  # type: ignore[union-attr]
-        if self._grad_norm is not None:
-            metrics["train/grad_norm"] = float(self._grad_norm)
-            self._grad_norm = None
+            metrics["train/lr"] = float(run.optimizer.param_groups[0]["lr"])
+        if run.grad_norm is not None:
+            metrics["train/grad_norm"] = float(run.grad_norm)
+            run.grad_norm = None
         if state.skipped_steps:
             metrics["train/skipped_steps"] = float(state.skipped_steps)
-        self._emit("on_log", metrics)
+        self._emit(run, "on_log", metrics)
         self.control.should_log = False  # asked for again in on_log: this row is the one
 
-    def _emit(self, event: str, metrics: dict[str, float]) -> None:
+    def _emit(self, run: Run, event: str, metrics: dict[str, float]) -> None:
         state = self.state
         state.log_history.append({"step": state.global_step, **metrics})
-        if not self._bar_active and log.isEnabledFor(logging.INFO):  # no bar (not a terminal): a log line
+        if not run.bar_active and log.isEnabledFor(logging.INFO):  # no bar (not a terminal): a log line
             log.info("step %d/%d  %s", state.global_step, state.max_steps,
                      "  ".join(f"{k}={v:.5g}" for k, v in metrics.items()))
         for lg in self.loggers:
             lg.log_metrics(metrics, state.global_step)
         self.callbacks.call(event, self, state, self.control, metrics)
 
-    def _evaluate_all(self, eval_sets: dict[str, Any]) -> dict[str, float]:
+    def _evaluate_all(self, run: Run) -> dict[str, float]:
         """Evaluate every set; update the best metric; tell loggers and callbacks. A training
         row asked for in ``on_evaluate`` is written at this step too."""
         self.control.should_evaluate = False
-        if not eval_sets:
+        if not run.eval_sets:
             raise ConfigError("control.should_evaluate was set (by a callback) but fit() got no evaluation data: "
                               "pass val= to fit(), or do not set the flag")
-        self._phase = "evaluation"
-        self._read_pending()  # raises now if a pending loss is non-finite
+        self.phase = "evaluation"
+        run.losses.read()  # raises now if a pending loss is non-finite
         metrics: dict[str, float] = {}
         # training's random streams continue as if no evaluation ran (a user's DataLoader draws
         # its workers' base seed from the global generator; the module or a dataset may sample)
         with rng_kept():
-            for name, loader in eval_sets.items():
-                m, _, _ = run_evaluation(self.model, self.module, loader, self.strategy, name,  # type: ignore[arg-type]
+            for name, loader in run.eval_sets.items():
+                m, _, _ = run_evaluation(run.model, run.module, loader, self.strategy, name,
                                          streaming=self.config.eval_streaming)
                 metrics.update(m)
         state, cfg = self.state, self.config
@@ -433,12 +516,38 @@ class Fitter:
                 raise ConfigError(f"metric_for_best={key!r} is not among the evaluation metrics {sorted(metrics)}")
             if is_improvement(metrics[key], state.best_metric, greater_is_better(key, cfg.greater_is_better)):
                 state.best_metric, state.best_step = metrics[key], state.global_step
-        self._emit("on_evaluate", metrics)
-        self._last_metrics = metrics
+        self._emit(run, "on_evaluate", metrics)
+        run.last_metrics = metrics
         if self.control.should_log:
-            self._log_training(final=True)
+            self._log_training(run, final=True)
         self.control.should_evaluate = False  # asked for again in on_evaluate or its row: once per step
         return metrics
+
+    def _save(self, wait: bool = True, full: bool | None = None) -> Path | None:
+        """Save at this step boundary. ``wait=False`` lets a strategy that writes asynchronously
+        return before its files are on disk; the checkpoint is committed by the next save or at
+        the end of the fit."""
+        checkpointer = self.checkpointer
+        assert checkpointer is not None
+        self._commit()
+        self.control.should_save = False
+        self.phase = "checkpoint save"
+        checkpointer.loop.losses.read()  # raises now if a pending loss is non-finite
+        for lg in self.loggers:  # what was logged up to this checkpoint reaches the disk first
+            lg.flush()
+        path = checkpointer.save(wait=wait, full=full)
+        if path is not None:
+            self.callbacks.call_on_save(self, self.state, self.control, str(path))
+        return path
+
+    def _commit(self) -> None:
+        """Finish and commit an asynchronous checkpoint write, if one is in flight."""
+        if self.checkpointer is None or self.checkpointer.in_flight is None:
+            return
+        self.phase = "checkpoint save"
+        path = self.checkpointer.commit()
+        if path is not None:
+            self.callbacks.call_on_save(self, self.state, self.control, str(path))
 
     # ==== evaluation and prediction outside fit ===================================================
     def validate(self, module: TaskModule, data: Any) -> dict[str, float]:
@@ -455,28 +564,25 @@ class Fitter:
         """Predictions (``TaskModule.predictions``) in dataset order, labels if the batches carry
         them, and the metrics over the whole set (keys ``predict/<name>``)."""
         with guarded(self), rng_kept():
-            return self._predict(module, data)
-
-    def _predict(self, module: TaskModule, data: Any) -> PredictionResult:
-        self._phase = "prediction"
-        strategy = self._setup_strategy()
-        model = self._prepare_for_eval(module)
-        loader = self._eval_loaders(data, default_name="predict")["predict"]
-        metrics, preds, labels = run_evaluation(model, module, loader, strategy, "predict",
-                                                streaming=self.config.eval_streaming, keep_outputs=True)
-        return PredictionResult(preds, labels, metrics)
+            self.phase = "prediction"
+            strategy = self.setup_strategy()
+            model = self._prepare_for_eval(module)
+            loader = self._eval_loaders(data, default_name="predict")["predict"]
+            metrics, preds, labels = run_evaluation(model, module, loader, strategy, "predict",
+                                                    streaming=self.config.eval_streaming, keep_outputs=True)
+            return PredictionResult(preds, labels, metrics)
 
     def search(self, module_factory: Any, space: Any, n_trials: int, **options: Any) -> Any:
         """Optuna search: a fresh fit per trial in ``output_dir/trial-<n>``; see ``lightlike.search``."""
-        from lightlike.search import search
+        from lightlike.search import search  # (optuna's own import is in there)
 
-        self._phase = "search"
+        self.phase = "search"
         with failing_fast(self):  # a trial's failure on one rank ends every rank's search
             return search(self, module_factory, space, n_trials, **options)
 
     def _evaluate_standalone(self, module: TaskModule, data: Any, default_name: str) -> dict[str, float]:
-        self._phase = "evaluation"
-        strategy = self._setup_strategy()
+        self.phase = "evaluation"
+        strategy = self.setup_strategy()
         model = self._prepare_for_eval(module)
         metrics: dict[str, float] = {}
         for name, loader in self._eval_loaders(data, default_name=default_name).items():
@@ -491,110 +597,3 @@ class Fitter:
         self.module = module
         self.model = self.strategy.setup_module_for_evaluation(module)  # type: ignore[union-attr]
         return self.model
-
-    # ==== set-up helpers ==========================================================================
-    def _setup_strategy(self) -> Strategy:
-        if self.strategy is None:
-            cfg = self.config
-            precision = None if cfg.precision == "auto" else get_precision(cfg.precision)
-            strategy = get_strategy(cfg.strategy, cfg.accelerator, precision)
-            strategy.configure(cfg)
-            strategy.setup_environment()
-            from lightlike.loggers.console import setup_logging
-
-            setup_logging(cfg.log_level, strategy.is_global_zero, cfg.log_level_other_ranks)
-            self.strategy = strategy
-        return self.strategy
-
-    def _eval_loaders(self, data: Any, default_name: str = "val") -> dict[str, Any]:
-        cfg, strategy = self.config, self.strategy
-        assert strategy is not None
-        return {
-            name: build_eval_loader(d, batch_size=cfg.eval_batch_size or cfg.batch_size,
-                                    num_workers=cfg.num_workers, pin_memory=cfg.pin_memory,
-                                    rank=strategy.global_rank, world_size=strategy.world_size, name=name)
-            for name, d in normalise_eval_sets(data, default_name).items()
-        }
-
-    def _configure_optimizers(self, module: TaskModule, max_steps: int) -> tuple[Any, Any]:
-        from lightlike import optim
-
-        custom = optim.call_configure_optimizers(module, self.config)
-        if custom is not None:
-            return optim.unwrap_configure_optimizers(custom)
-        optimizer = optim.build_optimizer(module, self.config, self.strategy.precision)  # type: ignore[union-attr]
-        return optimizer, optim.build_scheduler(optimizer, self.config, max_steps)
-
-    # -- when to log and save -------------------------------------------------------------------
-    def _next_due(self, step: int, max_steps: int) -> int:
-        """The first step after ``step`` at which a log, an evaluation or a save is due on
-        schedule (``log_every``, ``eval_every``, ``save_every``), or the last step."""
-        cfg = self.config
-        every = (cfg.log_every, cfg.eval_every, cfg.save_every if cfg.save_strategy == "steps" else None)
-        return min([max_steps, *((step // n + 1) * n for n in every if n)])
-
-    def _is_save_step(self, step: int) -> bool:
-        cfg = self.config
-        return cfg.save_strategy == "steps" and cfg.save_every is not None and step % cfg.save_every == 0
-
-    def _save_due(self, epoch_ended: bool = False, final: bool = False) -> bool:
-        """Whether to save at this step boundary: asked by a callback, or due by ``save_strategy``
-        (every ``save_every`` steps, at an epoch's end, at a new best, at the end); never twice."""
-        cfg, state, control = self.config, self.state, self.control
-        step = state.global_step
-        if state.last_save_step == step:
-            control.should_save = False
-            return False
-        return (control.should_save or self._is_save_step(step)
-                or (cfg.save_strategy == "epoch" and epoch_ended)
-                or (cfg.save_strategy == "best" and state.best_step == step)
-                or (final and cfg.save_strategy == "steps" and cfg.save_every is not None)
-                or (final and cfg.load_best_at_end and state.best_step == step))  # the best must be loadable
-
-    def _end_epoch(self, epoch: int, eval_sets: dict[str, Any]) -> int:
-        """End ``epoch`` at this step boundary: callbacks (their flags are acted on here), the
-        end-of-epoch evaluation, and the data position moves to the start of the next epoch,
-        before any checkpoint of this step is written. Returns the next epoch."""
-        cfg, state, control = self.config, self.state, self.control
-        self._phase = "epoch end"
-        self.callbacks.call("on_epoch_end", self, state, control)
-        if control.should_log:
-            self._log_training(final=True)  # nothing new since this step's log: no row
-        if (control.should_evaluate or (cfg.eval_on_epoch_end and eval_sets)) and state.last_eval_step != state.global_step:
-            self._evaluate_all(eval_sets)  # once per step, however many reasons there are
-        # spent: this epoch is ending, and evaluated (a flag set in on_epoch_end or the end's row or evaluation)
-        control.should_epoch_stop = control.should_evaluate = False
-        epoch += 1
-        state.epoch_index, state.batches_in_epoch, state.samples_in_epoch = epoch, 0, 0
-        state.epoch = float(epoch)
-        return epoch
-
-    # -- checkpoints (lightlike/checkpoint/training.py does the work) ---------------------------------
-    def _save_checkpoint(self, wait: bool = True, full: bool | None = None) -> Path | None:
-        """Save at this step boundary. ``wait=False`` lets a strategy that writes asynchronously
-        return before its shards are on disk; the checkpoint is committed by the next save or at
-        the end of the fit (``_commit_checkpoint``)."""
-        from lightlike.checkpoint.training import save_training_checkpoint
-
-        self._commit_checkpoint()
-        self.control.should_save = False
-        self._phase = "checkpoint save"
-        self._read_pending()  # raises now if a pending loss is non-finite
-        for lg in self.loggers:  # what was logged up to this checkpoint reaches the disk first
-            lg.flush()
-        path = save_training_checkpoint(self, wait=wait, full=full)
-        if path is not None:
-            self.callbacks.call_on_save(self, self.state, self.control, str(path))
-        return path
-
-    def _commit_checkpoint(self) -> None:
-        """Finish and commit an asynchronous checkpoint write, if one is in flight."""
-        if self._checkpoint_in_flight is None:
-            return
-        from lightlike.checkpoint.training import commit_pending_checkpoint
-
-        self._phase = "checkpoint save"
-        path = commit_pending_checkpoint(self)
-        if path is not None:
-            self.callbacks.call_on_save(self, self.state, self.control, str(path))
-

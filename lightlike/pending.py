@@ -1,10 +1,11 @@
-"""Training losses between log steps: kept on the device as the steps run (no host read per
-step), read to the host and summed item-weighted at log steps, in one sync for all of them."""
+"""Training losses between log steps (``LossBuffer``): kept on the device as the steps run (no
+host read per step), read to the host and summed item-weighted at log steps, in one sync for all
+of them. The buffer is checkpointed, so the first row after a resume averages what the
+uninterrupted run's would."""
 
 from __future__ import annotations
 
 import math
-import operator
 from typing import Any
 
 import torch
@@ -28,24 +29,80 @@ def read_pending(pending: list[Pending], device: torch.device, raise_nonfinite: 
     micro-batch."""
     if not pending:
         return []
-    # one stack, then one cast (stack promotes mixed dtypes exactly; a cast per loss costs ~2 us
-    # each, 100 of them per log step by default); columns and rows made in C (zip, map)
     loss_tensors, counts, steps, micros = zip(*pending, strict=True)
-    losses = torch.stack(loss_tensors).double().tolist()
-    if any(issubclass(kind, torch.Tensor) for kind in set(map(type, counts))):  # token counts on the device
+    losses = torch.stack(loss_tensors).double().tolist()  # one stack: one host read for all
+    if any(isinstance(n, torch.Tensor) for n in counts):  # token counts on the device
         items = torch.stack([torch.as_tensor(n, device=device) for n in counts]).double().tolist()
     else:
-        items = list(map(float, counts))
+        items = [float(n) for n in counts]
     values = list(zip(losses, items, steps, micros, strict=True))
-    if raise_nonfinite and not all(map(math.isfinite, losses)):
+    if raise_nonfinite:
         for loss, n, step, micro in values:
             if not math.isfinite(loss):
                 raise NonFiniteLossError(step, micro, loss, items=n)
     return values
 
 
-def sum_pending(strategy: Any, values: list[tuple[float, float, int, int]]) -> tuple[float, float]:
+class LossBuffer:
+    """This rank's losses not yet logged, and the item-weighted totals of those logged (the fit's
+    mean training loss, ``FitResult.training_loss``).
+
+    ``add`` keeps a detached loss on the device; ``take`` reads every pending loss to the host at
+    once, sums them over ranks and adds them to the totals (a log step). ``state_dict`` holds this
+    rank's pending values on the host and the totals; a checkpoint gathers it from every rank."""
+
+    def __init__(self, device: torch.device, raise_nonfinite: bool):
+        self.device, self.raise_nonfinite = device, raise_nonfinite
+        self.pending: list[Pending] = []
+        self.loss_total, self.items_total = 0.0, 0.0
+
+    def add(self, loss: torch.Tensor, items: int | torch.Tensor, step: int, micro: int) -> None:
+        self.pending.append((loss.detach(), items, step, micro))
+
+    def drop_last(self, count: int) -> None:
+        """Forget the last ``count`` losses (a step skipped for a non-finite loss)."""
+        del self.pending[len(self.pending) - count:]
+
+    def last_losses(self, count: int) -> torch.Tensor:
+        """The last ``count`` losses as one device tensor (no host read)."""
+        return torch.stack([p[0] for p in self.pending[len(self.pending) - count:]])
+
+    def read(self) -> list[tuple[float, float, int, int]]:
+        """This rank's pending (loss, items, step, micro-batch) values on the host; raises
+        ``NonFiniteLossError`` for a non-finite one when the fit raises on them."""
+        return read_pending(self.pending, self.device, self.raise_nonfinite)
+
+    def take(self, strategy: Any) -> tuple[float, float] | None:
+        """Read and clear the pending losses; their item-weighted loss sum and item count over
+        every rank (collective), added to the totals. None when no rank... had any on this rank
+        and none were expected (see ``sum_values``)."""
+        values = self.read()
+        self.pending = []
+        loss_sum, item_sum = sum_values(strategy, values)
+        self.loss_total += loss_sum
+        self.items_total += item_sum
+        return loss_sum, item_sum
+
+    def mean_loss(self, strategy: Any) -> float:
+        """The whole fit's item-weighted mean loss, counting what is still pending (a run stopped
+        in ``on_save`` leaves its last losses unlogged in the checkpoint)."""
+        loss, items = self.loss_total, self.items_total
+        if self.pending:
+            more = sum_values(strategy, self.read())
+            loss, items = loss + more[0], items + more[1]
+        return loss / items if items else float("nan")
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"pending": [list(v) for v in self.read()], "totals": [self.loss_total, self.items_total]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.pending = [(torch.tensor(loss, dtype=torch.float64, device=self.device), n, int(step), int(micro))
+                        for loss, n, step, micro in state["pending"]]
+        self.loss_total, self.items_total = state["totals"]
+
+
+def sum_values(strategy: Any, values: list[tuple[float, float, int, int]]) -> tuple[float, float]:
     """Item-weighted loss sum and item count of read pending values, over every rank."""
-    losses, items = list(zip(*values, strict=True))[:2] if values else ((), ())
-    loss_sum, item_sum = sum(map(operator.mul, losses, items)), sum(items)
+    loss_sum = sum(loss * n for loss, n, _, _ in values)
+    item_sum = sum(n for _, n, _, _ in values)
     return tuple(strategy.sum_floats([loss_sum, item_sum]))  # type: ignore[return-value]

@@ -79,35 +79,17 @@ class PreemptionHandler:
         self._previous.clear()
         _WATCHED = ()
 
-    def stop_requested(self, strategy: Any, step: int, agreed: Any, log_step: bool) -> bool:
+    def stop_requested(self, strategy: Any, step: int) -> bool:
         """At a step boundary, whether every rank stops now. On one process: whether a signal
-        has arrived. On several: the flag agreed in this step's item-count all-reduce (``agreed``;
-        read every step on the CPU, at log steps on an accelerator, where the host syncs anyway),
-        or with none (equal shares: ``agreed`` is None) a vote started every 10 steps and read at
-        the next, which no rank waits for: a signal is acted on 10-20 steps later, on every rank
-        at the same step."""
+        has arrived. On several: a vote started every ``VOTE_EVERY`` steps and read at the next,
+        which no rank waits for (no collective wait, no device sync on the step): a signal is
+        acted on 10-20 steps later, on every rank at the same step."""
         if strategy.world_size == 1:
             return self.received is not None
-        if agreed is None:
-            if step % VOTE_EVERY:
-                return False
-            vote, self.vote = self.vote, strategy.reduce_flag_async(self.received is not None)
-            return vote is not None and vote()
-        if isinstance(agreed, bool):
-            return agreed
-        if agreed.device.type != "cpu" and not log_step:  # a device tensor
+        if step % VOTE_EVERY:
             return False
-        return bool(agreed.item())
-
-    def may_stop(self, world_size: int, step: int, agreed: Any) -> bool:
-        """Whether ``stop_requested`` can be True at this boundary, told without a collective or a
-        host read: a signal received (one process), a vote due, or a stop flag agreed or being
-        agreed in this step's reduction (several)."""
-        if world_size == 1:
-            return self.received is not None
-        if agreed is None:
-            return step % VOTE_EVERY == 0
-        return agreed is not False
+        vote, self.vote = self.vote, strategy.reduce_flag_async(self.received is not None)
+        return vote is not None and vote()
 
     def finish_vote(self) -> None:
         """Wait for the vote every rank started and drop it: its handle must not outlive the group."""
@@ -131,22 +113,6 @@ def _signal(name: str) -> int:
         raise ConfigError(f"preemption_signals: {name!r} cannot be caught by any process; use signals a job "
                           "scheduler sends first, e.g. 'SIGTERM', 'SIGUSR1'")
     return sig
-
-
-def save_and_exit(fitter: Any, signal_name: str) -> None:
-    """At the step boundary after a preemption signal: save (once), ask SLURM to requeue, and
-    exit with code 75 (raises ``Preempted``)."""
-    state, cfg = fitter.state, fitter.config
-    log.warning("%s received: saving a checkpoint at step %d and exiting", signal_name, state.global_step)
-    fitter._preemption.finish_vote()
-    # always a full, resumable checkpoint (also over this step's weights-only one)
-    resave = state.last_save_step != state.global_step or cfg.save_only_model
-    path = fitter._save_checkpoint(full=True) if resave else None
-    fitter._commit_checkpoint()  # this step's save may still be in flight
-    checkpoint = str(path) if path else f"{cfg.output_dir}/checkpoint-{state.global_step}"
-    if cfg.requeue_on_preemption and fitter.strategy.is_global_zero:
-        requeue_slurm_job()
-    raise Preempted(signal_name, checkpoint)
 
 
 def requeue_slurm_job() -> bool:

@@ -93,7 +93,7 @@ def search(fitter: Fitter, module_factory: Callable[..., Any], space: Any, n_tri
     if not (callable(space) or isinstance(space, Mapping)):
         raise ConfigError(f"space must be a dict of optuna distributions or a callable(trial) -> dict, "
                           f"got {type(space).__name__}")
-    strategy = fitter._setup_strategy()
+    strategy = fitter.setup_strategy()
     config_keys = {f.name for f in fields(FitConfig)}
     _check_space_names(space, module_factory, config_keys)
     between = PreemptionHandler(base.preemption_signals)  # a signal between trials (each fit has its own)
@@ -119,7 +119,7 @@ def search(fitter: Fitter, module_factory: Callable[..., Any], space: Any, n_tri
                     "output_dir, pass overwrite_output_dir=True to replace the trials, or, to continue an earlier "
                     "search, pass study= its optuna study (with its storage): new trials get new numbers",
                     offers=("overwrite_output_dir=True",)) from None
-            _stop_if_preempted(strategy, [between, trial_fitter._preemption], f"during trial {number}")
+            _stop_if_preempted(strategy, [between, trial_fitter.preemption], f"during trial {number}")
             if metric not in result.metrics:
                 raise ConfigError(f"search metric {metric!r} is not among the fit's metrics {sorted(result.metrics)}; "
                                   "pass val=... (and eval_every for pruning)")

@@ -32,6 +32,15 @@ class FitState:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
+    def state_dict(self) -> dict[str, Any]:
+        return self.to_dict()
+
+    def load_state_dict(self, data: dict[str, Any]) -> None:
+        """Restore in place (callbacks and the checkpointer hold this object)."""
+        for f in dataclasses.fields(self):
+            setattr(self, f.name, data[f.name] if f.name in data else f.default_factory()  # type: ignore[misc]
+                    if f.default is dataclasses.MISSING else f.default)
+
     def last_evaluation(self) -> dict[str, float]:
         """The metrics of the last evaluation, from the log history ({} before any): what a
         resumed run reports if it evaluates no more, as the uninterrupted run did."""

@@ -93,17 +93,14 @@ def test_resume_loads_checkpoint_pickles_with_weights_only(tmp_path):
 
 def test_pending_losses_go_to_their_own_rank_or_all_to_rank_0():
     """trainer_state's pending_per_rank: on the same world size each rank takes its own list;
-    on another world size rank 0 takes all of them and the others none; an old checkpoint's
-    "pending" (rank 0's only) goes to rank 0 (mutants T30-T32)."""
-    from lightlike.checkpoint.training import _pending_for_this_rank
+    on another world size rank 0 takes all of them and the others none (mutants T30-T32)."""
+    from lightlike.checkpoint.training import pending_for_rank
 
-    saved = {"pending_per_rank": [[[1.0, 2, 3, 0]], [[4.0, 5, 3, 0], [6.0, 1, 3, 1]]]}
-    assert _pending_for_this_rank(saved, 0, 2) == [[1.0, 2, 3, 0]]
-    assert _pending_for_this_rank(saved, 1, 2) == [[4.0, 5, 3, 0], [6.0, 1, 3, 1]]
-    assert _pending_for_this_rank(saved, 0, 3) == [[1.0, 2, 3, 0], [4.0, 5, 3, 0], [6.0, 1, 3, 1]]
-    assert _pending_for_this_rank(saved, 1, 3) == [] and _pending_for_this_rank(saved, 2, 1) == []
-    old = {"pending": [[7.0, 2, 1, 0]]}
-    assert _pending_for_this_rank(old, 0, 1) == [[7.0, 2, 1, 0]] and _pending_for_this_rank(old, 1, 2) == []
+    saved = [[[1.0, 2, 3, 0]], [[4.0, 5, 3, 0], [6.0, 1, 3, 1]]]
+    assert pending_for_rank(saved, 0, 2) == [[1.0, 2, 3, 0]]
+    assert pending_for_rank(saved, 1, 2) == [[4.0, 5, 3, 0], [6.0, 1, 3, 1]]
+    assert pending_for_rank(saved, 0, 3) == [[1.0, 2, 3, 0], [4.0, 5, 3, 0], [6.0, 1, 3, 1]]
+    assert pending_for_rank(saved, 1, 3) == [] and pending_for_rank(saved, 2, 1) == []
 
 
 def test_the_first_log_after_a_resume_averages_the_losses_saved_as_pending(tmp_path):

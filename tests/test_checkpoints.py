@@ -535,17 +535,15 @@ def test_resume_true_falls_back_past_a_corrupt_newest_checkpoint(tmp_path):
 
 
 def test_preemption_checkpoint_is_full_with_save_only_model(tmp_path):
-    """save_training_checkpoint(full=True), the preemption save, writes a resumable checkpoint
+    """checkpointer.save(full=True), the preemption save, writes a resumable checkpoint
     (over a weights-only one of the same step) whatever save_only_model says."""
-    from lightlike.checkpoint.training import save_training_checkpoint
-
     torch.manual_seed(0)
     fitter = ll.Fitter(max_steps=2, batch_size=4, save_every=2, save_only_model=True,
                        output_dir=str(tmp_path / "run"), loggers=[])
     fitter.fit(Classifier(), DictDataset(n=40))
     ckpt = tmp_path / "run" / "checkpoint-2"
     assert verify_checkpoint(ckpt)["meta"]["kind"] == "model"
-    save_training_checkpoint(fitter, full=True)
+    fitter.checkpointer.save(full=True)
     assert verify_checkpoint(ckpt)["meta"]["kind"] == "full" and (ckpt / "optimizer.pt").is_file()
     _, result = train(tmp_path, steps=4, save_only_model=True, resume=True)
     assert result.global_step == 4
@@ -636,8 +634,6 @@ class TrackStep(ll.Callback):
 def test_best_checkpoint_is_only_the_best_steps_own(tmp_path, caplog):
     """Best at step 6, which has no checkpoint (saves at 4, 8, 10): best_checkpoint is None, not
     checkpoint-4; and loading "the best" from another step's checkpoint is refused."""
-    from lightlike.checkpoint.training import load_weights_from
-
     class M(Scored):
         SCORES = {2: 1.0, 4: 5.0, 6: 10.0, 8: 2.0, 10: 0.0}
 
@@ -649,7 +645,7 @@ def test_best_checkpoint_is_only_the_best_steps_own(tmp_path, caplog):
     before = flat_params(fitter.module)
     fitter.state.best_checkpoint = str(tmp_path / "run" / "checkpoint-4")  # as older versions left it
     with caplog.at_level("WARNING", logger="lightlike"):
-        load_weights_from(fitter, tmp_path / "run" / "checkpoint-4")
+        fitter.checkpointer.load_weights(tmp_path / "run" / "checkpoint-4")
     assert "best evaluation (step 6) has no checkpoint" in caplog.text
     assert fitter.state.best_checkpoint is None and torch.equal(flat_params(fitter.module), before)
 

@@ -324,10 +324,10 @@ def test_hparams_json_values_json_has_no_form_for_are_written_by_value():
     inside lists and dicts), not as their reprs."""
     import enum
 
-    from lightlike.checkpoint.training import _jsonable
+    from lightlike.checkpoint.training import jsonable
 
     class Size(enum.Enum):
         S = 1
 
-    got = _jsonable({"p": Path("a/b"), "e": Size.S, "s": {3, 1}, "nested": [Path("c"), {"k": Size.S}], "n": 2})
+    got = jsonable({"p": Path("a/b"), "e": Size.S, "s": {3, 1}, "nested": [Path("c"), {"k": Size.S}], "n": 2})
     assert json.loads(json.dumps(got)) == {"p": "a/b", "e": 1, "s": [1, 3], "nested": ["c", {"k": 1}], "n": 2}

@@ -92,7 +92,7 @@ class _Fitter:
     def __init__(self, strategy, phase="train step", step=6):
         from types import SimpleNamespace
 
-        self.strategy, self._phase = strategy, phase
+        self.strategy, self.phase = strategy, phase
         self.state, self.control = SimpleNamespace(global_step=step), None
         self.seen = []
         self.callbacks = SimpleNamespace(call=lambda event, fitter, state, control, error: self.seen.append(

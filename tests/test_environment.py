@@ -102,7 +102,7 @@ def test_fitter_sets_log_level_other_ranks(tmp_path, plain_env):
 
     try:
         f = fitter(tmp_path, strategy=SecondRank("cpu"), log_level_other_ranks="debug")
-        f._setup_strategy()
+        f.setup_strategy()
         assert logging.getLogger("lightlike").level == logging.DEBUG
     finally:
         setup_logging("info", True)

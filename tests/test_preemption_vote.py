@@ -44,12 +44,12 @@ class TwoRanks:
 
 
 def run_votes(handler, strategy, steps, signal_after=None):
-    """stop_requested at each step boundary 1..steps (equal shares: agreed is None); the first
+    """stop_requested at each step boundary 1..steps; the first
     step at which it says stop, or None. A real SIGUSR1 arrives after step ``signal_after``."""
     for step in range(1, steps + 1):
         if step - 1 == signal_after:
             os.kill(os.getpid(), signal.SIGUSR1)
-        if handler.stop_requested(strategy, step, None, log_step=False):
+        if handler.stop_requested(strategy, step):
             return step
     return None
 
@@ -92,22 +92,19 @@ def test_finish_vote_waits_for_the_vote_in_flight_once_and_drops_it(handler):
     assert strategy.read == [0, 1]
 
 
-def test_may_stop_holds_wherever_stop_requested_can_act(handler):
-    """The loop skips the step boundary, ``stop_requested`` included, where ``may_stop`` is False:
-    it must be True wherever ``stop_requested`` would stop or start a vote, and False elsewhere
-    (or the skip saves nothing)."""
+def test_one_process_stops_at_the_signal_and_several_vote_every_ten_steps(handler):
+    """One process: ``stop_requested`` is the signal, at any step. Several: a vote is started at
+    every VOTE_EVERY-th step and at no other (no collective on the other steps)."""
     one = TwoRanks()
     one.world_size = 1
-    assert not handler.may_stop(1, 7, False) and not handler.stop_requested(one, 7, False, False)
+    assert not handler.stop_requested(one, 7)
     os.kill(os.getpid(), signal.SIGUSR1)
-    assert handler.may_stop(1, 7, False) and handler.stop_requested(one, 7, False, False)
-    strategy = TwoRanks(peer=True)  # several processes, equal shares: a vote every VOTE_EVERY steps
+    assert handler.stop_requested(one, 7)
+    strategy = TwoRanks(peer=True)
     for step in range(1, 41):
         started = len(strategy.started)
-        acted = handler.stop_requested(strategy, step, None, log_step=False) or len(strategy.started) > started
-        assert handler.may_stop(2, step, None) == acted == (step % 10 == 0), step
-    assert not handler.may_stop(2, 5, False)  # a flag agreed in this step's reduction: read when set
-    assert handler.may_stop(2, 5, True) and handler.may_stop(2, 5, torch.tensor(False))
+        handler.stop_requested(strategy, step)
+        assert (len(strategy.started) > started) == (step % 10 == 0), step
 
 
 def test_every_vote_a_rank_starts_is_waited_for_before_fit_ends_or_exits(tmp_path):

@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import json
-import shutil
-import zlib
 from pathlib import Path
 
 import pytest
@@ -317,47 +314,6 @@ def test_a_changed_order_is_refused_mid_epoch_and_allowed_at_an_epoch_end(tmp_pa
     ll.Fitter(**{**cfg, "max_steps": 10, "save_every": 10}, overwrite_output_dir=True).fit(Classifier(), DictDataset(n=40))
     result = ll.Fitter(**{**cfg, **changed}).fit(Classifier(), DictDataset(n=40), resume=True)  # from the end of epoch 0
     assert result.global_step == 20
-
-
-@pytest.mark.parametrize("sampler_key", [None, {"group_size": 8}])
-def test_a_mid_epoch_checkpoint_of_an_earlier_version_still_resumes(tmp_path, sampler_key):
-    """Checkpoints written before "data_order" (seed, shuffle and the sampler's key) kept only the
-    sampler's own key, "order_key" (None for ResumableSampler): they resume as before, checked
-    against that key, and continue bit for bit (they were refused: "a data order of None")."""
-    from lightlike.data import LengthGroupedSampler
-
-    def loader():
-        data = DictDataset(n=32)
-        if sampler_key is None:
-            return data
-        return torch.utils.data.DataLoader(data, batch_size=4, sampler=LengthGroupedSampler([1] * 32, 4, mega=2))
-
-    def go(out, stop=None, resume=None):
-        torch.manual_seed(0)
-        model = Dropout()
-        with contextlib.suppress(KeyboardInterrupt):
-            ll.Fitter(max_steps=12, batch_size=4, save_every=3, output_dir=str(out), loggers=[],
-                      callbacks=[StopAt(stop)] if stop else []).fit(model, loader(), resume=resume)
-        return model
-
-    reference = go(tmp_path / "ref")
-    go(tmp_path / "cut", stop=5)
-    state_file = tmp_path / "cut" / "checkpoint-3" / "trainer_state.json"  # mid-epoch: 12 of 32
-    saved = json.loads(state_file.read_text())
-    assert saved["data_order"] == {"seed": 0, "shuffle": True, **(sampler_key or {})}
-    del saved["data_order"], saved["batches_in_epoch_per_rank"]
-    saved["order_key"] = sampler_key  # as an earlier version wrote it
-    state_file.write_text(json.dumps(saved))
-    manifest_file = state_file.parent / "manifest.json"
-    manifest = json.loads(manifest_file.read_text())
-    data = state_file.read_bytes()
-    manifest["files"]["trainer_state.json"].update(size=len(data), crc32=f"{zlib.crc32(data):08x}")
-    manifest_file.write_text(json.dumps(manifest))
-    for p in (tmp_path / "cut").glob("checkpoint-*"):
-        if p.name != "checkpoint-3":
-            shutil.rmtree(p)
-    resumed = go(tmp_path / "cut", resume=str(tmp_path / "cut" / "checkpoint-3"))
-    assert torch.equal(flat_params(resumed), flat_params(reference))
 
 
 class Stream(torch.utils.data.IterableDataset):

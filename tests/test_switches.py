@@ -185,19 +185,20 @@ def test_preemption_handlers_cover_set_up_after_the_process_group(tmp_path):
     seen = {}
 
     class Probe(ll.Fitter):
-        def _setup_strategy(self):
+        def setup_strategy(self):
             seen["meeting"] = signal.getsignal(signal.SIGTERM)
-            return super()._setup_strategy()
+            return super().setup_strategy()
 
-        def _configure_optimizers(self, module, max_steps):
+    class Model(Classifier):  # its optimizer is built during set-up, after the process group
+        def configure_optimizers(self, config):
             seen["set-up"] = signal.getsignal(signal.SIGTERM)
-            return super()._configure_optimizers(module, max_steps)
+            return torch.optim.AdamW(self.parameters(), lr=1e-3)
 
     before = signal.getsignal(signal.SIGTERM)
     fitter = Probe(max_steps=1, batch_size=4, output_dir=str(tmp_path), loggers=[])
-    fitter.fit(Classifier(), DictDataset(n=8))
+    fitter.fit(Model(), DictDataset(n=8))
     assert seen["meeting"] == before
-    assert seen["set-up"] == fitter._preemption._handle
+    assert seen["set-up"] == fitter.preemption._handle
     assert signal.getsignal(signal.SIGTERM) == before
 
 

@@ -32,7 +32,7 @@ from lightlike.errors import CheckpointError, ConfigError
 
 if TYPE_CHECKING:
     from lightlike.config import FitConfig
-    from lightlike.fitter import Fitter
+    from lightlike.state import FitState
 
 log = logging.getLogger("lightlike")
 
@@ -163,7 +163,7 @@ def saved_config(path: Path) -> dict[str, Any] | None:
         return None
 
 
-def choose_best_again(fitter: Fitter, path: Path) -> None:
+def choose_best_again(cfg: FitConfig, state: FitState, path: Path) -> None:
     """``metric_for_best`` or its direction changed since ``path`` was saved: the restored best
     (a value of the old metric, or the old direction's best) would be compared with the new
     metric's values. The best so far is chosen again from the evaluations in the log history
@@ -173,7 +173,6 @@ def choose_best_again(fitter: Fitter, path: Path) -> None:
     old = saved_config(path)
     if old is None:
         return
-    cfg, state = fitter.config, fitter.state
     old_key, key = old.get("metric_for_best"), cfg.metric_for_best
     old_way = greater_is_better(old_key, old.get("greater_is_better")) if old_key else None
     way = greater_is_better(key, cfg.greater_is_better) if key else None
@@ -203,18 +202,17 @@ def _direction(key: str | None, greater: bool | None) -> str:
 
 
 # -- settings changed between runs ---------------------------------------------------------------
-def check_optimizer_fits(fitter: Fitter, path: Path) -> None:
+def check_optimizer_fits(module: Any, now: FitConfig, path: Path) -> None:
     """Before the optimizer state of ``path`` is loaded: a built-in optimizer of another kind, or
     with weight decay switched on or off (one parameter group without it, two with), cannot take
     it (torch would load it and fail at the first step, or refuse it without saying why)."""
     from lightlike.module import TaskModule
 
-    if getattr(type(fitter.module), "configure_optimizers", None) is not TaskModule.configure_optimizers:
+    if getattr(type(module), "configure_optimizers", None) is not TaskModule.configure_optimizers:
         return  # the module's own optimizer: its shape is the module's business
     old = saved_config(path)
     if old is None:
         return
-    now = fitter.config
     fix = (f"resume with the checkpoint's setting, or start a new fit from its weights (module.load_weights('{path}') "
            "before fit, without resume)")
     if old.get("optimizer", now.optimizer) != now.optimizer:
@@ -227,14 +225,15 @@ def check_optimizer_fits(fitter: Fitter, path: Path) -> None:
                               f"with), so its state cannot be restored; {fix}")
 
 
-def apply_changed_settings(fitter: Fitter, path: Path, data_order: tuple[Any, Any] = (None, None)) -> None:
+def apply_changed_settings(config: FitConfig, module: Any, optimizer: Any, scheduler: Any, path: Path,
+                           data_order: tuple[Any, Any] = (None, None)) -> None:
     """After the optimizer and scheduler state are loaded from ``path``: apply changed optimizer
     settings to them (built-in optimizers) and warn, listing every changed setting (and what of
     ``data_order``, the saved and this run's, differs)."""
     old = saved_config(path)
     if old is None:
         return
-    now = fitter.config.to_dict()
+    now = config.to_dict()
     changed = [k for k in CONTINUATION_KEYS if k in old and old.get(k) != now.get(k)]
     order = _changed_order(*data_order, changed)
     if not changed and not order:
@@ -246,13 +245,12 @@ def apply_changed_settings(fitter: Fitter, path: Path, data_order: tuple[Any, An
         return
     from lightlike.module import TaskModule
 
-    module = fitter.module
     if module is not None and type(module).configure_optimizers is not TaskModule.configure_optimizers:
         log.warning("%s changed, but the optimizer comes from %s.configure_optimizers: the restored optimizer "
                     "and scheduler state wins (set the new values there, after loading, if you want them)",
                     ", ".join(applied), type(module).__name__)
         return
-    _apply(fitter, {k: old[k] for k in applied}, {k: now[k] for k in applied},
+    _apply(config, optimizer, scheduler, {k: old[k] for k in applied}, {k: now[k] for k in applied},
            schedule_changed=any(k in SCHEDULE_KEYS for k in applied))
     log.info("applied the new %s to the restored optimizer and schedule", ", ".join(applied))
 
@@ -269,14 +267,14 @@ def _changed_order(saved: Any, order: Any, changed: list[str]) -> list[str]:
             if k not in changed and saved.get(k) != order.get(k)]
 
 
-def _apply(fitter: Fitter, old: dict[str, Any], new: dict[str, Any], schedule_changed: bool = False) -> None:
-    sched = fitter.scheduler
-    optimizer = sched.optimizer if sched is not None and hasattr(sched, "optimizer") else fitter.optimizer
+def _apply(config: FitConfig, optimizer: Any, sched: Any, old: dict[str, Any], new: dict[str, Any],
+           schedule_changed: bool = False) -> None:
+    optimizer = sched.optimizer if sched is not None and hasattr(sched, "optimizer") else optimizer
     assert optimizer is not None
     groups = optimizer.param_groups
     if "learning_rate" in new or (schedule_changed and sched is not None):
         # the next step's rate from the new schedule at the restored position (LambdaLR.get_lr)
-        lr = float(new.get("learning_rate", fitter.config.learning_rate))
+        lr = float(new.get("learning_rate", config.learning_rate))
         for g in groups:
             if "initial_lr" in g:
                 g["initial_lr"] = lr

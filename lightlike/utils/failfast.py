@@ -35,9 +35,9 @@ def failing_fast(fitter: Fitter) -> Iterator[None]:
         strategy = fitter.strategy
         rank, world = (strategy.global_rank, strategy.world_size) if strategy else (0, 1)
         # in a train step, the step being taken (as lightlike's own errors number it)
-        step = fitter.state.global_step + (fitter._phase == "train step")
+        step = fitter.state.global_step + (fitter.phase == "train step")
         lost = _peer_lost(error)  # a peer's failure ended this rank's collective: not where the fault is
-        line = f"rank {rank} of {world} {'stopped' if lost else 'failed'} during {fitter._phase} at step {step}: "
+        line = f"rank {rank} of {world} {'stopped' if lost else 'failed'} during {fitter.phase} at step {step}: "
         alone = not isinstance(error, Preempted) and not getattr(error, "on_every_rank", False)
         if strategy is not None and alone:
             # a peer may sit in another collective: teardown waits for none; the peers read this
@@ -53,10 +53,9 @@ def failing_fast(fitter: Fitter) -> Iterator[None]:
             log.error("%s%s%s: %s%s", line, cause, type(error).__name__, error, ")" if peers else "")
             with contextlib.suppress(AttributeError):  # once (a search trial's fit logged it already)
                 error._lightlike_logged = True  # type: ignore[attr-defined]
-        if getattr(fitter, "_checkpoint_in_flight", None) is not None:  # a checkpoint written before it failed
-            from lightlike.checkpoint.training import publish_sealed_checkpoint
-
-            publish_sealed_checkpoint(fitter)
+        checkpointer = getattr(fitter, "checkpointer", None)
+        if checkpointer is not None and checkpointer.in_flight is not None:  # a checkpoint written before it failed
+            checkpointer.publish_sealed()
         fitter.callbacks.call("on_exception", fitter, fitter.state, fitter.control, error)
         raise
 

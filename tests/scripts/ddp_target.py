@@ -417,7 +417,7 @@ def main() -> None:
             json.dumps(Recording.served))
     (out / f"block-calls-rank{fitter.strategy.global_rank}.txt").write_text(str(Block.calls))
     # the last preemption vote was waited for and dropped: no collective handle outlives the fit
-    assert fitter._preemption.vote is None, "a preemption vote is still in flight after fit()"
+    assert fitter.preemption.vote is None, "a preemption vote is still in flight after fit()"
     strategy = fitter.strategy
     rank = strategy.global_rank  # under SLURM, known once the Fitter has read the environment
     # full weights (gathered from the shards under FSDP/ZeRO: collective, so every rank asks)

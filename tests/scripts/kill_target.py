@@ -135,15 +135,15 @@ def main() -> None:
         torch.set_num_threads = slow_in_a_worker
     patch_saves()
     if KILL and KILL[0] == "termload":
-        from lightlike.checkpoint import training
+        from lightlike.checkpoint.checkpointer import Checkpointer
 
-        load = training.load_training_checkpoint
+        load = Checkpointer.load
 
-        def signalled_load(*a, **kw):
+        def signalled_load(self, *a, **kw):
             os.kill(os.getpid(), signal.SIGTERM)
-            return load(*a, **kw)
+            return load(self, *a, **kw)
 
-        training.load_training_checkpoint = signalled_load
+        Checkpointer.load = signalled_load
     torch.manual_seed(0)
     model = Net()
     resume = find_latest_valid(args.out) is not None

@@ -1,0 +1,96 @@
+"""The pieces of one ``fit`` that the loop in ``fitter.py`` carries: its run state (``Run``), what
+is due at a step boundary (``Due``), and when a checkpoint is due (``save_due``).
+
+``Due`` and ``save_due`` are plain functions of numbers and flags: they decide, the Fitter acts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from lightlike.config import FitConfig
+from lightlike.data.loading import TrainData
+from lightlike.pending import LossBuffer
+from lightlike.state import Control, FitState
+
+
+@dataclass
+class Run:
+    """What one ``fit`` set up and carries from step to step (the Fitter's ``state``, ``control``,
+    ``module``, ``model``, ``optimizer`` and ``scheduler`` are the public names callbacks read)."""
+
+    module: Any  # the user's TaskModule
+    model: Any  # what the loop calls: the module as the strategy wrapped it (and torch.compile)
+    optimizer: Any
+    scheduler: Any
+    train_data: TrainData
+    eval_sets: dict[str, Any]
+    max_steps: int
+    epoch_limit: float  # epochs to run (inf when only max_steps bounds the fit)
+    losses: LossBuffer
+    count_items: Callable[[Any], int | torch.Tensor]  # the module's num_items
+    uniform_counts: bool  # every rank holds the same integer counts each step (no count reduction)
+    agree_on_data: bool  # several ranks whose shares may run out at different steps
+    resume_from: Any = None  # the checkpoint this fit resumed from (a Path), or None
+    grad_norm: torch.Tensor | None = None  # the last step's norm, read at the next log row
+    last_metrics: dict[str, float] = field(default_factory=dict)  # the last evaluation's
+    bar_active: bool = False  # a progress bar replaces the log lines
+    start: tuple[float, int, int] = (0.0, 0, 0)  # (time, global step, samples seen) when the loop began
+
+
+@dataclass(frozen=True)
+class Due:
+    """What the schedule makes due at the boundary after step ``step``. The callbacks' flags
+    (``Control``) are read live by the methods, since a flag set in ``on_log`` or ``on_evaluate``
+    counts at the same boundary."""
+
+    step: int
+    log_step: bool  # log_every divides the step
+    eval_step: bool  # eval_every divides the step
+    last_step: bool  # the step budget is spent
+    epoch_done: bool  # the data of this epoch is used up
+    last_epoch: bool  # the epoch being run is the last one
+    has_eval_sets: bool
+
+    @classmethod
+    def at(cls, step: int, config: FitConfig, *, max_steps: int, epoch_done: bool, epoch_index: int,
+           epoch_limit: float, has_eval_sets: bool) -> Due:
+        return cls(step=step, log_step=step % config.log_every == 0,
+                   eval_step=bool(config.eval_every) and step % config.eval_every == 0,  # type: ignore[operator]
+                   last_step=step >= max_steps, epoch_done=epoch_done, last_epoch=epoch_index + 1 >= epoch_limit,
+                   has_eval_sets=has_eval_sets)
+
+    def ends_epoch(self, control: Control) -> bool:
+        return self.epoch_done or control.should_epoch_stop
+
+    def ends_run(self, control: Control) -> bool:
+        return self.last_step or control.should_training_stop or (self.ends_epoch(control) and self.last_epoch)
+
+    def log(self, control: Control) -> bool:
+        """A training row: scheduled, asked for, or the run's last step."""
+        return self.log_step or control.should_log or self.ends_run(control)
+
+    def evaluate(self, control: Control, state: FitState) -> bool:
+        """An evaluation: scheduled, asked for, or the run's last step (once per step)."""
+        return self.eval_step or control.should_evaluate or (
+            self.has_eval_sets and self.ends_run(control) and state.last_eval_step != self.step)
+
+
+def save_due(config: FitConfig, state: FitState, control: Control, epoch_ended: bool, final: bool) -> bool:
+    """Whether to save at this step boundary: asked by a callback, or due by ``save_strategy``
+    (every ``save_every`` steps, at an epoch's end, at a new best, at the end); never twice at
+    one step (a flag asked for then is spent)."""
+    step = state.global_step
+    if state.last_save_step == step:
+        control.should_save = False
+        return False
+    every = config.save_every if config.save_strategy == "steps" else None
+    return (control.should_save or bool(every and step % every == 0)
+            or (config.save_strategy == "epoch" and epoch_ended)
+            or (config.save_strategy == "best" and state.best_step == step)
+            or (final and every is not None)
+            or (final and config.load_best_at_end and state.best_step == step))  # the best must be loadable
