@@ -39,11 +39,6 @@ from torch import nn
 from torch.utils.data import Dataset
 
 import lightlike as ll
-from lightlike.checkpoint.training import (
-    commit_pending_checkpoint,
-    load_training_checkpoint,
-    save_training_checkpoint,
-)
 
 
 class MLP(ll.TaskModule):
@@ -144,6 +139,11 @@ def settle() -> None:
     time.sleep(0.5)
 
 
+def configure(fitter: ll.Fitter, **settings) -> None:
+    """Change settings of the fit the checkpointer saves (it holds the fit's config)."""
+    fitter.config = fitter.checkpointer.config = fitter.config.replace(**settings)
+
+
 def bench_save(fitter: ll.Fitter, root: Path, repeats: int, each: bool) -> dict[str, list[float]]:
     """Times of the three saves, in rotating order. Each one's files are deleted as soon as it is
     timed, so that every save writes into memory the kernel has just freed: on this VM a write
@@ -159,19 +159,19 @@ def bench_save(fitter: ll.Fitter, root: Path, repeats: int, each: bool) -> dict[
             if kind == "ours":
                 fitter.state.global_step = 100 + i
                 t = time.perf_counter()
-                path = save_training_checkpoint(fitter)
+                path = fitter.checkpointer.save()
                 times["ours"].append(time.perf_counter() - t)
             elif kind == "async":
                 # the loop waits only for the files to be written; fsync, hashing, the
                 # manifest and the rename run in a thread while training would go on
-                fitter.config = fitter.config.replace(async_save=True)
+                configure(fitter, async_save=True)
                 fitter.state.global_step = 1000 + i
                 t = time.perf_counter()
-                save_training_checkpoint(fitter, wait=False)
+                fitter.checkpointer.save(wait=False)
                 times["async"].append(time.perf_counter() - t)
-                path = commit_pending_checkpoint(fitter)
+                path = fitter.checkpointer.commit()
                 times["committed"].append(time.perf_counter() - t)
-                fitter.config = fitter.config.replace(async_save=False)
+                configure(fitter, async_save=False)
             else:
                 path = root / f"raw-{i}"
                 written, durable = raw_save(fitter, path)
@@ -190,7 +190,7 @@ def bench_load(fitter: ll.Fitter, root: Path, repeats: int) -> dict[str, list[fl
     checksums verified (the default) and with sizes only; the raw load alone and after a CRC-32
     of each file by hand (the same verification, written plainly)."""
     fitter.state.global_step = 100
-    path = save_training_checkpoint(fitter)
+    path = fitter.checkpointer.save()
     raw = root / "raw"
     raw_save(fitter, raw)
     expected = {f.name: crc_by_hand(f) for f in raw.iterdir()}
@@ -203,12 +203,12 @@ def bench_load(fitter: ll.Fitter, root: Path, repeats: int) -> dict[str, list[fl
             for name in names[i % 4:] + names[:i % 4]:  # each goes first in turn
                 if from_disk:
                     drop_from_page_cache(path, raw)
-                fitter.config = fitter.config.replace(verify_hashes=name == "ours")
+                configure(fitter, verify_hashes=name == "ours")
                 t = time.perf_counter()
                 if name.startswith("raw"):
                     raw_load(fitter, raw, expected if name == "raw + crc" else None)
                 else:
-                    load_training_checkpoint(fitter, path)
+                    fitter.checkpointer.load(path)
                 times.setdefault(f"{name}, disk" if from_disk else name, []).append(time.perf_counter() - t)
     return times
 
@@ -257,7 +257,7 @@ def bench_time_to_first_step(args: argparse.Namespace) -> None:
             fitter.state.epoch_index = at * 4 // len(data)
             fitter.state.batches_in_epoch = (at * 4 % len(data)) // 4
             fitter.state.samples_in_epoch = at * 4 % len(data)
-            save_training_checkpoint(fitter)
+            fitter.checkpointer.save()
             times = []
             for _ in range(args.repeats):
                 clock = FirstStep()

@@ -4,7 +4,7 @@
    ``p.grad = None``), batches from a plain DataLoader.
 2. **hand, Fitter's objects**: the same loop, run from ``on_fit_start`` on the module, optimizer,
    scheduler and epoch iterator the Fitter built. Equal to (1): the objects cost nothing.
-3. **Fitter's step body**: the same outer loop calling the Fitter's own ``_training_step``
+3. **Fitter's step body**: the same outer loop calling the Fitter's own ``_accumulate_and_step``
    (batch to device, item counts, normaliser, contexts, checked module/loss calls, strategy
    backward/step/zero_grad, the pending loss).
 4. **Fitter**: ``Fitter.fit`` with its defaults (plus ``save_strategy="no"`` in 2 and 3, whose
@@ -13,7 +13,7 @@
 Per-step **CPU time of the main thread** (``time.thread_time``) is the figure: it leaves out
 the waits the wall clock of a shared machine adds. (3) - (1) is what the step body adds, (4) - (3)
 what the outer loop (callbacks, epoch position, log/eval/save checks, log steps) adds. This
-script reads private attributes of the Fitter (``_training_step``, ``_pending``): it is a
+script overrides private methods of the Fitter (``_train``, ``_accumulate_and_step``): it is a
 diagnosis of the loop, not an example.
 
     python benchmarks/overhead_parts.py --repeats 5
@@ -81,22 +81,27 @@ def hand(data, args):
     return drive(hand_body(model, optimizer), forever(epoch), scheduler, args)
 
 
-class Inside(ll.Callback):
-    """Runs a hand loop on the Fitter's objects from on_fit_start, then stops the fit."""
+class Inside:
+    """Runs a hand loop on the Fitter's objects in place of its training loop (``Fitter._train``)."""
 
     def __init__(self, args, fitters_body: bool):
         self.args, self.fitters_body, self.result = args, fitters_body, (0.0, 0.0)
 
-    def on_fit_start(self, fitter, state, control):
-        if self.fitters_body:
-            def body(batch):
-                fitter._training_step([batch], False)
-                fitter._pending.clear()  # read at log steps in a fit; nobody reads them here
-        else:
-            body = hand_body(fitter.model, fitter.optimizer)
-        batches = forever(fitter.train_data.epoch_iterator)
-        self.result = drive(body, batches, fitter.scheduler, self.args)
-        control.should_training_stop = True
+    def fitter(self, **kwargs):
+        inside = self
+
+        class Probe(ll.Fitter):
+            def _train(self, run):
+                if inside.fitters_body:
+                    def body(batch):
+                        self._accumulate_and_step(run, [batch], self.state.global_step + 1, False)
+                        run.losses.pending.clear()  # read at log steps in a fit; nobody reads them here
+                else:
+                    body = hand_body(run.model, run.optimizer)
+                batches = forever(run.train_data.epoch_iterator)
+                inside.result = drive(body, batches, run.scheduler, inside.args)
+
+        return Probe(**kwargs)
 
 
 def with_fitter(data, args, inside: Inside | None = None):
@@ -113,8 +118,10 @@ def with_fitter(data, args, inside: Inside | None = None):
 
     extra = {"save_strategy": "no"} if inside else {}
     with tempfile.TemporaryDirectory() as out:
-        ll.Fitter(max_steps=args.steps, batch_size=args.batch_size, learning_rate=1e-3, output_dir=out, seed=0,
-                  log_level="warning", callbacks=[inside or Clock()], **extra).fit(MLP(args.features, args.width), data)
+        kwargs = dict(max_steps=args.steps, batch_size=args.batch_size, learning_rate=1e-3, output_dir=out, seed=0,
+                      log_level="warning", **extra)
+        fitter = inside.fitter(**kwargs) if inside else ll.Fitter(callbacks=[Clock()], **kwargs)
+        fitter.fit(MLP(args.features, args.width), data)
     return inside.result if inside else clock["r"]
 
 
