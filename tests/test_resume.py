@@ -370,25 +370,39 @@ class Stream(torch.utils.data.IterableDataset):
         return (self.items[i] for i in range(len(self.items)))
 
 
-@pytest.mark.parametrize("workers", [0, 2])
-def test_an_iterable_dataset_resumes_mid_epoch_bit_identical(tmp_path, caplog, workers):
+class SizedStream(Stream):
+    """Stream with a ``__len__``: the epoch fraction is known (``train/epoch`` counts within it)."""
+
+    def __len__(self):
+        return len(self.items)
+
+
+@pytest.mark.parametrize("workers, stream", [(0, Stream), (2, Stream), (0, SizedStream)])
+def test_an_iterable_dataset_resumes_mid_epoch_bit_identical(tmp_path, caplog, workers, stream):
     """An IterableDataset cannot seek: a mid-epoch checkpoint is resumed by reading the epoch's
     batches up to it again (with a warning), and the run ends with the uninterrupted run's weights
-    (dropout's stream included), across an epoch boundary. Another num_workers is refused by name."""
+    (dropout's stream included) and its log history, ``train/epoch`` included (a sized stream's
+    epoch fraction counts from the epoch's start, not from the resume), across an epoch boundary.
+    Another num_workers is refused by name."""
     def go(out, stop=None, resume=None, num_workers=workers):
         torch.manual_seed(0)
         model = Dropout()
-        fitter = ll.Fitter(max_steps=14, batch_size=4, save_every=3, output_dir=str(out), loggers=[],
+        fitter = ll.Fitter(max_steps=14, batch_size=4, save_every=3, log_every=1, output_dir=str(out), loggers=[],
                            num_workers=num_workers, callbacks=[StopAt(stop)] if stop else [])
         with contextlib.suppress(KeyboardInterrupt):
-            fitter.fit(model, Stream(38), resume=resume)  # 10 batches an epoch, the last one short
-        return model
+            fitter.fit(model, stream(38), resume=resume)  # 10 batches an epoch, the last one short
+        return model, fitter.state.log_history
 
-    reference = go(tmp_path / "ref")
+    reference, ref_logs = go(tmp_path / "ref")
     go(tmp_path / "cut", stop=8)  # checkpoint-6: 6 batches into epoch 0
-    resumed = go(tmp_path / "cut", resume=True)
+    resumed, logs = go(tmp_path / "cut", resume=True)
     assert "reading the 6 batch(es) this process had taken of epoch 0 again" in caplog.text
     assert torch.equal(flat_params(resumed), flat_params(reference))
+    assert [h["step"] for h in logs if "train/loss" in h] == list(range(1, 15))
+    assert logs == ref_logs
+    if stream is SizedStream:  # the epoch as counted from its start: 10 batches an epoch
+        epochs = {h["step"]: h["train/epoch"] for h in logs if "train/epoch" in h}
+        assert [epochs[s] for s in (4, 7, 10, 11, 14)] == [0.4, 0.7, 1.0, 1.1, 1.4]
     go(tmp_path / "other", stop=8)
     with pytest.raises(ll.CheckpointError, match="'num_workers': 1"):
         go(tmp_path / "other", resume=True, num_workers=1)
