@@ -135,12 +135,20 @@ def test_custom_optimizer_keeps_the_restored_state_and_says_so(tmp_path, caplog)
             return torch.optim.SGD(self.parameters(), lr=config.learning_rate)
 
     cfg = dict(max_steps=4, batch_size=4, save_every=2, output_dir=str(tmp_path / "run"), loggers=[])
+    torch.manual_seed(0)
     killed_after(3, Custom, learning_rate=1e-2, **cfg)
     rec = Record()
     with caplog.at_level("WARNING", logger="lightlike"):
-        ll.Fitter(callbacks=[rec], learning_rate=1e-4, **cfg).fit(Custom(), DictDataset(n=40), resume=True)
+        resumed = ll.Fitter(callbacks=[rec], learning_rate=1e-4, **cfg)
+        resumed.fit(model := Custom(), DictDataset(n=40), resume=True)
     assert "restored optimizer and scheduler state wins" in caplog.text
     assert rec.steps[3][2] == [1e-2]
+    # the uninterrupted run at the restored rate: the same weights and optimizer state, bit for bit
+    torch.manual_seed(0)
+    reference = ll.Fitter(learning_rate=1e-2, **{**cfg, "output_dir": str(tmp_path / "ref")})
+    reference.fit(ref := Custom(), DictDataset(n=40))
+    assert torch.equal(flat_params(model), flat_params(ref))
+    assert resumed.optimizer.state_dict() == reference.optimizer.state_dict()
 
 
 def test_resume_auto_starts_fresh_then_resumes(tmp_path, caplog):
@@ -598,9 +606,31 @@ def test_an_optimizer_whose_load_hook_adapts_the_groups_still_resumes(tmp_path):
             return opt
 
     cfg = dict(batch_size=4, save_every=2, output_dir=str(tmp_path), loggers=[], log_level="warning")
+    torch.manual_seed(0)
     ll.Fitter(max_steps=2, **cfg).fit(Frozen(), DictDataset(n=16))
     freeze.append(True)
-    assert ll.Fitter(max_steps=4, **cfg).fit(Frozen(), DictDataset(n=16), resume=True).global_step == 4
+    resumed = ll.Fitter(max_steps=4, **cfg)
+    assert resumed.fit(model := Frozen(), DictDataset(n=16), resume=True).global_step == 4
+
+    class FreezeAfter2(ll.Callback):  # the uninterrupted run: net.0 frozen after step 2; AdamW skips
+        def on_step_end(self, fitter, state, control):  # parameters without a gradient, as if dropped
+            if state.global_step == 2:
+                fitter.module.net[0].requires_grad_(False)
+
+    freeze.clear()
+    torch.manual_seed(0)
+    reference = ll.Fitter(max_steps=4, callbacks=[FreezeAfter2()], **{**cfg, "output_dir": str(tmp_path / "ref")})
+    reference.fit(ref := Frozen(), DictDataset(n=16))
+    assert torch.equal(flat_params(model), flat_params(ref))
+    # the kept parameters' AdamW moments and step counts: the reference's, carried over by the hook
+    names = {id(p): n for n, p in model.named_parameters()}
+    ref_names = {id(p): n for n, p in ref.named_parameters()}
+    got = {names[id(p)]: s for p, s in resumed.optimizer.state.items()}
+    want = {ref_names[id(p)]: s for p, s in reference.optimizer.state.items() if not ref_names[id(p)].startswith("net.0")}
+    assert sorted(got) == sorted(want) == ["net.2.bias", "net.2.weight"]
+    for name in got:
+        assert sorted(got[name]) == sorted(want[name])
+        assert all(torch.equal(got[name][k], want[name][k]) for k in got[name]), name
 
 
 def test_a_persistent_worker_loader_resumes_on_the_uninterrupted_order(tmp_path):
