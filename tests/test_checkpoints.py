@@ -98,7 +98,7 @@ def test_sizes_only_mode_misses_same_size_bitflip(tmp_path):
     data[-5] ^= 0x01
     target.write_bytes(bytes(data))
     verify_checkpoint(ckpt, hashes=False)
-    with pytest.raises(ll.CheckpointError):
+    with pytest.raises(ll.CheckpointError, match=r"file optimizer.pt has changed contents \(\w+ mismatch"):
         verify_checkpoint(ckpt, hashes=True)
 
 
@@ -563,7 +563,7 @@ def test_preemption_with_save_only_model_resumes(tmp_path):
                 os.kill(os.getpid(), signal.SIGTERM)
 
     torch.manual_seed(0)
-    with pytest.raises(Preempted):
+    with pytest.raises(Preempted, match=r"preempted by SIGTERM; checkpoint \S+checkpoint-3; exit code 75"):
         ll.Fitter(max_steps=6, batch_size=4, save_every=100, save_only_model=True, output_dir=str(tmp_path / "run"),
                   loggers=[], callbacks=[Term()]).fit(Classifier(), DictDataset(n=40))
     assert verify_checkpoint(tmp_path / "run" / "checkpoint-3")["meta"]["kind"] == "full"
@@ -594,7 +594,7 @@ def test_preemption_at_a_weights_only_save_step_commits_twice_full_last(tmp_path
 
     probe = SignalAtStep3()
     torch.manual_seed(0)
-    with pytest.raises(Preempted):
+    with pytest.raises(Preempted, match=r"preempted by SIGTERM; checkpoint \S+checkpoint-3; exit code 75"):
         ll.Fitter(max_steps=6, batch_size=4, save_every=3, save_only_model=True, output_dir=str(tmp_path / "run"),
                   loggers=[], callbacks=[probe]).fit(Classifier(), DictDataset(n=40))
     assert probe.seen == [("checkpoint-3", "model"), ("checkpoint-3", "full")]

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 import typing
 from pathlib import Path
 
@@ -114,18 +115,25 @@ def test_ints_are_numbers_for_float_fields():
 
 @pytest.mark.parametrize(("kw", "ok"), [
     (dict(save_strategy="steps", save_every=2, eval_every=4), True),
-    (dict(save_strategy="steps", save_every=4, eval_every=2), False),
-    (dict(save_strategy="steps", save_every=2, eval_on_epoch_end=True), False),
+    (dict(save_strategy="steps", save_every=4, eval_every=2),
+     "load_best_at_end=True with save_strategy='steps': eval_every=2 is not a multiple of save_every=4"),
+    (dict(save_strategy="steps", save_every=2, eval_on_epoch_end=True),
+     "load_best_at_end=True with save_strategy='steps' and eval_on_epoch_end=True"),
     (dict(save_strategy="epoch", eval_on_epoch_end=True), True),
-    (dict(save_strategy="epoch", eval_on_epoch_end=True, eval_every=5), False),
-    (dict(save_strategy="epoch", eval_every=5), False),
+    (dict(save_strategy="epoch", eval_on_epoch_end=True, eval_every=5),
+     "load_best_at_end=True with save_strategy='epoch' saves at epoch ends only, but eval_on_epoch_end=True and "
+     "eval_every=5"),
+    (dict(save_strategy="epoch", eval_every=5),
+     "load_best_at_end=True with save_strategy='epoch' saves at epoch ends only, but eval_on_epoch_end=False and "
+     "eval_every=5"),
 ])
 def test_load_best_at_end_combinations(kw, ok):
+    """A refused combination is refused for the fields it names (ok: the error's start)."""
     kw = dict(load_best_at_end=True, metric_for_best="val/loss", **kw)
-    if ok:
+    if ok is True:
         FitConfig(**kw)
     else:
-        with pytest.raises(ConfigError):
+        with pytest.raises(ConfigError, match=re.escape(ok)):
             FitConfig(**kw)
 
 

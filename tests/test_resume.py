@@ -173,7 +173,7 @@ def test_resume_auto_sets_aside_a_run_that_never_saved(tmp_path):
     (out / "logs").mkdir(parents=True)
     (out / "logs" / "metrics.csv").write_text("step,train/loss\n1,0.5\n")
     (out / "checkpoint-2").mkdir()  # no manifest: an interrupted save or deletion
-    with pytest.raises(ll.OutputDirError):
+    with pytest.raises(ll.OutputDirError, match=r"already holds a run \(logs\); it holds no resumable checkpoint"):
         prepare_output_dir(out, overwrite=False)
     prepare_output_dir(out, overwrite=False, resume="auto")
     (aside,) = [p for p in out.iterdir()]
