@@ -158,16 +158,15 @@ def test_large_files_are_checksummed_in_parts_and_combined_exactly(tmp_path, mon
         a, b = data(la), data(lb)
         assert manifest.crc32_combine(zlib.crc32(a), zlib.crc32(b), lb) == zlib.crc32(a + b), (la, lb)
     calls = []
-    real_range = manifest._crc_range
-    monkeypatch.setattr(manifest, "_crc_range", lambda *a: calls.append(a[1:3]) or real_range(*a))
-    monkeypatch.setattr(manifest.os, "cpu_count", lambda: 8)
-    monkeypatch.setattr(manifest, "_PART_BYTES", 1000)
+    real_range = manifest.crc_range
+    monkeypatch.setattr(manifest, "crc_range", lambda *a: calls.append(a[1:3]) or real_range(*a))
     for size in (0, 999, 1000, 2001, 7777, 100_003):
         f = tmp_path / f"f{size}"
         f.write_bytes(data(size))
         calls.clear()
         for chunk in (64, 1 << 20):
-            assert manifest.file_hash(f, chunk=chunk) == f"{zlib.crc32(f.read_bytes()):08x}", (size, chunk)
+            got = manifest.file_hash(f, chunk=chunk, part_bytes=1000, max_parts=8)
+            assert got == f"{zlib.crc32(f.read_bytes()):08x}", (size, chunk)
         parts = min(8, size // 1000)
         assert len(calls) == (2 * parts if parts > 1 else 0), (size, calls)
         if parts > 1:  # the parts tile the file
@@ -193,9 +192,9 @@ def test_writer_checksums_files_as_it_writes_them(tmp_path, monkeypatch):
     optim_like = {"state": {i: {"exp_avg": torch.randn(300, 7)} for i in range(3)}, "param_groups": [{"lr": 0.1}]}
     optim_like["state"][1]["exp_avg_sq"] = torch.randn(1024, 520)  # over 2 MiB: checksummed by a helper
     overlapped = []
-    real_write = atomic._Checksummed.write
-    monkeypatch.setattr(atomic, "_OVERLAP_BYTES", 4096)  # the 8 KiB records too: helper and inline interleave
-    monkeypatch.setattr(atomic._Checksummed, "write", lambda self, data: overlapped.append(
+    real_write = atomic.Checksummed.write
+    monkeypatch.setattr(atomic, "OVERLAP_BYTES", 4096)  # the 8 KiB records too: helper and inline interleave
+    monkeypatch.setattr(atomic.Checksummed, "write", lambda self, data: overlapped.append(
         memoryview(data).nbytes >= 4096 and self.pool is not None) or real_write(self, data))
     with CheckpointWriter(tmp_path, 7) as w:
         w.save_torch("optimizer.pt", optim_like)

@@ -390,17 +390,20 @@ def test_config_comments(capsys):
     assert "# hidden units.\nwidth = 32\n" in out
 
 
-def test_a_checkpoint_error_offering_resume_names_the_flag(capsys, monkeypatch):
+def test_a_checkpoint_error_offering_resume_names_the_flag(capsys, tmp_path):
+    """A CheckpointError that offers resume='auto' (--resume on an output_dir without a checkpoint,
+    driven through the real command) names the flag, ``--resume auto``, after its message."""
     from lightlike import cli
-    from lightlike.errors import CheckpointError
 
-    def boom(cmd, argv):
-        raise CheckpointError("no checkpoint", offers=("resume='auto'",))
-
-    monkeypatch.setattr(cli, "_cmd_run", boom)
-    assert cli.main(["fit", "x"]) == 2
-    assert capsys.readouterr().err == ("lightlike fit: error: no checkpoint (on the command line: --resume auto, or "
-                                       "another --output_dir)\n")
+    out = tmp_path / "empty"
+    assert cli.main(["fit", TARGET, "--max_steps", "2", "--resume", "--output_dir", str(out), "--loggers", "[]",
+                     "--model_summary", "false", "--model.train_items", "32", "--model.val_items", "16"]) == 2
+    assert capsys.readouterr().err == (
+        f"lightlike fit: error: resume=True but {str(out)!r} holds no valid checkpoint to resume from (weights-only "
+        "ones, from save_only_model, cannot resume a run); start without resume, pass resume='auto' (resume if there "
+        "is a checkpoint, else start fresh), or pass resume='path/to/checkpoint-N' (on the command line: --resume "
+        "auto, or another --output_dir)\n")
+    assert not out.exists()
 
 
 def test_load_weights_of_an_export_folder_reads_it_directly(tmp_path):
