@@ -56,16 +56,19 @@ class Checksummed:
     pool (``pool``), a buffer of ``OVERLAP_BYTES`` or more is checksummed by a helper thread while
     this one writes it (both release the GIL), so the checksum costs no time when there is a core
     for it; either way the CRC is complete before ``write`` returns, while the caller still owns
-    the buffer. (``CheckpointWriter.save_torch`` writes through it; public so that a test can watch
-    its writes.)"""
+    the buffer. ``overlapped`` and ``inline`` count the writes checksummed each way.
+    (``CheckpointWriter.save_torch`` writes through it; public so that a test can watch it.)"""
 
     def __init__(self, fh: Any, pool: ThreadPoolExecutor | None = None) -> None:
         self.fh, self.crc, self.pool = fh, 0, pool
+        self.overlapped = self.inline = 0
 
     def write(self, data: Any) -> int:
         if self.pool is None or memoryview(data).nbytes < OVERLAP_BYTES:
+            self.inline += 1
             self.crc = zlib.crc32(data, self.crc)  # releases the GIL on large buffers
             return self.fh.write(data)
+        self.overlapped += 1
         crc = self.pool.submit(zlib.crc32, data, self.crc)
         try:
             return self.fh.write(data)
