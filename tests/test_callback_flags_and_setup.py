@@ -144,13 +144,13 @@ def test_on_exception_sees_set_up_errors_with_this_fits_callbacks_and_state(tmp_
             seen.append((type(error).__name__, state.global_step, state is fitter.state))
 
     fitter = _fitter(tmp_path, [Watch()], max_steps=3, overwrite_output_dir=True)
-    with pytest.raises(DataError):
+    with pytest.raises(DataError, match="the training data is empty"):
         fitter.fit(Classifier(), DictDataset(n=0))  # empty training data, on the first fit
     assert seen == [("DataError", 0, True)]
     fitter.fit(Classifier(), DictDataset(n=16))  # a fit that succeeds (3 steps)
     assert seen == [("DataError", 0, True)]
     seen.clear()
-    with pytest.raises(DataError):
+    with pytest.raises(DataError, match="the training data is empty"):
         fitter.fit(Classifier(), DictDataset(n=0))  # the same error again, after a fit of 3 steps
     with pytest.raises(ConfigError, match="eval_every is set but fit.. got no evaluation data"):
         _fitter(tmp_path, [Watch()], out="noval", max_steps=3, eval_every=2).fit(Classifier(), DictDataset(n=16))

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 import typing
 from pathlib import Path
 
@@ -114,18 +115,25 @@ def test_ints_are_numbers_for_float_fields():
 
 @pytest.mark.parametrize(("kw", "ok"), [
     (dict(save_strategy="steps", save_every=2, eval_every=4), True),
-    (dict(save_strategy="steps", save_every=4, eval_every=2), False),
-    (dict(save_strategy="steps", save_every=2, eval_on_epoch_end=True), False),
+    (dict(save_strategy="steps", save_every=4, eval_every=2),
+     "load_best_at_end=True with save_strategy='steps': eval_every=2 is not a multiple of save_every=4"),
+    (dict(save_strategy="steps", save_every=2, eval_on_epoch_end=True),
+     "load_best_at_end=True with save_strategy='steps' and eval_on_epoch_end=True"),
     (dict(save_strategy="epoch", eval_on_epoch_end=True), True),
-    (dict(save_strategy="epoch", eval_on_epoch_end=True, eval_every=5), False),
-    (dict(save_strategy="epoch", eval_every=5), False),
+    (dict(save_strategy="epoch", eval_on_epoch_end=True, eval_every=5),
+     "load_best_at_end=True with save_strategy='epoch' saves at epoch ends only, but eval_on_epoch_end=True and "
+     "eval_every=5"),
+    (dict(save_strategy="epoch", eval_every=5),
+     "load_best_at_end=True with save_strategy='epoch' saves at epoch ends only, but eval_on_epoch_end=False and "
+     "eval_every=5"),
 ])
 def test_load_best_at_end_combinations(kw, ok):
+    """A refused combination is refused for the fields it names (ok: the error's start)."""
     kw = dict(load_best_at_end=True, metric_for_best="val/loss", **kw)
-    if ok:
+    if ok is True:
         FitConfig(**kw)
     else:
-        with pytest.raises(ConfigError):
+        with pytest.raises(ConfigError, match=re.escape(ok)):
             FitConfig(**kw)
 
 
@@ -382,17 +390,20 @@ def test_config_comments(capsys):
     assert "# hidden units.\nwidth = 32\n" in out
 
 
-def test_a_checkpoint_error_offering_resume_names_the_flag(capsys, monkeypatch):
+def test_a_checkpoint_error_offering_resume_names_the_flag(capsys, tmp_path):
+    """A CheckpointError that offers resume='auto' (--resume on an output_dir without a checkpoint,
+    driven through the real command) names the flag, ``--resume auto``, after its message."""
     from lightlike import cli
-    from lightlike.errors import CheckpointError
 
-    def boom(cmd, argv):
-        raise CheckpointError("no checkpoint", offers=("resume='auto'",))
-
-    monkeypatch.setattr(cli, "_cmd_run", boom)
-    assert cli.main(["fit", "x"]) == 2
-    assert capsys.readouterr().err == ("lightlike fit: error: no checkpoint (on the command line: --resume auto, or "
-                                       "another --output_dir)\n")
+    out = tmp_path / "empty"
+    assert cli.main(["fit", TARGET, "--max_steps", "2", "--resume", "--output_dir", str(out), "--loggers", "[]",
+                     "--model_summary", "false", "--model.train_items", "32", "--model.val_items", "16"]) == 2
+    assert capsys.readouterr().err == (
+        f"lightlike fit: error: resume=True but {str(out)!r} holds no valid checkpoint to resume from (weights-only "
+        "ones, from save_only_model, cannot resume a run); start without resume, pass resume='auto' (resume if there "
+        "is a checkpoint, else start fresh), or pass resume='path/to/checkpoint-N' (on the command line: --resume "
+        "auto, or another --output_dir)\n")
+    assert not out.exists()
 
 
 def test_load_weights_of_an_export_folder_reads_it_directly(tmp_path):

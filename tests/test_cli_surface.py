@@ -196,9 +196,34 @@ def test_seed_out_of_range(capsys, tmp_path, seed):
 
 @pytest.mark.parametrize("seed", [2**63 - 1, -(2**63)])
 def test_seed_at_the_limits_trains_two_epochs(capsys, tmp_path, seed):
-    code, _, err = run_cli(capsys, "fit", TARGET, "--max_epochs", "2", f"--seed={seed}", "--output_dir",
-                           str(tmp_path / "o"), *SMALL)
+    """The seed is taken as given at either limit: two whole epochs of 32 items, and the weights,
+    loss and steps of the same fit through the Python API with that seed, whose module starts from
+    ``torch.manual_seed(seed)``'s weights."""
+    import math
+
+    import torch
+    from safetensors.torch import load_file
+
+    from examples.cli_module import Classifier
+
+    code, out, err = run_cli(capsys, "fit", TARGET, "--max_epochs", "2", f"--seed={seed}", "--save_every", "4",
+                             "--output_dir", str(tmp_path / "o"), *SMALL)
     assert code == 0, err
+    printed = json.loads(out.strip().splitlines()[-1])
+    fitter = ll.Fitter(max_epochs=2, seed=seed, loggers=[], model_summary=False, output_dir=str(tmp_path / "api"))
+    with fitter.init_module():
+        module = Classifier(train_items=32, val_items=16)
+    initial = module.net[0].weight.detach().clone()
+    result = fitter.fit(module, module.train_data(), module.val_data())
+    assert printed["global_step"] == result.global_step == 2 * math.ceil(32 / ll.FitConfig().batch_size)
+    assert result.state.epoch == 2.0
+    assert printed["training_loss"] == result.training_loss
+    assert printed["last_checkpoint"] == str(tmp_path / "o" / "checkpoint-8")
+    saved = load_file(str(Path(printed["last_checkpoint"]) / "model.safetensors"))
+    want = module.state_dict()
+    assert sorted(saved) == sorted(want) and all(torch.equal(saved[k], want[k]) for k in want)
+    torch.manual_seed(seed)  # the module was built from torch's stream for that seed, as given
+    assert torch.equal(Classifier(train_items=32, val_items=16).net[0].weight, initial)
 
 
 # -- 7: export names a missing path and a run's output_dir ---------------------------------------

@@ -11,7 +11,7 @@ import pytest
 import torch
 from helpers import DictDataset
 from test_ddp import launch
-from test_evaluation import Tagger, VarLen
+from test_evaluation import Tagger, TokenMetricTagger, VarLen, token_reference
 
 SCRIPT = Path(__file__).parent / "scripts" / "eval_target.py"
 
@@ -39,7 +39,9 @@ def references():
     with torch.no_grad():
         for i, (x, y) in enumerate(VarLen(9).items):
             tagged[i, :len(y)], tags[i, :len(y)] = tagger.net(x).argmax(-1), y
-    return classify, tagged, tags
+    torch.manual_seed(0)
+    token_accuracy, token_loss = token_reference(TokenMetricTagger(), VarLen(9))
+    return classify, tagged, tags, token_accuracy, token_loss
 
 
 @pytest.mark.parametrize("nproc", [2, 3])
@@ -47,7 +49,7 @@ def test_eval_and_data_on_several_processes(tmp_path, nproc):
     p = launch(nproc, tmp_path, script=SCRIPT, timeout=240)
     assert p.returncode == 0, p.stderr[-3000:]
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(nproc)]
-    classify, tagged, tags = references()
+    classify, tagged, tags, token_accuracy, token_loss = references()
     for r, res in enumerate(results):
         pred, y, acc = classify(1)
         assert res["tiny_val"]["val/accuracy"] == pytest.approx(acc, abs=1e-12)
@@ -65,6 +67,10 @@ def test_eval_and_data_on_several_processes(tmp_path, nproc):
         assert predictions == tagged.tolist() and labels == tags.tolist()
         real = tags != -100
         assert metrics["predict/token_accuracy"] == pytest.approx((tagged[real] == tags[real]).double().mean().item())
+        # metrics() values weighted by num_items (the batch's real tokens) across ranks: the whole set's
+        assert res["token_metric"]["val/token_acc"] == pytest.approx(token_accuracy, abs=1e-12)
+        assert res["token_metric"]["val/token_accuracy"] == pytest.approx(token_accuracy, abs=1e-12)
+        assert res["token_metric"]["val/loss"] == pytest.approx(token_loss, rel=1e-6)
     # training on a plain DataLoader: rank r takes items r, r + W, ... (8 items; the tail that
     # does not split evenly is left out)
     pred, _, _ = classify(7)

@@ -66,6 +66,17 @@ def footprint(out, rank, when="step"):
     return json.loads((out / name).read_text())
 
 
+def moved_share(got, ref, width):
+    """How far ``got`` is from ``ref`` as a share of how far training moved ``ref`` from the
+    script's initial weights (``torch.manual_seed(0); Classifier(width=width)``): untrained weights
+    score 1. Also the largest element move, to show the initial weights are the run's."""
+    torch.manual_seed(0)
+    init = Classifier(width=width).state_dict()
+    moved = torch.cat([(ref[k].float() - init[k]).reshape(-1) for k in ref])
+    err = torch.cat([(got[k].float() - ref[k].float()).reshape(-1) for k in ref])
+    return (err.norm() / moved.norm()).item(), moved.abs().max().item()
+
+
 def assert_close(a, b, tol=TOL):
     assert sorted(a) == sorted(b)
     for k in a:
@@ -302,6 +313,9 @@ def test_bf16_mixed_with_each_stage(runs, tmp_path):
         got = weights(out)
         assert all(torch.equal(got[k], weights(out, 1)[k]) for k in got), "ranks disagree"
         assert_close(got, weights(ref), tol=0.05)
+        share, largest = moved_share(got, weights(ref), 256)
+        assert 0 < largest < 0.2  # 7 AdamW steps from the initial weights computed here
+        assert 0 < share < 0.05, (stage, share)  # observed 0.0086 on each stage; untrained weights: 1
         first[stage] = log_rows(out)[0]["train/loss"]
     fp32 = log_rows(ref)[0]["train/loss"]
     assert first[1] == first[2] == first[3] != fp32

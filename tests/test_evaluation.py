@@ -349,6 +349,49 @@ def test_variable_length_predictions_are_padded(tmp_path):
     assert torch.equal(model.seen[-1][0], want_pred)
 
 
+class TokenMetricTagger(Tagger):
+    """A per-batch token accuracy among ``metrics()``: the mean over the batch's real tokens,
+    with ``num_items`` their number, so the whole-set value weights each batch by its tokens."""
+
+    def metrics(self, outputs, batch):
+        real = batch["labels"] != -100
+        return {"token_acc": (outputs.argmax(-1)[real] == batch["labels"][real]).double().mean()}
+
+
+def token_reference(model, data):
+    """(whole-set token accuracy, whole-set mean token cross-entropy), by hand, token by token."""
+    correct = total = 0
+    loss = 0.0
+    with torch.no_grad():
+        for x, y in data.items:
+            out = model.net(x)
+            correct, total = correct + (out.argmax(-1) == y).sum().item(), total + len(y)
+            loss += nn.functional.cross_entropy(out.double(), y, reduction="sum").item()
+    return correct / total, loss / total
+
+
+@pytest.mark.parametrize("eval_batch_size", [2, 3])
+def test_a_metric_is_weighted_by_num_items_not_by_rows(tmp_path, eval_batch_size):
+    """A metric other than the loss is reduced as the loss is: each batch's mean weighted by its
+    ``num_items`` (here its real, unpadded tokens), divided once by the set's tokens. Per-row or
+    per-batch weights give another value on these batches (1-4 real tokens per row)."""
+    torch.manual_seed(0)
+    model, data = TokenMetricTagger(), VarLen(9)
+    loader = torch.utils.data.DataLoader(data, batch_size=eval_batch_size, collate_fn=pad_collate)
+    metrics = ll.Fitter(max_steps=1, output_dir=str(tmp_path), loggers=[]).validate(model, loader)
+    accuracy, loss = token_reference(model, data)
+    # the reference differs from the per-batch and per-row means here, so the check can tell them apart
+    batches = [pad_collate(data.items[s:s + eval_batch_size]) for s in range(0, 9, eval_batch_size)]
+    with torch.no_grad():
+        per_batch = [model.metrics(model(b), b)["token_acc"].item() for b in batches]
+    rows = [len(b["labels"]) for b in batches]
+    assert abs(sum(per_batch) / len(per_batch) - accuracy) > 1e-3
+    assert abs(sum(a * r for a, r in zip(per_batch, rows, strict=True)) / 9 - accuracy) > 1e-3
+    assert metrics["val/token_acc"] == pytest.approx(accuracy, abs=1e-12)
+    assert metrics["val/token_accuracy"] == pytest.approx(accuracy, abs=1e-12)  # compute_metrics, whole set
+    assert metrics["val/loss"] == pytest.approx(loss, rel=1e-6)
+
+
 def test_predict_on_tuple_batches_still_reports_metrics(tmp_path):
     """The default labels() reads mapping batches only; a tuple batch counts as labelled, so
     predict computes the loss and metrics as validate does."""

@@ -8,9 +8,14 @@ from lightlike.loggers import CSVLogger, build_loggers
 from lightlike.loggers.csv import read_csv_metrics
 
 
-@pytest.mark.parametrize("spec", [["cvs"], ["csv", "csv"], {"csv": 1}, [3]])
-def test_an_invalid_spec_fails_on_other_ranks_too(tmp_path, spec):
-    with pytest.raises(ConfigError):
+@pytest.mark.parametrize("spec, match", [
+    (["cvs"], r"unknown logger 'cvs' \(did you mean 'csv'\?\)"),
+    (["csv", "csv"], "logger 'csv' is listed twice"),
+    ({"csv": 1}, r"loggers must be 'auto', a list of names .* got \{'csv': 1\}"),
+    ([3], "loggers entries must be names .* got int"),
+])
+def test_an_invalid_spec_fails_on_other_ranks_too(tmp_path, spec, match):
+    with pytest.raises(ConfigError, match=match):
         build_loggers(spec, tmp_path, enabled=False)
     assert not (tmp_path / "logs").exists()
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from helpers import Classifier, DictDataset, flat_grads
@@ -41,12 +43,17 @@ def test_each_precision_trains_on_cpu(tmp_path, name, param_dtype, compute_dtype
                        ).fit(model, DictDataset(n=48), DictDataset(n=16, seed=3))
     assert DtypeProbe.seen[0] == (param_dtype, compute_dtype)
     assert result.global_step == 6
-    assert result.metrics["val/loss"] == result.metrics["val/loss"]  # not NaN
+    assert math.isfinite(result.metrics["val/loss"])  # not NaN, not inf
     changed = [not torch.equal(b, p.detach().float()) for b, p in zip(before, model.parameters(), strict=True)]
     assert all(changed), "every parameter should have been updated"
 
 
 def test_mixed_close_to_fp32(tmp_path):
+    """The mixed-precision runs end near the fp32 run, measured against how far training moved the
+    weights (untrained weights are off by all of it): bf16-mixed within 0.2 of it (about 0.08 on
+    this model: Adam's normalised steps turn bf16's rounding of small gradients into moves of up to
+    2 * learning_rate per step, so an element-wise bound sat at 0.0199 of its 0.02), 16-mixed's
+    finer rounding within 0.005 (about 0.0005), and each differs from fp32 (the precision applied)."""
     def run(precision):
         torch.manual_seed(0)
         m = Classifier()
@@ -54,9 +61,16 @@ def test_mixed_close_to_fp32(tmp_path):
                   output_dir=str(tmp_path / precision), loggers=[], model_summary=False).fit(m, DictDataset(n=40))
         return torch.cat([p.detach().reshape(-1) for p in m.parameters()])
 
+    torch.manual_seed(0)
+    initial = torch.cat([p.detach().reshape(-1) for p in Classifier().parameters()])
     ref = run("32-true")
-    torch.testing.assert_close(run("bf16-mixed"), ref, rtol=0, atol=2e-2)
-    torch.testing.assert_close(run("16-mixed"), ref, rtol=0, atol=5e-3)
+    moved = (ref - initial).norm()
+    assert moved > 0.1
+    for precision, share, atol in (("bf16-mixed", 0.2, None), ("16-mixed", 0.005, 5e-3)):
+        got = run(precision)
+        assert 0 < (got - ref).norm() < share * moved, precision
+        if atol is not None:
+            torch.testing.assert_close(got, ref, rtol=0, atol=atol)
 
 
 def test_fp16_overflow_skips_step_and_not_scheduler(tmp_path):

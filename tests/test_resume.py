@@ -132,12 +132,20 @@ def test_custom_optimizer_keeps_the_restored_state_and_says_so(tmp_path, caplog)
             return torch.optim.SGD(self.parameters(), lr=config.learning_rate)
 
     cfg = dict(max_steps=4, batch_size=4, save_every=2, output_dir=str(tmp_path / "run"), loggers=[])
+    torch.manual_seed(0)
     killed_after(3, Custom, learning_rate=1e-2, **cfg)
     rec = Record()
     with caplog.at_level("WARNING", logger="lightlike"):
-        ll.Fitter(callbacks=[rec], learning_rate=1e-4, **cfg).fit(Custom(), DictDataset(n=40), resume=True)
+        resumed = ll.Fitter(callbacks=[rec], learning_rate=1e-4, **cfg)
+        resumed.fit(model := Custom(), DictDataset(n=40), resume=True)
     assert "restored optimizer and scheduler state wins" in caplog.text
     assert rec.steps[3][2] == [1e-2]
+    # the uninterrupted run at the restored rate: the same weights and optimizer state, bit for bit
+    torch.manual_seed(0)
+    reference = ll.Fitter(learning_rate=1e-2, **{**cfg, "output_dir": str(tmp_path / "ref")})
+    reference.fit(ref := Custom(), DictDataset(n=40))
+    assert torch.equal(flat_params(model), flat_params(ref))
+    assert resumed.optimizer.state_dict() == reference.optimizer.state_dict()
 
 
 def test_resume_auto_starts_fresh_then_resumes(tmp_path, caplog):
@@ -162,7 +170,7 @@ def test_resume_auto_sets_aside_a_run_that_never_saved(tmp_path):
     (out / "logs").mkdir(parents=True)
     (out / "logs" / "metrics.csv").write_text("step,train/loss\n1,0.5\n")
     (out / "checkpoint-2").mkdir()  # no manifest: an interrupted save or deletion
-    with pytest.raises(ll.OutputDirError):
+    with pytest.raises(ll.OutputDirError, match=r"already holds a run \(logs\); it holds no resumable checkpoint"):
         prepare_output_dir(out, overwrite=False)
     prepare_output_dir(out, overwrite=False, resume="auto")
     (aside,) = [p for p in out.iterdir()]
@@ -326,25 +334,39 @@ class Stream(torch.utils.data.IterableDataset):
         return (self.items[i] for i in range(len(self.items)))
 
 
-@pytest.mark.parametrize("workers", [0, 2])
-def test_an_iterable_dataset_resumes_mid_epoch_bit_identical(tmp_path, caplog, workers):
+class SizedStream(Stream):
+    """Stream with a ``__len__``: the epoch fraction is known (``train/epoch`` counts within it)."""
+
+    def __len__(self):
+        return len(self.items)
+
+
+@pytest.mark.parametrize("workers, stream", [(0, Stream), (2, Stream), (0, SizedStream)])
+def test_an_iterable_dataset_resumes_mid_epoch_bit_identical(tmp_path, caplog, workers, stream):
     """An IterableDataset cannot seek: a mid-epoch checkpoint is resumed by reading the epoch's
     batches up to it again (with a warning), and the run ends with the uninterrupted run's weights
-    (dropout's stream included), across an epoch boundary. Another num_workers is refused by name."""
+    (dropout's stream included) and its log history, ``train/epoch`` included (a sized stream's
+    epoch fraction counts from the epoch's start, not from the resume), across an epoch boundary.
+    Another num_workers is refused by name."""
     def go(out, stop=None, resume=None, num_workers=workers):
         torch.manual_seed(0)
         model = Dropout()
-        fitter = ll.Fitter(max_steps=14, batch_size=4, save_every=3, output_dir=str(out), loggers=[],
+        fitter = ll.Fitter(max_steps=14, batch_size=4, save_every=3, log_every=1, output_dir=str(out), loggers=[],
                            num_workers=num_workers, callbacks=[StopAt(stop)] if stop else [])
         with contextlib.suppress(KeyboardInterrupt):
-            fitter.fit(model, Stream(38), resume=resume)  # 10 batches an epoch, the last one short
-        return model
+            fitter.fit(model, stream(38), resume=resume)  # 10 batches an epoch, the last one short
+        return model, fitter.state.log_history
 
-    reference = go(tmp_path / "ref")
+    reference, ref_logs = go(tmp_path / "ref")
     go(tmp_path / "cut", stop=8)  # checkpoint-6: 6 batches into epoch 0
-    resumed = go(tmp_path / "cut", resume=True)
+    resumed, logs = go(tmp_path / "cut", resume=True)
     assert "reading the 6 batch(es) this process had taken of epoch 0 again" in caplog.text
     assert torch.equal(flat_params(resumed), flat_params(reference))
+    assert [h["step"] for h in logs if "train/loss" in h] == list(range(1, 15))
+    assert logs == ref_logs
+    if stream is SizedStream:  # the epoch as counted from its start: 10 batches an epoch
+        epochs = {h["step"]: h["train/epoch"] for h in logs if "train/epoch" in h}
+        assert [epochs[s] for s in (4, 7, 10, 11, 14)] == [0.4, 0.7, 1.0, 1.1, 1.4]
     go(tmp_path / "other", stop=8)
     with pytest.raises(ll.CheckpointError, match="'num_workers': 1"):
         go(tmp_path / "other", resume=True, num_workers=1)
@@ -540,9 +562,31 @@ def test_an_optimizer_whose_load_hook_adapts_the_groups_still_resumes(tmp_path):
             return opt
 
     cfg = dict(batch_size=4, save_every=2, output_dir=str(tmp_path), loggers=[], log_level="warning")
+    torch.manual_seed(0)
     ll.Fitter(max_steps=2, **cfg).fit(Frozen(), DictDataset(n=16))
     freeze.append(True)
-    assert ll.Fitter(max_steps=4, **cfg).fit(Frozen(), DictDataset(n=16), resume=True).global_step == 4
+    resumed = ll.Fitter(max_steps=4, **cfg)
+    assert resumed.fit(model := Frozen(), DictDataset(n=16), resume=True).global_step == 4
+
+    class FreezeAfter2(ll.Callback):  # the uninterrupted run: net.0 frozen after step 2; AdamW skips
+        def on_step_end(self, fitter, state, control):  # parameters without a gradient, as if dropped
+            if state.global_step == 2:
+                fitter.module.net[0].requires_grad_(False)
+
+    freeze.clear()
+    torch.manual_seed(0)
+    reference = ll.Fitter(max_steps=4, callbacks=[FreezeAfter2()], **{**cfg, "output_dir": str(tmp_path / "ref")})
+    reference.fit(ref := Frozen(), DictDataset(n=16))
+    assert torch.equal(flat_params(model), flat_params(ref))
+    # the kept parameters' AdamW moments and step counts: the reference's, carried over by the hook
+    names = {id(p): n for n, p in model.named_parameters()}
+    ref_names = {id(p): n for n, p in ref.named_parameters()}
+    got = {names[id(p)]: s for p, s in resumed.optimizer.state.items()}
+    want = {ref_names[id(p)]: s for p, s in reference.optimizer.state.items() if not ref_names[id(p)].startswith("net.0")}
+    assert sorted(got) == sorted(want) == ["net.2.bias", "net.2.weight"]
+    for name in got:
+        assert sorted(got[name]) == sorted(want[name])
+        assert all(torch.equal(got[name][k], want[name][k]) for k in got[name]), name
 
 
 def test_a_persistent_worker_loader_resumes_on_the_uninterrupted_order(tmp_path):

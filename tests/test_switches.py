@@ -171,7 +171,7 @@ def test_a_preemption_signal_before_an_out_of_memory_retry_is_kept(tmp_path):
 
     fitter = ll.Fitter(max_steps=6, batch_size=8, auto_find_batch_size=True, save_every=100, requeue_on_preemption=False,
                        output_dir=str(tmp_path), loggers=[])
-    with pytest.raises(Preempted):
+    with pytest.raises(Preempted, match=r"preempted by SIGTERM; checkpoint \S+checkpoint-1; exit code 75"):
         fitter.fit(SignalThenOOM(limit=4), DictDataset(n=48))
     assert fitter.state.global_step == 1 and (tmp_path / "checkpoint-1").is_dir()
 

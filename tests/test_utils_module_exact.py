@@ -450,7 +450,7 @@ def test_a_signal_between_trials_stops_the_search_before_the_next_fit(tmp_path):
         return built[-1]
 
     before = signal.getsignal(signal.SIGTERM)
-    with pytest.raises(Preempted):
+    with pytest.raises(Preempted, match=r"preempted by SIGTERM; .*exit code 75"):
         _search_fitter(tmp_path / "s").search(factory, {"width": [4]}, 3, train=DictDataset(8),
                                               val=DictDataset(4, seed=1))
     assert len(built) == 2 and built[0].forwards > 0 and built[1].forwards == 0

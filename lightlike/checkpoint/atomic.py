@@ -51,19 +51,24 @@ def _fsync_path(path: Path) -> None:
         os.close(fd)
 
 
-class _Checksummed:
+class Checksummed:
     """A write-only file that keeps the CRC-32 of everything written through it. With a thread
-    pool, a large buffer is checksummed by a helper thread while this one writes it (both release
-    the GIL), so the checksum costs no time when there is a core for it; either way the CRC is
-    complete before ``write`` returns, while the caller still owns the buffer."""
+    pool (``pool``), a buffer of ``OVERLAP_BYTES`` or more is checksummed by a helper thread while
+    this one writes it (both release the GIL), so the checksum costs no time when there is a core
+    for it; either way the CRC is complete before ``write`` returns, while the caller still owns
+    the buffer. ``overlapped`` and ``inline`` count the writes checksummed each way.
+    (``CheckpointWriter.save_torch`` writes through it; public so that a test can watch it.)"""
 
     def __init__(self, fh: Any, pool: ThreadPoolExecutor | None = None) -> None:
         self.fh, self.crc, self.pool = fh, 0, pool
+        self.overlapped = self.inline = 0
 
     def write(self, data: Any) -> int:
-        if self.pool is None or memoryview(data).nbytes < _OVERLAP_BYTES:
+        if self.pool is None or memoryview(data).nbytes < OVERLAP_BYTES:
+            self.inline += 1
             self.crc = zlib.crc32(data, self.crc)  # releases the GIL on large buffers
             return self.fh.write(data)
+        self.overlapped += 1
         crc = self.pool.submit(zlib.crc32, data, self.crc)
         try:
             return self.fh.write(data)
@@ -74,7 +79,7 @@ class _Checksummed:
         self.fh.flush()
 
 
-_OVERLAP_BYTES = 1 << 20  # smaller writes (zip headers, pickle data) are checksummed inline
+OVERLAP_BYTES = 1 << 20  # smaller writes (zip headers, pickle data) are checksummed inline
 
 
 def _fsynced(path: Path, digest: str | None) -> str:
@@ -129,7 +134,7 @@ class CheckpointWriter:
     def save_torch(self, rel: str, obj: Any) -> None:
         path = self.path_for(rel)
         with open(path, "wb") as fh:
-            sink = _Checksummed(fh, self._pool)
+            sink = Checksummed(fh, self._pool)
             with _zip_crc_off():
                 torch.save(obj, sink)  # type: ignore[arg-type]  # write() and flush() are all it uses
         self._written(rel, path, f"{sink.crc:08x}")

@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader, IterableDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from helpers import Classifier, DictDataset  # noqa: E402
-from test_evaluation import Tagger, VarLen, pad_collate  # noqa: E402
+from test_evaluation import Tagger, TokenMetricTagger, VarLen, pad_collate  # noqa: E402
 
 import lightlike as ll  # noqa: E402
 
@@ -127,6 +127,9 @@ def main() -> None:
     tagger = Tagger()
     tagged = fitter.predict(tagger, DataLoader(VarLen(9), batch_size=2, collate_fn=pad_collate))
     res["varlen"] = [tagged.predictions.tolist(), tagged.labels.tolist(), tagged.metrics]
+    # a per-token metric in metrics(), weighted by num_items (real tokens) over the ranks' batches
+    torch.manual_seed(0)
+    res["token_metric"] = fitter.validate(TokenMetricTagger(), DataLoader(VarLen(9), batch_size=2, collate_fn=pad_collate))
     # training on a plain DataLoader: each rank its own share
     fitter.fit(model, DataLoader(Indexed(n=8, dtype=torch.float64), batch_size=2))
     res["trained"] = Module.trained
