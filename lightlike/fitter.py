@@ -141,7 +141,7 @@ class Fitter:
         resumed = FitState.saved_in(resume_from) if resume_from is not None else None
         max_steps, epoch_limit = train_data.step_budget(cfg.max_steps, cfg.max_epochs, accum, resumed)
 
-        module.gradient_checkpointing = cfg.gradient_checkpointing
+        module.gradient_checkpointing_enable() if cfg.gradient_checkpointing else module.gradient_checkpointing_disable()
         self.module = module
         module.zero_grad(set_to_none=True)  # gradients left by an earlier fit that failed, or by the user
         model = strategy.setup_module(module)
