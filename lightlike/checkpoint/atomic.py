@@ -43,7 +43,7 @@ from lightlike.errors import CheckpointError
 log = logging.getLogger("lightlike")
 
 
-def _fsync_path(path: Path) -> None:
+def fsync_path(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -79,7 +79,7 @@ _OVERLAP_BYTES = 1 << 20  # smaller writes (zip headers, pickle data) are checks
 
 def _fsynced(path: Path, digest: str | None) -> str:
     """fsync a written file; its checksum, read back when not known from the write."""
-    _fsync_path(path)
+    fsync_path(path)
     return digest if digest is not None else file_hash(path)
 
 
@@ -181,12 +181,12 @@ class CheckpointWriter:
         known = {rel: self._done[rel].result() for rel in rels if rel in self._done}
         others = [f for f, rel in zip(paths, rels, strict=True) if rel not in known]  # written by libraries
         for f in others:
-            _fsync_path(f)
+            fsync_path(f)
         digests = dict(zip([rel for rel in rels if rel not in known], hash_files(others), strict=True))
         digests.update(known)
         files = {rel: {"size": f.stat().st_size, CHECKSUM: digests[rel]} for f, rel in zip(paths, rels, strict=True)}
         for d in sorted({f.parent for f in self.tmp.rglob("*")} | {self.tmp}, key=lambda p: len(p.parts), reverse=True):
-            _fsync_path(d)
+            fsync_path(d)
         manifest = {"format": FORMAT, "version": VERSION, "step": self.step, "files": files, "meta": self.meta,
                     "created": datetime.datetime.now(datetime.timezone.utc).isoformat()}
         mpath = self.tmp / MANIFEST
@@ -194,7 +194,7 @@ class CheckpointWriter:
             json.dump(manifest, fh, indent=2, sort_keys=True)
             fh.flush()
             os.fsync(fh.fileno())
-        _fsync_path(self.tmp)
+        fsync_path(self.tmp)
 
     def _publish(self) -> None:
         trash, swapped = None, False
@@ -216,7 +216,7 @@ class CheckpointWriter:
                 os.rename(self.final_path, trash)
         if not swapped:
             os.rename(self.tmp, self.final_path)
-        _fsync_path(self.output_dir)
+        fsync_path(self.output_dir)
         if trash is not None:
             shutil.rmtree(trash, ignore_errors=True)
 

@@ -29,7 +29,7 @@ from lightlike.errors import CheckpointError
 MANIFEST = "manifest.json"
 FORMAT = "lightlike-checkpoint"
 VERSION = 1  # of the manifest's layout: a newer one is refused by name, not misread
-_NAME = re.compile(r"^checkpoint-(\d+)$")
+CHECKPOINT_DIR_NAME = re.compile(r"^checkpoint-(\d+)$")
 log = logging.getLogger("lightlike")
 
 
@@ -128,7 +128,7 @@ def hash_files(paths: list[Path], algorithms: list[str] | None = None) -> list[s
 
 
 def checkpoint_step(path: str | Path) -> int:
-    m = _NAME.match(Path(path).name)
+    m = CHECKPOINT_DIR_NAME.match(Path(path).name)
     if not m:
         raise CheckpointError(f"{path} is not named checkpoint-<step>")
     return int(m.group(1))
@@ -136,7 +136,7 @@ def checkpoint_step(path: str | Path) -> int:
 
 def is_checkpoint_dir(path: str | Path) -> bool:
     p = Path(path)
-    return p.is_dir() and _NAME.match(p.name) is not None and (p / MANIFEST).is_file()
+    return p.is_dir() and CHECKPOINT_DIR_NAME.match(p.name) is not None and (p / MANIFEST).is_file()
 
 
 def verify_checkpoint(path: str | Path, hashes: bool = True) -> dict[str, Any]:
@@ -207,7 +207,7 @@ def find_latest_valid(output_dir: str | Path, hashes: bool = True, resumable: bo
     """The newest checkpoint that verifies; newer broken ones are skipped with a warning.
     ``resumable``: skip weights-only checkpoints (``save_only_model``), which cannot resume a run."""
     out = Path(output_dir)
-    candidates = [p for p in (out.iterdir() if out.is_dir() else []) if p.is_dir() and _NAME.match(p.name)]
+    candidates = [p for p in (out.iterdir() if out.is_dir() else []) if p.is_dir() and CHECKPOINT_DIR_NAME.match(p.name)]
     for p in sorted(candidates, key=checkpoint_step, reverse=True):
         try:
             manifest = verify_checkpoint(p, hashes=hashes)

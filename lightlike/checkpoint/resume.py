@@ -26,8 +26,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from lightlike.checkpoint.atomic import _fsync_path, cleanup_stale_temps
-from lightlike.checkpoint.manifest import _NAME, MANIFEST, checkpoint_step, find_latest_valid
+from lightlike.checkpoint.atomic import cleanup_stale_temps, fsync_path
+from lightlike.checkpoint.manifest import CHECKPOINT_DIR_NAME, MANIFEST, checkpoint_step, find_latest_valid
 from lightlike.errors import CheckpointError, ConfigError
 
 if TYPE_CHECKING:
@@ -73,7 +73,7 @@ def resolve_resume(config: FitConfig, resume: bool | str) -> Path | None:
     p = Path(str(resume))
     if not p.is_dir():
         raise CheckpointError(f"resume={str(resume)!r}: no such checkpoint directory")
-    if not (p / MANIFEST).exists() and any(_NAME.match(c.name) for c in p.iterdir() if c.is_dir()):
+    if not (p / MANIFEST).exists() and any(CHECKPOINT_DIR_NAME.match(c.name) for c in p.iterdir() if c.is_dir()):
         raise CheckpointError(f"resume={str(resume)!r} is a run's output_dir, not one checkpoint: pass resume=True "
                               f"(its newest valid checkpoint; --resume on the command line) or '{p}/checkpoint-N'")
     return p
@@ -99,7 +99,7 @@ def set_aside_newer(output_dir: str | Path, step: int, source: str | Path | None
     out = Path(output_dir)
     if not out.is_dir():
         return None
-    newer = sorted((p for p in out.iterdir() if p.is_dir() and (m := _NAME.match(p.name)) and int(m.group(1)) > step),
+    newer = sorted((p for p in out.iterdir() if p.is_dir() and (m := CHECKPOINT_DIR_NAME.match(p.name)) and int(m.group(1)) > step),
                    key=checkpoint_step)
     if not newer:
         return None
@@ -126,7 +126,7 @@ def set_aside(output_dir: str | Path, paths: list[Path]) -> Path:
     dest.mkdir()
     for p in paths:
         os.rename(p, dest / p.name)
-    _fsync_path(out)
+    fsync_path(out)
     return dest
 
 
@@ -144,7 +144,7 @@ def resolve_best(output_dir: str | Path, stored: str | None, best_step: int | No
     is still there (committed: it has a manifest), with a warning when it is gone."""
     if not stored:
         return None
-    m = _NAME.match(Path(stored).name)
+    m = CHECKPOINT_DIR_NAME.match(Path(stored).name)
     if m is None or best_step is None or int(m.group(1)) != best_step:
         return None
     path = Path(output_dir) / Path(stored).name

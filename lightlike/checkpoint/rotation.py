@@ -7,7 +7,7 @@ import shutil
 from collections.abc import Iterable
 from pathlib import Path
 
-from lightlike.checkpoint.manifest import _NAME, MANIFEST, find_latest_valid, list_checkpoints
+from lightlike.checkpoint.manifest import CHECKPOINT_DIR_NAME, MANIFEST, find_latest_valid, list_checkpoints
 from lightlike.errors import OutputDirError
 
 log = logging.getLogger("lightlike")
@@ -50,7 +50,7 @@ def prepare_output_dir(output_dir: str | Path, overwrite: bool, resume: bool | s
         log.info("removed %s, left by an interrupted checkpoint save", p)
     old = list_checkpoints(out) + [p for p in (out / "logs",) if p.exists()]
     if resume == "auto":  # also the named but invalid ones: nothing here can be resumed
-        old = sorted({*old, *(p for p in out.iterdir() if p.is_dir() and _NAME.match(p.name))})
+        old = sorted({*old, *(p for p in out.iterdir() if p.is_dir() and CHECKPOINT_DIR_NAME.match(p.name))})
     if not old:
         return
     if resume == "auto" and not overwrite:
