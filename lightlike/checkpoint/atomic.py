@@ -14,6 +14,8 @@ next one is written. Files a library writes through ``path_for`` are read back a
 
 from __future__ import annotations
 
+import ctypes
+import datetime
 import json
 import logging
 import os
@@ -174,8 +176,6 @@ class CheckpointWriter:
             self._pool = None
 
     def _seal(self) -> None:
-        import datetime
-
         paths = [f for f in sorted(self.tmp.rglob("*")) if f.is_file()]
         rels = [f.relative_to(self.tmp).as_posix() for f in paths]
         known = {rel: self._done[rel].result() for rel in rels if rel in self._done}
@@ -230,7 +230,6 @@ def _exchange(a: Path, b: Path) -> bool:
     call or the file system does not support it."""
     if not sys.platform.startswith("linux"):
         return False
-    import ctypes
 
     try:
         renameat2 = ctypes.CDLL(None, use_errno=True).renameat2

@@ -29,6 +29,8 @@ import torch
 from lightlike.checkpoint.atomic import cleanup_stale_temps, fsync_path
 from lightlike.checkpoint.manifest import CHECKPOINT_DIR_NAME, MANIFEST, checkpoint_step, find_latest_valid
 from lightlike.errors import CheckpointError, ConfigError
+from lightlike.evaluation import greater_is_better, is_improvement
+from lightlike.module import TaskModule
 
 if TYPE_CHECKING:
     from lightlike.config import FitConfig
@@ -139,8 +141,7 @@ def best_checkpoint_name(stored: str | None) -> str | None:
 
 def resolve_best(output_dir: str | Path, stored: str | None, best_step: int | None) -> str | None:
     """The best checkpoint's path in the current ``output_dir`` from what a checkpoint stored (its
-    name; older checkpoints stored an absolute path or one relative to the then working
-    directory). None unless it names the checkpoint saved at ``best_step`` and that checkpoint
+    name) or the fit's state holds (its path). None unless it names the checkpoint saved at ``best_step`` and that checkpoint
     is still there (committed: it has a manifest), with a warning when it is gone."""
     if not stored:
         return None
@@ -168,8 +169,6 @@ def choose_best_again(fitter: Fitter, path: Path) -> None:
     (a value of the old metric, or the old direction's best) would be compared with the new
     metric's values. The best so far is chosen again from the evaluations in the log history
     under this run's setting; its checkpoint is the one saved at that step, if it is still there."""
-    from lightlike.evaluation import greater_is_better, is_improvement
-
     old = saved_config(path)
     if old is None:
         return
@@ -207,8 +206,6 @@ def check_optimizer_fits(fitter: Fitter, path: Path) -> None:
     """Before the optimizer state of ``path`` is loaded: a built-in optimizer of another kind, or
     with weight decay switched on or off (one parameter group without it, two with), cannot take
     it (torch would load it and fail at the first step, or refuse it without saying why)."""
-    from lightlike.module import TaskModule
-
     if getattr(type(fitter.module), "configure_optimizers", None) is not TaskModule.configure_optimizers:
         return  # the module's own optimizer: its shape is the module's business
     old = saved_config(path)
@@ -244,7 +241,6 @@ def apply_changed_settings(fitter: Fitter, path: Path, data_order: tuple[Any, An
     applied = [k for k in changed if k in APPLIED_KEYS or k in SCHEDULE_KEYS]
     if not applied:
         return
-    from lightlike.module import TaskModule
 
     module = fitter.module
     if module is not None and type(module).configure_optimizers is not TaskModule.configure_optimizers:

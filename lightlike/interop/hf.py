@@ -33,6 +33,8 @@ from typing import Any
 import torch
 from torch.nn import functional as F
 
+from lightlike.checkpoint.export import export_weights, fsync_replace
+from lightlike.checkpoint.weights import load_safetensors
 from lightlike.data.collators import mask_padded_context
 from lightlike.errors import CheckpointError, DataError, ModuleContractError
 from lightlike.module import TaskModule
@@ -175,7 +177,6 @@ def export_hf(source: Any, out_dir: str | Path, *, config: Any = None, prefix: s
     out.mkdir(parents=True, exist_ok=True)
     if checkpoint:
         model = _model_from_checkpoint(Path(source), config, prefix, hashes, out)
-    from lightlike.checkpoint.export import fsync_replace
 
     tmp = Path(tempfile.mkdtemp(prefix=".export-hf-", dir=out))
     try:
@@ -189,9 +190,6 @@ def export_hf(source: Any, out_dir: str | Path, *, config: Any = None, prefix: s
 
 def _model_from_checkpoint(src: Path, config: Any, prefix: str, hashes: bool, scratch: Path) -> Any:
     import transformers
-
-    from lightlike.checkpoint.export import export_weights
-    from lightlike.checkpoint.weights import load_safetensors
 
     with tempfile.TemporaryDirectory(prefix=".export-weights-", dir=scratch) as tmp:
         weights = export_weights(src, tmp, hashes=hashes)  # verifies; consolidates shards
