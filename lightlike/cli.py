@@ -24,7 +24,34 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from lightlike import __version__
+from lightlike.checkpoint import (
+    export_weights,
+    find_latest_valid,
+    is_checkpoint_dir,
+    list_checkpoints,
+    verify_checkpoint,
+)
+from lightlike.cli_args import (
+    MODEL,
+    REQUIRED,
+    check_flags,
+    dump_config,
+    fit_options,
+    generic_option,
+    model_options,
+    nearest,
+    normalise_argv,
+    read_config_file,
+    split_config,
+)
+from lightlike.cli_targets import call_with_known, load_target
+from lightlike.config import FitConfig
 from lightlike.errors import CheckpointError, ConfigError, DataError, LightlikeError, OutputDirError
+from lightlike.fitter import Fitter
+from lightlike.module import TaskModule
 
 COMMANDS = {
     "fit": "train a TaskModule; checkpoints and logs land in output_dir",
@@ -98,8 +125,6 @@ def _resume_value(raw: str) -> bool | str:
 
 
 def _build_parser(cmd: str, fit_opts: dict, model_opts: dict, cls: type | None, add_help: bool = True) -> _Parser:
-    from lightlike.cli_args import MODEL
-
     usage = "%(prog)s " + ("[MODULE_PATH:ClassName]" if cmd == "config" else "MODULE_PATH:ClassName") + \
         " [--config FILE] [--FIELD VALUE ...] [--model.ARG VALUE ...] [options]"
     p = _Parser(prog=f"lightlike {cmd}", description=COMMANDS[cmd], add_help=add_help, allow_abbrev=False, usage=usage,
@@ -125,8 +150,6 @@ def _build_parser(cmd: str, fit_opts: dict, model_opts: dict, cls: type | None, 
 
 
 def _top_parser() -> argparse.ArgumentParser:
-    from lightlike.cli_args import fit_options
-
     lines = ["settings (any of them is a --FLAG of fit/validate/test/predict/config and a key of a --config file):"]
     for o in fit_options():
         head = f"  {o.key} ({o.type_name()}, default {o.default!r})"
@@ -154,21 +177,6 @@ def _top_parser() -> argparse.ArgumentParser:
 def _parse(cmd: str, argv: list[str]) -> dict[str, Any]:
     """Parse ``argv`` in two passes (the first finds the module, whose constructor the second
     turns into flags) and resolve the settings. Returns what the command needs."""
-    from lightlike.cli_args import (
-        MODEL,
-        REQUIRED,
-        check_flags,
-        fit_options,
-        generic_option,
-        model_options,
-        normalise_argv,
-        read_config_file,
-        split_config,
-    )
-    from lightlike.cli_targets import load_target
-    from lightlike.config import FitConfig
-    from lightlike.module import TaskModule
-
     fit_opts = {o.key: o for o in fit_options()}
     # --resume's value: a word, or a path (an existing one, or one that names a checkpoint: a missing
     # one is then reported as missing, not as a stray argument); never the module target (path.py:Name)
@@ -254,8 +262,6 @@ def _saved_hparams(path: Path, model_opts: dict[str, Any], var_kw: bool) -> dict
     """A checkpoint's hparams.json as constructor arguments, each given back through its option
     as a flag's value is: JSON has no path or enum, so a ``Path`` or an ``Enum`` argument (saved
     as its text or value) is given to the constructor as one again."""
-    from lightlike.cli_args import MODEL
-
     try:
         saved = json.loads(path.read_text())
     except ValueError as e:
@@ -273,8 +279,6 @@ def _saved_hparams(path: Path, model_opts: dict[str, Any], var_kw: bool) -> dict
 
 
 def _resolve_checkpoint(spec: str, config: Any) -> Path:
-    from lightlike.checkpoint import find_latest_valid, is_checkpoint_dir, verify_checkpoint
-
     p = Path(spec)
     if not p.is_dir():
         raise ConfigError(f"--checkpoint {spec!r}: no such directory")
@@ -294,12 +298,8 @@ def _resolve_checkpoint(spec: str, config: Any) -> Path:
 # the commands
 # ==============================================================================================
 def _cmd_run(cmd: str, argv: list[str]) -> int:
-    from lightlike.fitter import Fitter
-
     r = _parse(cmd, argv)
     if cmd == "config":
-        from lightlike.cli_args import dump_config
-
         helps = None
         if r["args"]["cli_comments"]:
             helps = {**r["fit_help"], **{k: v for k, v in r["model_help"].items() if v}}
@@ -317,8 +317,6 @@ def _cmd_run(cmd: str, argv: list[str]) -> int:
         train, val = _fit_data(args.get("cli_data"), module, config)
         result = fitter.fit(module, train, val, resume=args.get("cli_resume"))
         if fitter.strategy.is_global_zero:  # type: ignore[union-attr]
-            from lightlike.checkpoint import list_checkpoints
-
             found = list_checkpoints(config.output_dir)
             _print_json({"global_step": result.global_step, "training_loss": result.training_loss,
                          "metrics": result.metrics, "best_checkpoint": result.best_checkpoint,
@@ -359,7 +357,6 @@ def _load_weights(module: Any, checkpoint: Path, config: Any) -> None:
             raise CheckpointError(f"--checkpoint {str(checkpoint)!r}: {checkpoint / 'model.safetensors'} is not a "
                                   f"readable safetensors file (cut short by an interrupted copy?): {e}") from None
         return
-    from lightlike.checkpoint import export_weights
 
     with tempfile.TemporaryDirectory(prefix="lightlike-weights-") as tmp:  # sharded: consolidate first
         export_weights(checkpoint, tmp, hashes=config.verify_hashes)
@@ -377,8 +374,6 @@ def _data_source(spec: str | None, module: Any, config: Any, primary: str) -> tu
             return (f"{type(module).__name__} has no {role}_data() method: define {role}_data(self) returning a "
                     "torch Dataset or DataLoader, or pass --data FILE.py:FUNCTION")
         return from_module, no_method
-    from lightlike.cli_args import nearest
-    from lightlike.cli_targets import call_with_known, load_target
 
     out = call_with_known(load_target(spec, "--data", None), {"config": config, "module": module})
     roles = ["train", "val", "test", "predict"]
@@ -447,8 +442,6 @@ def _write_predictions(path: Path, result: Any) -> None:
         if path.suffix.lower() == ".json":
             tmp.write_text(json.dumps(_plain(payload)) + "\n")
         else:
-            import torch
-
             torch.save(payload, tmp)
         os.replace(tmp, path)
     finally:
@@ -476,7 +469,6 @@ def _cmd_export(argv: list[str]) -> int:
     p.add_argument("--no-verify-hashes", "--no_verify_hashes", dest="no_verify_hashes", action="store_true",
                    help="check sizes only (fast, for huge models)")
     args = p.parse_args(argv)
-    from lightlike.checkpoint.export import export_weights
 
     path = export_weights(args.checkpoint_dir, args.out_dir, hashes=not args.no_verify_hashes)
     print(f"wrote {path}")
@@ -501,14 +493,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         _top_parser().print_help(sys.stdout if args else sys.stderr)
         return 0 if args else 2
     if args[0] == "--version":
-        from lightlike import __version__
-
         print(f"lightlike {__version__}")
         return 0
     cmd = args[0]
     if cmd not in COMMANDS:
-        from lightlike.cli_args import nearest
-
         print(f"lightlike: error: unknown command {cmd!r}{nearest(cmd, list(COMMANDS))}; "
               f"commands: {', '.join(COMMANDS)}", file=sys.stderr)
         return 2

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path, PurePath
 from typing import Any
 
-from lightlike.config import FitConfig, plain_value, toml_value
+from lightlike.config import FitConfig, other_name_hint, plain_value, toml_value
 from lightlike.errors import ConfigError
 
 REQUIRED = inspect.Parameter.empty
@@ -379,8 +379,6 @@ def nearest(name: str, valid: list[str], shown: dict[str, str] | None = None) ->
     """The hint for an unknown flag or key: the field an HF Trainer / Lightning name maps to
     (``config.OTHER_NAMES``), else the closest valid name (named as ``shown`` says, where it
     names it: a constructor argument ``width`` as ``model.width``)."""
-    from lightlike.config import other_name_hint
-
     # --fp16 -> --precision 16-mixed, --resume_from_checkpoint -> --resume
     other = other_name_hint(name.lstrip("-"), flag=name.startswith("--"))
     if other is not None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import enum
 import json
 import math
 import os
@@ -462,8 +463,6 @@ def plain_value(v: Any, leaf: Any = None, key: Any = None) -> Any:
     sets (sorted, where they sort) and tuples as lists, inside lists and dicts too (``lightlike
     config`` and a checkpoint's hparams.json; both read back through the annotations). ``leaf``
     and ``key``, where given, map every other value and every dict key."""
-    import enum
-
     if isinstance(v, enum.Enum):
         v = v.value
     if isinstance(v, os.PathLike):

@@ -33,6 +33,8 @@ from torch.utils.data import DataLoader
 
 from lightlike.data.workers import start_workers
 from lightlike.errors import ConfigError, DataError, LightlikeError, ModuleContractError, on_every_rank
+from lightlike.interop.metrics import adapt_streaming_metrics
+from lightlike.module import TaskModule
 from lightlike.outputs import (  # noqa: F401  (PAD_VALUE: also lightlike.evaluation.PAD_VALUE)
     PAD_VALUE,
     concat,
@@ -325,8 +327,6 @@ def run_evaluation(
         streaming = False
     collect = keep_outputs or (wants_whole_set and not streaming)
     if streams:  # torchmetrics objects are wrapped to reduce across ranks (lightlike/interop/metrics.py)
-        from lightlike.interop.metrics import adapt_streaming_metrics
-
         streams = adapt_streaming_metrics(streams, module)
     if streams and strategy.world_size > 1 and not all(getattr(s, "reduces_across_ranks", False) for s in streams.values()):
         raise ConfigError("streaming metrics on several processes must reduce across ranks (torchmetrics "
@@ -470,8 +470,6 @@ def _warn_once(key: type, message: str) -> None:
 
 
 def _base_module() -> Any:
-    from lightlike.module import TaskModule
-
     return TaskModule
 
 

@@ -413,7 +413,10 @@ class Fitter:
         that holds them (with the callbacks and the loop's state)."""
         cfg, strategy, module = self.config, self.strategy, run.module
         assert strategy is not None
-        module.gradient_checkpointing = cfg.gradient_checkpointing
+        if cfg.gradient_checkpointing:  # the module's own switch (HF's name), which it may override
+            module.gradient_checkpointing_enable()
+        else:
+            module.gradient_checkpointing_disable()
         self.module = module
         module.zero_grad(set_to_none=True)  # gradients left by an earlier fit that failed, or by the user
         model = strategy.setup_module(module)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextvars
 import inspect
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -9,8 +10,10 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from lightlike.errors import CheckpointError, ModuleContractError
+from lightlike.utils.buffers import buffers_kept_on_recompute
 
 
 class TaskModule(nn.Module):
@@ -29,8 +32,7 @@ class TaskModule(nn.Module):
       on the whole evaluation set; ``streaming_metrics()`` (optional) is its streaming twin.
     """
 
-    #: Set by the Fitter when ``gradient_checkpointing=True``; read by ``maybe_checkpoint``.
-    gradient_checkpointing: bool = False
+    _checkpointing_on = False  # switched by gradient_checkpointing_enable/disable
 
     def __init__(self) -> None:
         super().__init__()
@@ -86,15 +88,39 @@ class TaskModule(nn.Module):
         ones. A scheduler returned here is stepped once per optimizer step. Default: None."""
         return None
 
+    def gradient_checkpointing_enable(self) -> None:
+        """Switch activation checkpointing on. The Fitter calls it at set-up when
+        ``gradient_checkpointing=True`` (and ``gradient_checkpointing_disable()`` otherwise).
+        Default: ``maybe_checkpoint`` starts recomputing. Override both to switch on a wrapped
+        model's own checkpointing instead, as ``HFCausalLM`` does (the Fitter then does not
+        check that ``maybe_checkpoint`` is called)."""
+        self._checkpointing_on = True
+
+    def gradient_checkpointing_disable(self) -> None:
+        """Switch activation checkpointing off (see ``gradient_checkpointing_enable``)."""
+        self._checkpointing_on = False
+
+    @property
+    def gradient_checkpointing(self) -> bool:
+        """Whether activation checkpointing is on. Assigning it calls
+        ``gradient_checkpointing_enable()`` or ``gradient_checkpointing_disable()``."""
+        return self._checkpointing_on
+
+    @gradient_checkpointing.setter
+    def gradient_checkpointing(self, on: bool) -> None:
+        if on:
+            self.gradient_checkpointing_enable()
+        else:
+            self.gradient_checkpointing_disable()
+
     # -- helpers for the user ------------------------------------------------------------------
     def maybe_checkpoint(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
-        """Call ``fn(*args)`` under activation checkpointing when it is switched on."""
-        if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
-            from torch.utils.checkpoint import checkpoint
-
-            from lightlike.utils.buffers import buffers_kept_on_recompute
-
-            self.__dict__["_checkpointed"] = True  # seen by the Fitter's check (no Module __setattr__)
+        """Call ``fn(*args)`` under activation checkpointing when it is switched on (and while
+        training, with gradients enabled); otherwise call it plainly."""
+        if self._checkpointing_on and self.training and torch.is_grad_enabled():
+            tally = _current_tally.get()
+            if tally is not None:
+                tally.calls += 1
             if torch.compiler.is_compiling():  # dynamo takes no context_fn of this kind; a compiled
                 return checkpoint(fn, *args, use_reentrant=False, **kwargs)  # graph updates buffers once anyway
             owner = fn if isinstance(fn, nn.Module) else self  # running statistics updated once, not twice
@@ -138,6 +164,26 @@ class TaskModule(nn.Module):
         from lightlike.checkpoint.weights import load_module_state
 
         load_module_state(self, state, strict=strict, source=str(p))
+
+
+class CheckpointTally:
+    """Counts ``maybe_checkpoint`` calls that checkpoint while it is current (``start()`` to
+    ``stop()``, in this thread): how the Fitter's check learns that ``gradient_checkpointing=True``
+    does something, without writing onto the module."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def start(self) -> None:
+        _current_tally.set(self)
+
+    def stop(self) -> None:
+        if _current_tally.get() is self:
+            _current_tally.set(None)
+
+
+_current_tally: contextvars.ContextVar[CheckpointTally | None] = contextvars.ContextVar("lightlike_checkpoint_tally",
+                                                                                       default=None)
 
 
 def batch_length(batch: Any) -> int:

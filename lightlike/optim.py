@@ -10,7 +10,9 @@ then loads the state. The scheduler is stepped once per applied optimizer step;
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import inspect
 import logging
 import math
 import re
@@ -23,6 +25,7 @@ from torch.optim.lr_scheduler import LambdaLR, ReduceLROnPlateau
 
 from lightlike.config import OPTIMIZERS, SCHEDULERS
 from lightlike.errors import ConfigError, ModuleContractError
+from lightlike.precision import get_precision
 
 log = logging.getLogger("lightlike")
 
@@ -135,8 +138,6 @@ def build_optimizer(module: nn.Module, config: Any, precision: Any = None) -> to
         params = [p for g in groups for p in g["params"]]
         fused = all(p.device.type in _FUSED_DEVICES and p.is_floating_point() for p in params)
         if fused and any(hasattr(p, "to_local") for p in params):
-            from lightlike.precision import get_precision
-
             # FSDP's ShardedGradScaler hands the fused kernel a found-inf flag of the wrong shape
             # for DTensor parameters (torch 2.13: "output with shape [] doesn't match the
             # broadcast shape [1]"): unfused under a precision with a grad scaler (the
@@ -276,8 +277,6 @@ def _check_scheduler(scheduler: Any, optimizer: torch.optim.Optimizer) -> Any:
 def call_configure_optimizers(module: Any, config: Any) -> Any:
     """``module.configure_optimizers(config)``; a Lightning-style ``configure_optimizers(self)``
     (no argument) is called without the config."""
-    import inspect
-
     try:
         takes_config = bool(inspect.signature(module.configure_optimizers).parameters)
     except (TypeError, ValueError):  # no signature to read: call it the documented way
@@ -286,8 +285,6 @@ def call_configure_optimizers(module: Any, config: Any) -> Any:
         return module.configure_optimizers(config)
     result = module.configure_optimizers()
     if result is not None:  # None: the built-in ones, which read them
-        import dataclasses
-
         defaults = {f.name: f.default for f in dataclasses.fields(config)}
         unread = [f"{name}={getattr(config, name)!r}" for name in _OPTIMIZER_FIELDS
                   if getattr(config, name) != defaults[name]]

@@ -65,13 +65,12 @@ def test_two_stateless_callbacks_of_one_class_save_fine(tmp_path):
 
 
 def test_gradient_checkpointing_check_skipped_for_modules_that_handle_the_flag():
-    """A module with a gradient_checkpointing property handles the switch itself (as the
+    """A module that overrides gradient_checkpointing_enable handles the switch itself (as the
     transformers adapter does): no check, hence no spurious warning."""
 
     class Handles(Classifier):
-        @property
-        def gradient_checkpointing(self):
-            return True
+        def gradient_checkpointing_enable(self):
+            pass
 
     cfg = SimpleNamespace(progress_bar=False, gradient_checkpointing=True)
     assert not any(isinstance(c, GradientCheckpointingCheck) for c in built_in_callbacks(cfg, Handles(), True))

@@ -118,8 +118,7 @@ def test_a_manifest_of_a_newer_layout_is_refused_by_name(tmp_path):
         assert find_latest_valid(tmp_path / "run").name == "checkpoint-2"
 
 
-def test_checksums_are_crc32_and_older_sha256_manifests_still_verify(tmp_path):
-    import hashlib
+def test_checksums_are_crc32(tmp_path):
     import json
     import zlib
 
@@ -128,17 +127,11 @@ def test_checksums_are_crc32_and_older_sha256_manifests_still_verify(tmp_path):
     manifest = json.loads((ckpt / "manifest.json").read_text())
     for rel, info in manifest["files"].items():  # each file's CRC-32, computed independently
         assert info["crc32"] == f"{zlib.crc32((ckpt / rel).read_bytes()):08x}", rel
-    # a manifest as earlier versions wrote it: sha256 per file
-    for rel, info in manifest["files"].items():
-        del info["crc32"]
-        info["sha256"] = hashlib.sha256((ckpt / rel).read_bytes()).hexdigest()
-    (ckpt / "manifest.json").write_text(json.dumps(manifest))
-    verify_checkpoint(ckpt)
     target = ckpt / "model.safetensors"
     data = bytearray(target.read_bytes())
     data[-3] ^= 0x10
     target.write_bytes(bytes(data))
-    with pytest.raises(ll.CheckpointError, match=r"model.safetensors has changed contents \(sha256 mismatch"):
+    with pytest.raises(ll.CheckpointError, match=r"model.safetensors has changed contents \(crc32 mismatch"):
         verify_checkpoint(ckpt)
 
 

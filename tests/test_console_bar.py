@@ -12,21 +12,19 @@ from lightlike.callbacks.progress import ProgressBar
 TESTS = str(Path(__file__).parent)
 
 
-def test_application_lines_and_explicit_stderr_warnings_go_above_a_forced_bar(tmp_path):
+def _fit_with_a_forced_bar(tmp_path, prelude: str, on_first_step: str) -> str:
+    """stderr (bytes decoded, \r kept) of a fit drawing a forced bar on stderr (a pipe)."""
     code = f"""
 import logging, sys, warnings
 sys.path.insert(0, {TESTS!r})
 import lightlike as ll
 from lightlike.callbacks.progress import ProgressBar
 from helpers import Classifier, DictDataset
-logging.basicConfig(level=logging.INFO, format="APP %(message)s", stream=sys.stderr)
-
+{prelude}
 class Say(ll.Callback):
     def on_step_end(self, fitter, state, control):
         if state.global_step == 1:
-            logging.getLogger("app").info("first line")
-            logging.getLogger("app").info("second line")
-            warnings.showwarning(UserWarning("direct to stderr"), UserWarning, "x.py", 7, file=sys.stderr)
+{on_first_step}
 
 ll.Fitter(max_steps=2, batch_size=4, output_dir={str(tmp_path / "o")!r}, loggers=[], progress_bar=False,
           save_strategy="no", model_summary=False,
@@ -35,12 +33,27 @@ ll.Fitter(max_steps=2, batch_size=4, output_dir={str(tmp_path / "o")!r}, loggers
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=120)  # bytes: keep \r
     err = p.stderr.decode(errors="replace")
     assert p.returncode == 0, err[-2000:]
+    assert "2/2" in err
+    return err
+
+
+def test_application_lines_go_above_a_forced_bar_and_warnings_are_left_alone(tmp_path):
+    err = _fit_with_a_forced_bar(
+        tmp_path, 'logging.basicConfig(level=logging.INFO, format="APP %(message)s", stream=sys.stderr)\n'
+                  'ORIGINAL = warnings.showwarning',
+        '            logging.getLogger("app").info("first line")\n'
+        '            logging.getLogger("app").info("second line")\n'
+        '            assert warnings.showwarning is ORIGINAL, "the bar patched warnings.showwarning"\n'
+        '            warnings.warn("a warning", UserWarning)')
     # each record on a line of its own, at the start of the line, and no blank line after it
     for text in ("APP first line", "APP second line"):
         assert re.search(rf"(^|[\r\n]){text}\n[^\n]", err), err[-1500:]
-    # an explicit file=sys.stderr warning is written above the bar too: at the start of a line
-    assert re.search(r"(^|[\r\n])x\.py:7: UserWarning: direct to stderr", err), err[-1500:]
-    assert "2/2" in err
+    assert "UserWarning: a warning" in err  # printed by Python's own showwarning, where it prints
+
+
+def test_lightlike_lines_go_above_a_forced_bar(tmp_path):
+    err = _fit_with_a_forced_bar(tmp_path, "", '            logging.getLogger("lightlike").warning("our line")')
+    assert re.search(r"(^|[\r\n])\[lightlike WARNING\] our line\n[^\n]", err), err[-1500:]
 
 
 def test_a_closed_stream_shows_no_bar():

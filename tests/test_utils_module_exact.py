@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 import lightlike as ll
+from lightlike.module import CheckpointTally
 
 sys.path.insert(0, str(Path(ll.__file__).resolve().parents[1] / "tests"))
 from helpers import Classifier, DictDataset  # noqa: E402
@@ -481,10 +482,16 @@ def test_checkpointed_forward_updates_buffers_once():
     wrapped = ll.TaskModule()
     wrapped.sub = Counting()
     wrapped.sub.load_state_dict(plain.state_dict())
-    wrapped.gradient_checkpointing = True
+    wrapped.gradient_checkpointing_enable()
     plain(x).sum().backward()
-    wrapped.maybe_checkpoint(wrapped.sub, x).sum().backward()
-    assert wrapped.__dict__.get("_checkpointed") is True
+    tally = CheckpointTally()
+    tally.start()
+    try:
+        wrapped.maybe_checkpoint(wrapped.sub, x).sum().backward()
+    finally:
+        tally.stop()
+    assert tally.calls == 1 and wrapped.gradient_checkpointing
+    assert "_checkpointed" not in wrapped.__dict__  # nothing written onto the module for the check
     assert int(wrapped.sub.calls) == int(plain.calls) == 1
     assert int(wrapped.sub.bn.num_batches_tracked) == 1
     assert torch.equal(wrapped.sub.bn.running_mean, plain.bn.running_mean)
@@ -514,10 +521,11 @@ def test_hf_without_labels_padding_is_no_target_and_checkpointing_switches_only_
     # right padding: the target after the last real token is padding, not a target
     batch = {"input_ids": torch.tensor([[5, 6, 0, 0]]), "attention_mask": torch.tensor([[1, 1, 0, 0]])}
     assert module.shifted_labels(batch).tolist() == [[6, -100, -100]] and int(module.num_items(batch)) == 1
-    module.gradient_checkpointing = False  # as the Fitter sets it: already off, nothing called
-    module.gradient_checkpointing = True
-    module.gradient_checkpointing = True
-    module.gradient_checkpointing = False
+    module.gradient_checkpointing_disable()  # as the Fitter calls it: already off, nothing called
+    module.gradient_checkpointing_enable()
+    module.gradient_checkpointing_enable()
+    module.gradient_checkpointing = False  # as a strategy that checkpoints the blocks itself sets it
+    assert not module.gradient_checkpointing
     assert module.model.calls == [("enable", {"use_reentrant": False}), ("disable",)]
 
 

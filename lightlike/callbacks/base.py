@@ -12,6 +12,8 @@ import warnings
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from lightlike.errors import ConfigError
+
 if TYPE_CHECKING:
     import torch
 
@@ -83,8 +85,6 @@ class CallbackList:
         keys = [cb.state_key for cb in self.callbacks if hasattr(cb, "state_dict") and _overrides(cb, "state_dict")]
         shared = sorted({k for k in keys if keys.count(k) > 1})
         if shared:
-            from lightlike.errors import ConfigError
-
             raise ConfigError(f"two callbacks with state share state_key {shared[0]!r}: their checkpointed states "
                               "would collide; give each a distinct state_key (a property of the callback)")
 

@@ -1,7 +1,11 @@
 """A tqdm progress bar over optimizer steps; off when the stream is not a terminal (unless forced).
 
 tqdm is imported in ``on_fit_start`` only when the bar is active, so a disabled bar works
-without tqdm installed.
+without tqdm installed. While the bar is drawn on stdout or stderr, log lines (lightlike's and
+the console handlers of the application's root logger) are written above it. Python's
+warnings are left alone: ``warnings.showwarning`` stays the application's (routed through
+logging, ``logging.captureWarnings(True)`` with a console handler on the root logger, they go
+above the bar too).
 """
 
 from __future__ import annotations
@@ -10,10 +14,10 @@ import logging
 import math
 import os
 import sys
-import warnings
 from typing import TYPE_CHECKING, Any
 
 from lightlike.callbacks.base import Callback
+from lightlike.loggers.console import console_lines_above_bar
 
 if TYPE_CHECKING:
     from lightlike.fitter import Fitter
@@ -93,25 +97,7 @@ class ProgressBar(Callback):
                         unit="step", desc="fit", file=self.stream, dynamic_ncols=dynamic,
                         ncols=None if dynamic else 100, leave=True)
         if self.stream in (sys.stderr, sys.stdout):  # log lines (the application's console handlers too)
-            from lightlike.loggers.console import _StderrHandler, console_lines_above_bar  # go above the bar
-
-            self._restore_console = console_lines_above_bar(self.bar)
-            if self.stream is sys.stderr:
-                _StderrHandler.bar = self.bar
-                # and Python's warnings, unless the application routed them elsewhere (logging.captureWarnings,
-                # or records them: warnings.catch_warnings(record=True), pytest.warns)
-                if warnings.showwarning is getattr(warnings, "_showwarning_orig", None) and \
-                        getattr(getattr(warnings, "_showwarnmsg_impl", None), "__module__", None) == "warnings":
-                    self._showwarning = warnings.showwarning
-                    warnings.showwarning = self._show_warning
-
-    def _show_warning(self, message: Any, category: Any, filename: str, lineno: int, file: Any = None,
-                      line: str | None = None) -> None:
-        if self.bar is None or file not in (None, sys.stderr):
-            self._showwarning(message, category, filename, lineno, file, line)
-            return
-        self.bar.write(warnings.formatwarning(message, category, filename, lineno, line).rstrip("\n"),
-                       file=self.stream)
+            self._restore_console = console_lines_above_bar(self.bar, on_stderr=self.stream is sys.stderr)
 
     def on_step_end(self, fitter: Fitter, state: FitState, control: Control) -> None:
         if self.bar is not None:
@@ -130,14 +116,8 @@ class ProgressBar(Callback):
 
     def _close(self) -> None:
         if self.bar is not None:
-            from lightlike.loggers.console import _StderrHandler
-
-            if _StderrHandler.bar is self.bar:
-                _StderrHandler.bar = None
             self._restore_console()
             self._restore_console = _nothing
-            if getattr(warnings.showwarning, "__self__", None) is self:
-                warnings.showwarning = self._showwarning
             try:
                 self.bar.close()
             finally:

@@ -14,6 +14,8 @@ next one is written. Files a library writes through ``path_for`` are read back a
 
 from __future__ import annotations
 
+import ctypes
+import datetime
 import json
 import logging
 import os
@@ -43,7 +45,7 @@ from lightlike.errors import CheckpointError
 log = logging.getLogger("lightlike")
 
 
-def _fsync_path(path: Path) -> None:
+def fsync_path(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -84,7 +86,7 @@ OVERLAP_BYTES = 1 << 20  # smaller writes (zip headers, pickle data) are checksu
 
 def _fsynced(path: Path, digest: str | None) -> str:
     """fsync a written file; its checksum, read back when not known from the write."""
-    _fsync_path(path)
+    fsync_path(path)
     return digest if digest is not None else file_hash(path)
 
 
@@ -179,19 +181,17 @@ class CheckpointWriter:
             self._pool = None
 
     def _seal(self) -> None:
-        import datetime
-
         paths = [f for f in sorted(self.tmp.rglob("*")) if f.is_file()]
         rels = [f.relative_to(self.tmp).as_posix() for f in paths]
         known = {rel: self._done[rel].result() for rel in rels if rel in self._done}
         others = [f for f, rel in zip(paths, rels, strict=True) if rel not in known]  # written by libraries
         for f in others:
-            _fsync_path(f)
+            fsync_path(f)
         digests = dict(zip([rel for rel in rels if rel not in known], hash_files(others), strict=True))
         digests.update(known)
         files = {rel: {"size": f.stat().st_size, CHECKSUM: digests[rel]} for f, rel in zip(paths, rels, strict=True)}
         for d in sorted({f.parent for f in self.tmp.rglob("*")} | {self.tmp}, key=lambda p: len(p.parts), reverse=True):
-            _fsync_path(d)
+            fsync_path(d)
         manifest = {"format": FORMAT, "version": VERSION, "step": self.step, "files": files, "meta": self.meta,
                     "created": datetime.datetime.now(datetime.timezone.utc).isoformat()}
         mpath = self.tmp / MANIFEST
@@ -199,7 +199,7 @@ class CheckpointWriter:
             json.dump(manifest, fh, indent=2, sort_keys=True)
             fh.flush()
             os.fsync(fh.fileno())
-        _fsync_path(self.tmp)
+        fsync_path(self.tmp)
 
     def _publish(self) -> None:
         trash, swapped = None, False
@@ -221,7 +221,7 @@ class CheckpointWriter:
                 os.rename(self.final_path, trash)
         if not swapped:
             os.rename(self.tmp, self.final_path)
-        _fsync_path(self.output_dir)
+        fsync_path(self.output_dir)
         if trash is not None:
             shutil.rmtree(trash, ignore_errors=True)
 
@@ -235,7 +235,6 @@ def _exchange(a: Path, b: Path) -> bool:
     call or the file system does not support it."""
     if not sys.platform.startswith("linux"):
         return False
-    import ctypes
 
     try:
         renameat2 = ctypes.CDLL(None, use_errno=True).renameat2

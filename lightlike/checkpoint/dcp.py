@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightlike.checkpoint.weights import check_shapes
+from lightlike.checkpoint.weights import check_shapes, save_safetensors
 from lightlike.errors import CheckpointError
 
 DCP_DIR = "dcp"
@@ -144,8 +144,6 @@ def consolidate_to_safetensors(checkpoint_dir: str | Path, out_file: str | Path)
     module's own names, so ``load_safetensors`` fits a fresh module."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    from lightlike.checkpoint.weights import save_safetensors
 
     directory = Path(checkpoint_dir) / DCP_DIR
     meta = _metadata(directory)

@@ -9,7 +9,7 @@ import re
 import shutil
 from pathlib import Path
 
-from lightlike.checkpoint.manifest import MANIFEST, verify_checkpoint
+from lightlike.checkpoint.manifest import CHECKPOINT_DIR_NAME, MANIFEST, list_checkpoints, verify_checkpoint
 from lightlike.errors import CheckpointError
 
 log = logging.getLogger("lightlike")
@@ -50,9 +50,7 @@ def export_weights(checkpoint_dir: str | Path, out_dir: str | Path, hashes: bool
     if not src.is_dir():
         raise CheckpointError(f"export: {str(src)!r} is a file, not a checkpoint directory")
     if not (src / MANIFEST).exists():
-        from lightlike.checkpoint.manifest import _NAME, list_checkpoints
-
-        if any(p.is_dir() and _NAME.match(p.name) for p in src.iterdir()):
+        if any(p.is_dir() and CHECKPOINT_DIR_NAME.match(p.name) for p in src.iterdir()):
             newest = None
             for p in reversed(list_checkpoints(src)):  # sizes only: the export verifies the one passed in full
                 try:

@@ -26,9 +26,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from lightlike.checkpoint.atomic import _fsync_path, cleanup_stale_temps
-from lightlike.checkpoint.manifest import _NAME, MANIFEST, checkpoint_step, find_latest_valid
+from lightlike.checkpoint.atomic import cleanup_stale_temps, fsync_path
+from lightlike.checkpoint.manifest import CHECKPOINT_DIR_NAME, MANIFEST, checkpoint_step, find_latest_valid
 from lightlike.errors import CheckpointError, ConfigError
+from lightlike.evaluation import greater_is_better, is_improvement
+from lightlike.module import TaskModule
 
 if TYPE_CHECKING:
     from lightlike.config import FitConfig
@@ -73,7 +75,7 @@ def resolve_resume(config: FitConfig, resume: bool | str) -> Path | None:
     p = Path(str(resume))
     if not p.is_dir():
         raise CheckpointError(f"resume={str(resume)!r}: no such checkpoint directory")
-    if not (p / MANIFEST).exists() and any(_NAME.match(c.name) for c in p.iterdir() if c.is_dir()):
+    if not (p / MANIFEST).exists() and any(CHECKPOINT_DIR_NAME.match(c.name) for c in p.iterdir() if c.is_dir()):
         raise CheckpointError(f"resume={str(resume)!r} is a run's output_dir, not one checkpoint: pass resume=True "
                               f"(its newest valid checkpoint; --resume on the command line) or '{p}/checkpoint-N'")
     return p
@@ -99,7 +101,7 @@ def set_aside_newer(output_dir: str | Path, step: int, source: str | Path | None
     out = Path(output_dir)
     if not out.is_dir():
         return None
-    newer = sorted((p for p in out.iterdir() if p.is_dir() and (m := _NAME.match(p.name)) and int(m.group(1)) > step),
+    newer = sorted((p for p in out.iterdir() if p.is_dir() and (m := CHECKPOINT_DIR_NAME.match(p.name)) and int(m.group(1)) > step),
                    key=checkpoint_step)
     if not newer:
         return None
@@ -126,7 +128,7 @@ def set_aside(output_dir: str | Path, paths: list[Path]) -> Path:
     dest.mkdir()
     for p in paths:
         os.rename(p, dest / p.name)
-    _fsync_path(out)
+    fsync_path(out)
     return dest
 
 
@@ -139,12 +141,11 @@ def best_checkpoint_name(stored: str | None) -> str | None:
 
 def resolve_best(output_dir: str | Path, stored: str | None, best_step: int | None) -> str | None:
     """The best checkpoint's path in the current ``output_dir`` from what a checkpoint stored (its
-    name; older checkpoints stored an absolute path or one relative to the then working
-    directory). None unless it names the checkpoint saved at ``best_step`` and that checkpoint
+    name) or the fit's state holds (its path). None unless it names the checkpoint saved at ``best_step`` and that checkpoint
     is still there (committed: it has a manifest), with a warning when it is gone."""
     if not stored:
         return None
-    m = _NAME.match(Path(stored).name)
+    m = CHECKPOINT_DIR_NAME.match(Path(stored).name)
     if m is None or best_step is None or int(m.group(1)) != best_step:
         return None
     path = Path(output_dir) / Path(stored).name
@@ -168,8 +169,6 @@ def choose_best_again(cfg: FitConfig, state: FitState, path: Path) -> None:
     (a value of the old metric, or the old direction's best) would be compared with the new
     metric's values. The best so far is chosen again from the evaluations in the log history
     under this run's setting; its checkpoint is the one saved at that step, if it is still there."""
-    from lightlike.evaluation import greater_is_better, is_improvement
-
     old = saved_config(path)
     if old is None:
         return
@@ -206,8 +205,6 @@ def check_optimizer_fits(module: Any, now: FitConfig, path: Path) -> None:
     """Before the optimizer state of ``path`` is loaded: a built-in optimizer of another kind, or
     with weight decay switched on or off (one parameter group without it, two with), cannot take
     it (torch would load it and fail at the first step, or refuse it without saying why)."""
-    from lightlike.module import TaskModule
-
     if getattr(type(module), "configure_optimizers", None) is not TaskModule.configure_optimizers:
         return  # the module's own optimizer: its shape is the module's business
     old = saved_config(path)
@@ -243,7 +240,6 @@ def apply_changed_settings(config: FitConfig, module: Any, optimizer: Any, sched
     applied = [k for k in changed if k in APPLIED_KEYS or k in SCHEDULE_KEYS]
     if not applied:
         return
-    from lightlike.module import TaskModule
 
     if module is not None and type(module).configure_optimizers is not TaskModule.configure_optimizers:
         log.warning("%s changed, but the optimizer comes from %s.configure_optimizers: the restored optimizer "

@@ -7,7 +7,9 @@ import shutil
 from collections.abc import Iterable
 from pathlib import Path
 
-from lightlike.checkpoint.manifest import _NAME, MANIFEST, find_latest_valid, list_checkpoints
+from lightlike.checkpoint.atomic import cleanup_stale_temps
+from lightlike.checkpoint.manifest import CHECKPOINT_DIR_NAME, MANIFEST, find_latest_valid, list_checkpoints
+from lightlike.checkpoint.resume import set_aside
 from lightlike.errors import OutputDirError
 
 log = logging.getLogger("lightlike")
@@ -39,8 +41,6 @@ def prepare_output_dir(output_dir: str | Path, overwrite: bool, resume: bool | s
     ``overwrite`` (``overwrite_output_dir=True``) says so. With ``resume="auto"`` (which found no
     valid checkpoint to resume from: a first run killed before its first save, say) what is there
     is moved into ``output_dir/abandoned-<time>/`` with a warning instead of refused."""
-    from lightlike.checkpoint.atomic import cleanup_stale_temps
-
     out = Path(output_dir)
     if not out.exists():
         return
@@ -50,12 +50,10 @@ def prepare_output_dir(output_dir: str | Path, overwrite: bool, resume: bool | s
         log.info("removed %s, left by an interrupted checkpoint save", p)
     old = list_checkpoints(out) + [p for p in (out / "logs",) if p.exists()]
     if resume == "auto":  # also the named but invalid ones: nothing here can be resumed
-        old = sorted({*old, *(p for p in out.iterdir() if p.is_dir() and _NAME.match(p.name))})
+        old = sorted({*old, *(p for p in out.iterdir() if p.is_dir() and CHECKPOINT_DIR_NAME.match(p.name))})
     if not old:
         return
     if resume == "auto" and not overwrite:
-        from lightlike.checkpoint.resume import set_aside
-
         dest = set_aside(out, old)
         log.warning("resume='auto' found no valid checkpoint in %s: starting a fresh run; moved what an "
                     "earlier run left (%s) into %s", out, ", ".join(p.name for p in old), dest)

@@ -15,7 +15,11 @@ plus one tensor, not a second full copy of the model.
 
 from __future__ import annotations
 
+import argparse
+import contextlib
+import io
 import json
+import logging
 import struct
 from pathlib import Path
 from typing import Any
@@ -122,11 +126,6 @@ def to_universal(checkpoint_dir: str | Path, out_dir: str | Path) -> Path:
     ``out_dir/state`` (per-parameter fp32 weights and optimizer state, independent of the world
     size), with DeepSpeed's own converter (``deepspeed.checkpoint.ds_to_universal``), in this
     process. Returns ``out_dir``; load with tag ``state`` and ``checkpoint.load_universal``."""
-    import argparse
-    import contextlib
-    import io
-    import logging
-
     from deepspeed.checkpoint import ds_to_universal
 
     ds_dir, tag = _location(Path(checkpoint_dir))

@@ -18,14 +18,14 @@ from torch.utils.data import (
 )
 
 from lightlike.data.iterable import ShardedIterable
-from lightlike.data.loading import (
-    _already_split,
-    _batching,
-    _check_nonempty,
-    _element_order,
-    _known_order,
-    _loader_like,
-    _yields_lists,
+from lightlike.data.loader_info import (
+    already_split,
+    batching,
+    check_nonempty,
+    element_order,
+    known_order,
+    loader_like,
+    yields_lists,
 )
 from lightlike.data.sampler import EveryNth, ResumableSampler
 from lightlike.data.workers import end_with_parent
@@ -54,7 +54,7 @@ def build_eval_loader(
     has one (an in-order ``ResumableSampler`` of this rank, or an IterableDataset with
     ``shards_itself = True``)."""
     if isinstance(data, DataLoader):  # one process or many: the same items, in the same order
-        if _already_split(data, for_eval=True, rank=rank, world_size=world_size):
+        if already_split(data, for_eval=True, rank=rank, world_size=world_size):
             return data
         if world_size > 1 or _eval_changes(data):
             return _split_eval_loader(data, batch_size=batch_size, rank=rank, world_size=world_size, name=name)
@@ -67,7 +67,7 @@ def build_eval_loader(
         return DataLoader(data, batch_size=batch_size, num_workers=num_workers, collate_fn=collate_fn,
                           pin_memory=pin_memory, generator=torch.Generator(),
                           worker_init_fn=end_with_parent(None, num_workers))
-    n = _check_nonempty(data, name)
+    n = check_nonempty(data, name)
     assert n is not None
     sampler = ResumableSampler(n, shuffle=False, rank=rank, world_size=world_size)
     return DataLoader(data, batch_size=batch_size, sampler=sampler, num_workers=num_workers,
@@ -93,7 +93,7 @@ def normalise_eval_sets(data: Any, default_name: str = "val") -> dict[str, Any]:
 def _eval_changes(loader: DataLoader, batch_size: int | None = None, world_size: int = 1) -> list[str]:
     """What evaluation changes in a DataLoader of the user's: every element its sampler gives is
     evaluated once, in the sampler's order (a shuffling torch sampler's items in their order)."""
-    own, drop_last, custom = _batching(loader)
+    own, drop_last, custom = batching(loader)
     iterable = isinstance(loader.dataset, IterableDataset)
     changes = []
     if custom:  # its own drop_last applies on any number of processes: it is read as it is
@@ -103,21 +103,21 @@ def _eval_changes(loader: DataLoader, batch_size: int | None = None, world_size:
                            f"dealt in its order, in batches of {size} (it must give the same on every process)")
     elif drop_last:
         changes.append("drop_last is ignored (evaluation counts every item once)")
-    if iterable and loader.num_workers > 1 and not _already_split(loader):  # each worker would yield the whole stream
+    if iterable and loader.num_workers > 1 and not already_split(loader):  # each worker would yield the whole stream
         changes.append(f"its IterableDataset is split over its {loader.num_workers} workers (each item once, in order)")
     if iterable or custom:
         return changes
-    lists, inner = _element_order(loader)
+    lists, inner = element_order(loader)
     if lists is not None and lists.drop_last:
         changes.append("its BatchSampler's drop_last is ignored (evaluation counts every item once)")
     if lists is not None:
         what = "BatchSampler's sampler"
     else:
         what = "batch_sampler's sampler" if loader.batch_size is None and loader.batch_sampler is not None else "sampler"
-    order = _known_order(inner)
+    order = known_order(inner)
     if order is None:  # the user's own sampler: as it is on one process
         if world_size > 1:
-            kind = "index lists (whole batches)" if lists is not None or _yields_lists(inner) else "elements"
+            kind = "index lists (whole batches)" if lists is not None or yields_lists(inner) else "elements"
             changes.append(f"its {what} ({type(inner).__name__}) is read once and its {kind} dealt in its order "
                            "(it must give the same on every process)")
     elif not _in_order(inner):
@@ -128,7 +128,7 @@ def _eval_changes(loader: DataLoader, batch_size: int | None = None, world_size:
 
 
 def _in_order(sampler: Any) -> bool:
-    """Whether ``sampler`` gives its ``_known_order`` as it is."""
+    """Whether ``sampler`` gives its ``known_order`` as it is."""
     return type(sampler) is SequentialSampler or (type(sampler) is ResumableSampler and not sampler.shuffle
                                                    and sampler.world_size == 1 and sampler.start == 0)
 
@@ -142,7 +142,7 @@ def _read_once(sampler: Any) -> list[Any]:
 
 
 def _split_eval_loader(loader: DataLoader, *, batch_size: int, rank: int, world_size: int, name: str) -> DataLoader:
-    own, _, custom = _batching(loader)
+    own, _, custom = batching(loader)
     size = own if own is not None or not custom else batch_size
     iterable = isinstance(loader.dataset, IterableDataset)
     if changes := _eval_changes(loader, batch_size, world_size):
@@ -153,9 +153,9 @@ def _split_eval_loader(loader: DataLoader, *, batch_size: int, rank: int, world_
         sampler: Any = None
     else:
         dataset = loader.dataset
-        _check_nonempty(dataset, name)
-        lists, inner = _element_order(loader)
-        order: Any = None if custom else _known_order(inner)
+        check_nonempty(dataset, name)
+        lists, inner = element_order(loader)
+        order: Any = None if custom else known_order(inner)
         if custom:  # its batches' indices, in its order, dealt one by one as items are
             order = [i for batch in _read_once(loader.batch_sampler) for i in batch]
         elif order is None and lists is not None:  # index lists of the user's order: dealt whole
@@ -169,4 +169,4 @@ def _split_eval_loader(loader: DataLoader, *, batch_size: int, rank: int, world_
             sampler = ResumableSampler(len(order), shuffle=False, rank=rank, world_size=world_size)
         else:
             sampler = EveryNth(order, rank, world_size)
-    return _loader_like(loader, dataset, sampler, size, False, torch.Generator(), in_order=True)
+    return loader_like(loader, dataset, sampler, size, False, torch.Generator(), in_order=True)

@@ -8,9 +8,10 @@ import logging
 from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
-from torch.utils.data import get_worker_info
+from torch.utils.data import default_collate, get_worker_info
 
 from lightlike.errors import DataError
+from lightlike.module import TaskModule
 
 log = logging.getLogger("lightlike")
 
@@ -29,7 +30,6 @@ def module_batch_keys(module: Any) -> frozenset[str]:
         if isinstance(declared, str) or not all(isinstance(k, str) for k in declared):
             raise TypeError(f"{name}.batch_keys must be a collection of key names (strings), got {declared!r}")
         return frozenset(declared)
-    from lightlike.module import TaskModule
 
     if isinstance(module, TaskModule):
         raise DataError(
@@ -101,8 +101,6 @@ def remove_unused_keys(module: Any, batch_or_collator: Any = None, *,
     keys = module_batch_keys(module) | frozenset(keep)
     reader = getattr(type(module), "__name__", "the module")
     if batch_or_collator is None:
-        from torch.utils.data import default_collate
-
         batch_or_collator = default_collate
     if isinstance(batch_or_collator, Mapping):
         return KeyFilter(_identity, keys, reader).filter(batch_or_collator)

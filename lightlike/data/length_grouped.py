@@ -23,6 +23,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 
 import torch
+import torch.distributed as dist
 
 from lightlike.data.sampler import ResumableSampler, epoch_generator, epoch_permutation
 from lightlike.errors import DataError
@@ -146,8 +147,6 @@ class LengthGroupedSampler(ResumableSampler):
         return before is None or bool(self.lengths[item] > self.lengths[before].max())
 
     def __iter__(self) -> Iterator[int]:
-        import torch.distributed as dist
-
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() != self.world_size:
             raise DataError(f"LengthGroupedSampler(world_size={self.world_size}) but torch.distributed runs "
                             f"{dist.get_world_size()} processes: build it with rank=..., world_size=... of this "

@@ -6,28 +6,31 @@ import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch.utils.data import (
     BatchSampler,
     DataLoader,
     Dataset,
-    DistributedSampler,
     IterableDataset,
     RandomSampler,
     SequentialSampler,
-    SubsetRandomSampler,
-    WeightedRandomSampler,
 )
 
 from lightlike.data.iterable import ShardedIterable
+from lightlike.data.loader_info import (
+    already_split,
+    batching,
+    check_nonempty,
+    loader_like,
+    samplers_of,
+    yields_lists,
+)
+from lightlike.data.position import EpochPosition
 from lightlike.data.sampler import ResumableSampler
 from lightlike.data.workers import end_with_parent, start_workers
 from lightlike.errors import ConfigError, DataError
-
-if TYPE_CHECKING:
-    from lightlike.data.position import EpochPosition
 
 log = logging.getLogger("lightlike")
 
@@ -133,8 +136,6 @@ class TrainData:
     def position(self, start: int, batches_in_epoch: int, world_size: int) -> EpochPosition:
         """The loop's position in the epoch whose iterator ``epoch_iterator`` just began at
         global sample ``start``."""
-        from lightlike.data.position import EpochPosition  # (it reads this module's helpers)
-
         return EpochPosition(self, start, batches_in_epoch, world_size)
 
     def epoch_iterator(self, epoch: int, start_sample: int = 0, start_batch: int = 0) -> Any:
@@ -162,7 +163,7 @@ class TrainData:
                 "ResumableSampler as its sampler (one inside a BatchSampler is not followed); pass a map-style "
                 "Dataset, or build the DataLoader with batch_size=... and a ResumableSampler as sampler=")
         else:  # e.g. a DistributedSampler, also inside a BatchSampler (batch_sampler= or sampler=)
-            for sampler in _samplers_of(self.loader):
+            for sampler in samplers_of(self.loader):
                 if hasattr(sampler, "set_epoch"):
                     sampler.set_epoch(epoch)
         return self._fresh_iterator(epoch)
@@ -201,16 +202,6 @@ class TrainData:
             return start_workers(self.loader)
 
 
-def _check_nonempty(data: Any, what: str) -> int | None:
-    try:
-        n = len(data)
-    except TypeError:
-        return None
-    if n == 0:
-        raise DataError(f"the {what} data is empty: pass a dataset with at least one item")
-    return n
-
-
 def build_train_data(
     data: Any,
     *,
@@ -228,8 +219,8 @@ def build_train_data(
         raise DataError("fit() needs training data: fit(module, train_dataset, val_dataset)")
     if isinstance(data, DataLoader):
         if not isinstance(data.dataset, IterableDataset):
-            _check_nonempty(data.dataset, "training")
-        if world_size > 1 and not _already_split(data, world_size=world_size):
+            check_nonempty(data.dataset, "training")
+        if world_size > 1 and not already_split(data, world_size=world_size):
             data = _split_train_loader(data, shuffle=shuffle, seed=seed, rank=rank, world_size=world_size)
         sampler = data.sampler if isinstance(data.sampler, ResumableSampler) else None
         grouped = getattr(sampler, "batch_size", None)  # a LengthGroupedSampler's runs are its batches
@@ -252,7 +243,7 @@ def build_train_data(
                             pin_memory=pin_memory, collate_fn=collate_fn, generator=generator,
                             worker_init_fn=end_with_parent(None, num_workers))
         return TrainData(loader, None, None, seed, generator, world_size)
-    n = _check_nonempty(data, "training")
+    n = check_nonempty(data, "training")
     assert n is not None
     if drop_last and n // world_size < batch_size:
         raise DataError(
@@ -275,90 +266,6 @@ def build_train_data(
 # share instead of the whole set.
 
 
-def _batching(loader: DataLoader) -> tuple[int | None, bool, bool]:
-    """``(batch_size, drop_last, custom)``: ``custom`` when the loader has a batch_sampler of the
-    user's, whose own ``batch_size``/``drop_last`` are read when it has them."""
-    bs = loader.batch_sampler
-    if bs is None or (type(bs) is BatchSampler and loader.batch_size is not None):  # torch's own batching
-        return loader.batch_size, bool(loader.drop_last), False
-    if type(bs) is BatchSampler:  # a plain BatchSampler passed as batch_sampler=: its settings are kept
-        return bs.batch_size, bool(bs.drop_last), False
-    size = getattr(bs, "batch_size", None)
-    return (size if isinstance(size, int) else None), bool(getattr(bs, "drop_last", False)), True
-
-
-def _batch_items(loader: DataLoader) -> int:
-    """Items in a full batch of ``loader`` (a batch sampler's own ``batch_size``); 1 where each
-    element is a ready-made batch (``batch_size=None``), or the batch sampler tells no size."""
-    if loader.batch_size is not None:
-        return loader.batch_size
-    bs: Any = loader.batch_sampler
-    if bs is None and isinstance(loader.sampler, BatchSampler):  # index lists, each read at once
-        bs = loader.sampler
-    size = getattr(bs, "batch_size", None)
-    return size if isinstance(size, int) and size > 0 else 1
-
-
-def _epoch_items(loader: DataLoader, world_size: int) -> int | None:
-    """The items (global) the sampler of a DataLoader of the user's gives in an epoch, where it
-    tells: its length on one process; a ``DistributedSampler``'s items without its padding, a
-    ``ResumableSampler``'s dealt samples. None where unknown (an IterableDataset's items are
-    counted batch by batch instead)."""
-    if isinstance(loader.dataset, IterableDataset):
-        return None
-    bs = loader.batch_sampler
-    sampler: Any = None
-    if bs is None:  # ready-made batches: a BatchSampler's items, else the sampler's elements
-        sampler = loader.sampler.sampler if isinstance(loader.sampler, BatchSampler) else loader.sampler
-    else:  # torch's BatchSampler holds the loader's sampler; the user's may hold one
-        sampler = getattr(bs, "sampler", None)
-    try:
-        if sampler is None:
-            return None
-        if isinstance(sampler, DistributedSampler):  # its padding repeats items: left out
-            return min(len(sampler.dataset), sampler.total_size)  # type: ignore[arg-type]
-        if isinstance(sampler, ResumableSampler):
-            return sampler.global_end()
-        return len(sampler) if world_size == 1 else None
-    except TypeError:
-        return None
-
-
-def _already_split(loader: DataLoader, *, for_eval: bool = False, rank: int = 0, world_size: int = 1) -> bool:
-    """Whether the user's loader already gives this rank its own share."""
-    if isinstance(loader.dataset, IterableDataset):
-        return bool(getattr(loader.dataset, "shards_itself", False)) or isinstance(loader.dataset, ShardedIterable)
-    sampler = loader.sampler
-    if for_eval:  # only what lightlike would build itself: in order, unpadded, this rank's
-        return (type(sampler) is ResumableSampler and not sampler.shuffle and not sampler.drop_last
-                and sampler.start == 0 and (sampler.rank, sampler.world_size) == (rank, world_size)
-                and _batching(loader)[1:] == (False, False))
-    # also a sampler inside a BatchSampler (batch_sampler=, or sampler= for ready-made batches)
-    for s in _samplers_of(loader):
-        if isinstance(s, ResumableSampler) and s.world_size != world_size:
-            raise DataError(f"the training DataLoader's {type(s).__name__} has world_size={s.world_size} but the "
-                            f"job runs {world_size} processes: build it with rank=..., world_size=... of this job "
-                            "(or pass the Dataset and let the Fitter split it)")
-        if isinstance(s, (ResumableSampler, DistributedSampler)):
-            return True
-    return False
-
-
-def _loader_like(loader: DataLoader, dataset: Any, sampler: Any, batch_size: int | None, drop_last: bool,
-                 generator: torch.Generator, in_order: bool | None = None) -> DataLoader:
-    """A DataLoader over ``dataset`` with ``loader``'s workers, collate_fn and memory settings."""
-    kwargs: dict[str, Any] = dict(
-        batch_size=batch_size, sampler=sampler, num_workers=loader.num_workers, collate_fn=loader.collate_fn,
-        pin_memory=loader.pin_memory, drop_last=drop_last, timeout=loader.timeout,
-        worker_init_fn=end_with_parent(loader.worker_init_fn, loader.num_workers, loader.multiprocessing_context),
-        multiprocessing_context=loader.multiprocessing_context,
-        generator=generator, persistent_workers=loader.persistent_workers,
-        pin_memory_device=loader.pin_memory_device, in_order=loader.in_order if in_order is None else in_order)
-    if loader.num_workers:
-        kwargs["prefetch_factor"] = loader.prefetch_factor
-    return DataLoader(dataset, **kwargs)
-
-
 def _plain_sampler(loader: DataLoader) -> bool | None:
     """The user's sampler as a shuffle flag: True for a plain RandomSampler, False for a
     SequentialSampler, None for anything else (which cannot be kept)."""
@@ -373,15 +280,15 @@ def _plain_sampler(loader: DataLoader) -> bool | None:
 
 
 def _split_train_loader(loader: DataLoader, *, shuffle: bool, seed: int, rank: int, world_size: int) -> DataLoader:
-    batch_size, drop_last, custom = _batching(loader)
+    batch_size, drop_last, custom = batching(loader)
     generator = torch.Generator()
     generator.manual_seed(seed)
     if isinstance(loader.dataset, IterableDataset):
         log.info("the training DataLoader's IterableDataset is sharded over %d processes (set shards_itself = True "
                  "on a dataset that shards itself)", world_size)
-        return _loader_like(loader, ShardedIterable(loader.dataset, rank, world_size), None, batch_size, drop_last,
+        return loader_like(loader, ShardedIterable(loader.dataset, rank, world_size), None, batch_size, drop_last,
                             generator)
-    if loader.batch_sampler is None and _yields_lists(loader.sampler):  # it yields index lists
+    if loader.batch_sampler is None and yields_lists(loader.sampler):  # it yields index lists
         raise DataError(f"cannot split the training DataLoader over {world_size} processes: it reads ready-made "
                         f"batches (batch_size=None) through a sampler of index lists ({type(loader.sampler).__name__}"
                         ", such as a BatchSampler passed as sampler=), whose index lists "
@@ -415,60 +322,4 @@ def _split_train_loader(loader: DataLoader, *, shuffle: bool, seed: int, rank: i
                     n, world_size, n % world_size)
     sampler = ResumableSampler(n, shuffle=shuffle if shuffled is None else shuffled, seed=seed, rank=rank,
                                world_size=world_size, even=True)
-    return _loader_like(loader, loader.dataset, sampler, batch_size, drop_last, generator)
-
-def _known_order(sampler: Any) -> range | list[int] | None:
-    """The elements evaluation takes from one of torch's samplers or lightlike's, each once and in
-    order (a shuffling one's items in their order, a ``DistributedSampler`` without its padding,
-    a ``SubsetRandomSampler``'s indices in the order given); None for any other sampler."""
-    kind = type(sampler)
-    if kind is SequentialSampler:
-        return range(len(sampler))
-    if kind is RandomSampler:
-        return range(len(sampler.data_source))  # type: ignore[arg-type]
-    if kind is WeightedRandomSampler:
-        return range(len(sampler.weights))
-    if kind is SubsetRandomSampler:
-        return [int(i) for i in sampler.indices]
-    if kind is DistributedSampler:
-        return range(len(sampler.dataset))  # type: ignore[arg-type]
-    if isinstance(sampler, ResumableSampler):
-        return range(sampler.n)
-    return None
-
-
-def _yields_lists(sampler: Any) -> bool:
-    """Whether ``sampler`` gives index lists (ready-made batches): a BatchSampler, or a sampler of
-    the user's whose first element is a list (told by reading it)."""
-    if isinstance(sampler, BatchSampler):
-        return True
-    if _known_order(sampler) is not None:
-        return False
-    try:
-        with torch.random.fork_rng(devices=[]):
-            first = next(iter(sampler), None)
-    except Exception:  # noqa: BLE001 (it is read again where it is used, and fails there if it fails)
-        return False
-    return isinstance(first, (list, tuple)) or (isinstance(first, torch.Tensor) and first.ndim > 0)
-
-
-def _samplers_of(loader: DataLoader) -> list[Any]:
-    """The loader's sampler and batch sampler, and the samplers they wrap (each once)."""
-    found: list[Any] = []
-    for s in (loader.sampler, loader.batch_sampler):
-        for t in (s, getattr(s, "sampler", None)):
-            if t is not None and all(t is not f for f in found):
-                found.append(t)
-    return found
-
-
-def _element_order(loader: DataLoader) -> tuple[BatchSampler | None, Any]:
-    """``(lists, inner)``: ``lists`` is a BatchSampler passed as ``sampler=`` with ``batch_size=None``
-    (the dataset reads a list of indices at a time, each element a ready-made batch), else None;
-    ``inner`` the sampler whose order the items follow (that BatchSampler's, torch's BatchSampler's
-    (``batch_sampler=BatchSampler(...)``), else the loader's)."""
-    if loader.batch_sampler is None and isinstance(loader.sampler, BatchSampler):
-        return loader.sampler, loader.sampler.sampler
-    if type(loader.batch_sampler) is BatchSampler:
-        return None, loader.batch_sampler.sampler
-    return None, loader.sampler
+    return loader_like(loader, loader.dataset, sampler, batch_size, drop_last, generator)

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from torch.utils.data import BatchSampler
 
-from lightlike.data.loading import _batch_items, _epoch_items
+from lightlike.data.loader_info import batch_items, epoch_items
 from lightlike.module import batch_length
 
 if TYPE_CHECKING:
@@ -41,7 +41,7 @@ class EpochPosition:
         self._start, self._here, self._batches = start, 0, batches_in_epoch
         self._start_batches, self._world_size = batches_in_epoch, world_size
         loader = data.loader
-        self._global_batch = _batch_items(loader) * world_size
+        self._global_batch = batch_items(loader) * world_size
         self._batches_per_epoch = data.batches_per_epoch() if data.sampler is None else None
         # shares that may differ by rank: the epoch ends at the same step everywhere, once every
         # rank has taken the shortest share's batches left from here (without a length, an empty
@@ -65,7 +65,7 @@ class EpochPosition:
             n = sampler.n
             self._per_epoch = n - n % sampler.world_size if sampler.drop_last else n
         else:
-            self._end, self._done_below, self._per_epoch = _epoch_items(loader, world_size), 0, 0
+            self._end, self._done_below, self._per_epoch = epoch_items(loader, world_size), 0, 0
         self._ahead: Lookahead | None = None
         self._sum = data.sum_over_ranks
         # read one ahead (an IterableDataset, or no length): the ranks agree every step whether

@@ -30,6 +30,7 @@ import atexit
 import contextlib
 import contextvars
 import ctypes
+import multiprocessing
 import os
 import signal
 import sys
@@ -37,7 +38,10 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator
+from multiprocessing import resource_tracker
 from typing import Any
+
+from lightlike.preemption import watched_signals
 
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 _AT_EXIT = False  # whether _end_daemonic_children is registered
@@ -58,13 +62,10 @@ class EndWithParent:
     def __getstate__(self) -> dict[str, Any]:
         # pickled for a spawned (or forkserver) worker, which starts without the parent's module
         # state: the signals to ignore go with it (a forked worker reads the inherited state)
-        from lightlike.preemption import watched_signals
 
         return {**self.__dict__, "signals": watched_signals()}
 
     def __call__(self, worker_id: int) -> None:
-        from lightlike.preemption import watched_signals
-
         ignored = self.__dict__.get("signals") or watched_signals()
         for sig in ignored:
             signal.signal(sig, signal.SIG_IGN)  # the training process acts on it (above)
@@ -87,8 +88,6 @@ def _end_daemonic_children() -> None:
     ``EXIT_GRACE`` seconds (a worker of lightlike's loaders ignores SIGTERM, above). torch's
     SIGCHLD handler, still installed while an iterator lives, would raise out of this hook at the
     first killed worker and leave the others to that join: it is reset first."""
-    import multiprocessing
-
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     children = [c for c in multiprocessing.active_children() if c.daemon]
@@ -118,7 +117,6 @@ def _start_method(context: Any) -> str:
     or the platform's default (the list's first)."""
     if context is not None:
         return context if isinstance(context, str) else str(context.get_start_method())
-    import multiprocessing
 
     return multiprocessing.get_start_method(allow_none=True) or multiprocessing.get_all_start_methods()[0]
 
@@ -191,8 +189,6 @@ def start_workers(loader: Any) -> Any:
     is delivered when the block ends. Not for a DataLoader of the user's used as it is (its
     workers would keep the signals blocked, and never end on a SIGTERM), nor under forkserver
     (the fork server would keep them blocked for every process it forks later)."""
-    from lightlike.preemption import watched_signals
-
     if not getattr(loader, "num_workers", 0):
         return iter(loader)
     _join_ending_feeders()
@@ -208,7 +204,6 @@ def start_workers(loader: Any) -> Any:
         # started on the first spawn, the resource tracker unblocks SIGTERM in this thread when it
         # is up (it blocks it for its own start): start it first, so that spawned workers start
         # with the signals still blocked
-        from multiprocessing import resource_tracker
 
         resource_tracker.ensure_running()
     before = signal.pthread_sigmask(signal.SIG_BLOCK, signals)

@@ -10,6 +10,7 @@ used (``import lightlike`` imports none of them):
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 _NAMES = {
@@ -21,8 +22,6 @@ _NAMES = {
 
 def __getattr__(name: str) -> Any:
     if name in _NAMES:
-        import importlib
-
         return getattr(importlib.import_module(_NAMES[name]), name)
     raise AttributeError(f"module 'lightlike.interop' has no attribute {name!r}")
 

@@ -33,6 +33,8 @@ from typing import Any
 import torch
 from torch.nn import functional as F
 
+from lightlike.checkpoint.export import export_weights, fsync_replace
+from lightlike.checkpoint.weights import load_safetensors
 from lightlike.data.collators import mask_padded_context
 from lightlike.errors import CheckpointError, DataError, ModuleContractError
 from lightlike.module import TaskModule
@@ -54,7 +56,6 @@ class HFCausalLM(TaskModule):
         self.model = model
         self.ignore_index = ignore_index
         self.model_inputs = tuple(model_inputs)
-        self._hf_checkpointing = False
         config = getattr(model, "config", None)
         if config is not None and hasattr(config, "to_json_string"):
             self.hparams["hf_config"] = json.loads(config.to_json_string(use_diff=False))
@@ -119,26 +120,25 @@ class HFCausalLM(TaskModule):
             return batch["input_ids"]  # a KeyError is reported by the Fitter with the batch's keys
         raise ModuleContractError(f"HFCausalLM takes a dict batch with 'input_ids' or a tensor, got {type(batch).__name__}")
 
-    # -- gradient checkpointing: the Fitter sets module.gradient_checkpointing -----------------------
-    @property
-    def gradient_checkpointing(self) -> bool:  # type: ignore[override]
-        return self._hf_checkpointing
-
-    @gradient_checkpointing.setter
-    def gradient_checkpointing(self, on: bool) -> None:
-        if bool(on) == self.__dict__.get("_hf_checkpointing", False):
+    # -- gradient checkpointing: the model's own, switched on by the Fitter at set-up ---------------
+    def gradient_checkpointing_enable(self) -> None:
+        if self.gradient_checkpointing:
             return
-        self._hf_checkpointing = bool(on)
         kwargs = {"use_reentrant": False}
         if hasattr(self.model, "activation_checkpointing_enable"):  # transformers >= 5
-            if on:
-                self.model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-            else:
-                self.model.activation_checkpointing_disable()
-        elif on:
+            self.model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        else:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        super().gradient_checkpointing_enable()
+
+    def gradient_checkpointing_disable(self) -> None:
+        if not self.gradient_checkpointing:
+            return
+        if hasattr(self.model, "activation_checkpointing_enable"):  # transformers >= 5
+            self.model.activation_checkpointing_disable()
         else:
             self.model.gradient_checkpointing_disable()
+        super().gradient_checkpointing_disable()
 
 
 # ------------------------------------------------------------------------------------------------
@@ -177,7 +177,6 @@ def export_hf(source: Any, out_dir: str | Path, *, config: Any = None, prefix: s
     out.mkdir(parents=True, exist_ok=True)
     if checkpoint:
         model = _model_from_checkpoint(Path(source), config, prefix, hashes, out)
-    from lightlike.checkpoint.export import fsync_replace
 
     tmp = Path(tempfile.mkdtemp(prefix=".export-hf-", dir=out))
     try:
@@ -191,9 +190,6 @@ def export_hf(source: Any, out_dir: str | Path, *, config: Any = None, prefix: s
 
 def _model_from_checkpoint(src: Path, config: Any, prefix: str, hashes: bool, scratch: Path) -> Any:
     import transformers
-
-    from lightlike.checkpoint.export import export_weights
-    from lightlike.checkpoint.weights import load_safetensors
 
     with tempfile.TemporaryDirectory(prefix=".export-weights-", dir=scratch) as tmp:
         weights = export_weights(src, tmp, hashes=hashes)  # verifies; consolidates shards

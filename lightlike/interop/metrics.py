@@ -33,7 +33,11 @@ import sys
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import torch
+import torch.distributed as dist
+
 from lightlike.errors import ModuleContractError
+from lightlike.module import TaskModule
 
 
 class TorchMetric:
@@ -86,8 +90,6 @@ class TorchMetric:
             labels = self.module.labels(batch)
             preds = self.module.predictions(outputs, batch)
         else:
-            from lightlike.module import TaskModule
-
             labels = TaskModule.labels(None, batch)  # type: ignore[arg-type]
             preds = outputs
         if labels is None:
@@ -104,9 +106,6 @@ def gather_states(state: Any, group: Any = None) -> list[Any]:
     smaller than the world holds a list state as an empty 1-D float tensor while the others hold
     ``[N, C]`` ones, which made the default's shape exchange mismatch and abort every rank. Such
     an empty state comes back shaped ``(0, C...)`` with the others' dtype, so it concatenates."""
-    import torch
-    import torch.distributed as dist
-
     gathered: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(gathered, state.detach().cpu(), group=group)
     like = next((t for t in gathered if t.numel()), gathered[0])

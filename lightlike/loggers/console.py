@@ -71,12 +71,17 @@ class _AboveBar:
         return getattr(self.stream, name)
 
 
-def console_lines_above_bar(bar: Any) -> Callable[[], None]:
-    """Point the console handlers (a ``StreamHandler`` on stdout or stderr) of the root and
-    ``lightlike`` loggers at ``bar``'s writer (``setStream``); returns what points them back. An
-    application that configured logging (``basicConfig``) otherwise printed onto the bar's line.
-    The handlers stay the application's own objects: removing one or changing its level during
-    the fit works as without a bar (tqdm's ``logging_redirect_tqdm`` swaps them for its own)."""
+def console_lines_above_bar(bar: Any, on_stderr: bool = True) -> Callable[[], None]:
+    """Write log lines above ``bar`` (a tqdm bar drawn on stdout or stderr) until the returned
+    function is called. lightlike's own stderr handler writes through ``bar.write`` (when the
+    bar is ``on_stderr``); the
+    console handlers (a ``StreamHandler`` on stdout or stderr) of the root and ``lightlike``
+    loggers are pointed at ``bar``'s writer (``setStream``): an application that configured
+    logging (``basicConfig``) otherwise printed onto the bar's line. The handlers stay the
+    application's own objects: removing one or changing its level during the fit works as
+    without a bar (tqdm's ``logging_redirect_tqdm`` swaps them for its own)."""
+    if on_stderr:
+        _StderrHandler.bar = bar
     swapped: list[tuple[logging.StreamHandler, _AboveBar]] = []  # type: ignore[type-arg]
     for logger in (logging.getLogger(), logging.getLogger("lightlike")):
         for h in logger.handlers:
@@ -87,6 +92,8 @@ def console_lines_above_bar(bar: Any) -> Callable[[], None]:
                 swapped.append((h, proxy))
 
     def restore() -> None:
+        if _StderrHandler.bar is bar:
+            _StderrHandler.bar = None
         for h, proxy in swapped:
             if h.stream is proxy:  # unless the application pointed it elsewhere meanwhile
                 h.setStream(proxy.stream)
