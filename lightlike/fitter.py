@@ -179,12 +179,11 @@ class Fitter:
         default_counts = type(module).num_items is TaskModule.num_items and "num_items" not in vars(module)
         self._uniform_counts = train_data.deals_evenly and default_counts
         self._count_items = batch_length if default_counts else module.num_items  # (what num_items calls)
-        self._moves_batches = strategy.moves_batches()
         step_start, step_end = callbacks.handlers("on_step_start"), callbacks.handlers("on_step_end")
         self._before_optimizer_step = callbacks.handlers("on_before_optimizer_step")
         preemption = self._preemption  # installed by fit(); an out-of-memory retry keeps what it received
         preemption.vote = None
-        self._stop_agreed: Any = False  # the stop flag agreed in this step's item-count reduction
+        self._stop_agreed: Any = None  # no stop flag is agreed per step: the preemption vote decides (several ranks)
         world_size, log_every = strategy.world_size, cfg.log_every
         try:
             callbacks.call("on_fit_start", self, state, control)
@@ -202,7 +201,7 @@ class Fitter:
                 while state.global_step < max_steps:
                     self._phase = "train step"
                     window = list(itertools.islice(batches, accum))  # this step's micro-batches
-                    if agree_on_data and not position.follows and strategy.reduce_flag(not window) and window:
+                    if agree_on_data and not position.follows and strategy.collectives.reduce_flag(not window) and window:
                         log.warning("another rank ran out of training data: skipping this rank's last "
                                     "%d batch(es) of epoch %d", len(window), epoch)
                         window = []
@@ -316,10 +315,9 @@ class Fitter:
         Returns whether the optimizer update was applied."""
         cfg = self.config
         strategy, module, model, optimizer = self._step_parts  # (set up by fit)
-        batches = list(map(strategy.batch_to_device, window)) if self._moves_batches else window
+        batches = list(map(strategy.batch_to_device, window))
         counts = list(map(self._count_items, batches))
-        normaliser = strategy.item_normaliser(counts, self._preemption.received is not None,
-                                              uniform=self._uniform_counts)
+        normaliser = strategy.item_normaliser(counts, uniform=self._uniform_counts)
         last = len(batches) - 1
         step = self.state.global_step + 1
         skip_nonfinite = cfg.nonfinite_loss == "skip"
@@ -334,12 +332,12 @@ class Fitter:
                 else:
                     strategy.backward(loss * item_weight(n, total, loss.dtype), model)
             self._pending.append((loss.detach(), n, step, i))
-        self._stop_agreed = normaliser.flag
+        self._stop_agreed = None  # (no stop flag agreed in the step: the every-10-steps vote decides)
         if skip_nonfinite:
             window_losses = torch.stack([p[0] for p in self._pending[-len(batches):]])
             # one host read per step, by choice; every rank skips if any rank saw a non-finite loss
-            if strategy.reduce_flag(not bool(torch.isfinite(window_losses).all())):
-                strategy.zero_grad(optimizer)
+            if strategy.collectives.reduce_flag(not bool(torch.isfinite(window_losses).all())):
+                optimizer.zero_grad(set_to_none=True)
                 restore_buffers(buffers)  # type: ignore[arg-type]
                 self._grad_norm = None
                 del self._pending[-len(batches):]
@@ -352,7 +350,7 @@ class Fitter:
         for handler in self._before_optimizer_step:
             handler(self, self.state, self.control, optimizer)
         stepped = strategy.optimizer_step(optimizer, model)
-        strategy.zero_grad(optimizer)
+        optimizer.zero_grad(set_to_none=True)
         if not stepped:
             self.state.skipped_steps += 1
         return stepped

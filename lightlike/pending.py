@@ -48,4 +48,4 @@ def sum_pending(strategy: Any, values: list[tuple[float, float, int, int]]) -> t
     """Item-weighted loss sum and item count of read pending values, over every rank."""
     losses, items = list(zip(*values, strict=True))[:2] if values else ((), ())
     loss_sum, item_sum = sum(map(operator.mul, losses, items)), sum(items)
-    return tuple(strategy.sum_floats([loss_sum, item_sum]))  # type: ignore[return-value]
+    return tuple(strategy.collectives.sum_floats([loss_sum, item_sum]))  # type: ignore[return-value]

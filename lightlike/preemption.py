@@ -91,7 +91,7 @@ class PreemptionHandler:
         if agreed is None:
             if step % VOTE_EVERY:
                 return False
-            vote, self.vote = self.vote, strategy.reduce_flag_async(self.received is not None)
+            vote, self.vote = self.vote, strategy.collectives.reduce_flag_async(self.received is not None)
             return vote is not None and vote()
         if isinstance(agreed, bool):
             return agreed

@@ -376,12 +376,12 @@ def test_a_nonfinite_loss_on_one_rank_is_skipped_or_raised_on_every_rank(tmp_pat
     assert not list((tmp_path / "raise").glob("result-rank*.json"))
 
 
-def test_preemption_with_token_counts_stops_at_the_next_step_and_requeues_once(tmp_path):
-    """With per-item counts the stop flag rides the step's item-count all-reduce (no 10-step vote):
-    SIGTERM on rank 1 after step 3 stops both ranks after step 4 (dropping the flag from that
-    all-reduce passed every test: the run trained to its end), though step 4 logs nothing
-    (log_every=100: on the CPU the flag is read every step, not only at log steps). Under SLURM
-    the job is requeued once, by rank 0 (on every rank passed the single-process requeue tests)."""
+def test_preemption_with_token_counts_stops_every_rank_at_the_vote_and_requeues_once(tmp_path):
+    """With per-item counts (the step's item counts all-reduced every step) the ranks agree on a
+    stop through the same 10-step vote as with equal shares: SIGTERM on rank 1 after step 3 is in
+    the vote started at step 10 and read at step 20, where both ranks stop, though no step logs
+    (log_every=100). Under SLURM the job is requeued once, by rank 0 (on every rank passed the
+    single-process requeue tests)."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     record = tmp_path / "scontrol.log"
@@ -395,6 +395,6 @@ def test_preemption_with_token_counts_stops_at_the_next_step_and_requeues_once(t
     env = {**os.environ, "SLURM_JOB_ID": "4242", "PATH": f"{bin_dir}:{os.environ['PATH']}"}
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
     assert p.returncode != 0
-    assert "SIGTERM received: saving a checkpoint at step 4" in p.stderr, p.stderr[-3000:]
-    assert sorted(c.name for c in out.glob("checkpoint-*")) == ["checkpoint-4"]
+    assert "SIGTERM received: saving a checkpoint at step 20" in p.stderr, p.stderr[-3000:]
+    assert sorted(c.name for c in out.glob("checkpoint-*")) == ["checkpoint-20"]
     assert record.read_text().splitlines() == ["requeue 4242"]

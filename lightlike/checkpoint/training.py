@@ -84,15 +84,15 @@ def save_training_checkpoint(fitter: Fitter, wait: bool = True, full: bool | Non
     writer = CheckpointWriter(out, step, meta=meta, overwrite=True)
     if strategy.world_size > 1:
         writer = CheckpointWriter(out, step, meta=meta, overwrite=True,
-                                  tmp_name=strategy.broadcast_object(writer.tmp.name))
+                                  tmp_name=strategy.collectives.broadcast_object(writer.tmp.name))
     if main:
         writer.__enter__()  # creates the temp directory
-    strategy.barrier("save")  # ... before any rank writes into it
+    strategy.collectives.barrier("save")  # ... before any rank writes into it
     try:
         pending = strategy.save_checkpoint_state(writer, fitter.model, fitter.optimizer if full else None)
         # every rank's RNG state, not-yet-logged losses (the next log sums all ranks' items) and
         # batches taken in the epoch (the ranks' shares of an IterableDataset may differ by one)
-        per_rank = strategy.all_gather_object((_portable_rng(rng_state()), _pending_values(fitter),
+        per_rank = strategy.collectives.all_gather_object((_portable_rng(rng_state()), _pending_values(fitter),
                                                state.batches_in_epoch)) if full else []
         rng_all = [r for r, _, _ in per_rank]
         if main:
@@ -120,7 +120,7 @@ def save_training_checkpoint(fitter: Fitter, wait: bool = True, full: bool | Non
             return None
         if pending is not None:
             pending.result()
-        strategy.barrier("save")  # every rank's files are written
+        strategy.collectives.barrier("save")  # every rank's files are written
     except BaseException:
         if main:
             writer.__exit__(*sys.exc_info())  # removes the temp directory
@@ -149,7 +149,7 @@ def commit_pending_checkpoint(fitter: Fitter) -> Path | None:
     if pending is not None:
         try:
             pending.result()  # this rank's shards are on disk
-            fitter.strategy.barrier("save")  # type: ignore[union-attr]  # ... and every rank's
+            fitter.strategy.collectives.barrier("save")  # type: ignore[union-attr]  # ... and every rank's
         except BaseException:
             if fitter.strategy.is_global_zero:  # type: ignore[union-attr]
                 writer.__exit__(*sys.exc_info())
@@ -205,7 +205,7 @@ def _commit(fitter: Fitter, writer: CheckpointWriter, committing: Any = None) ->
             writer.__exit__(None, None, None)  # fsync, hash, manifest, rename
         rotate(fitter, keep_resume_source=cfg.auto_find_batch_size)  # a retry starts from it again
         log.info("saved checkpoint %s", path)
-    strategy.barrier("save")
+    strategy.collectives.barrier("save")
     return path
 
 
@@ -223,7 +223,7 @@ def load_training_checkpoint(fitter: Fitter, path: Path, verified: bool = False)
     the barrier first makes sure no rank is still looking for the checkpoint to resume from."""
     cfg, strategy = fitter.config, fitter.strategy
     assert strategy is not None and fitter.optimizer is not None
-    strategy.barrier("resume")
+    strategy.collectives.barrier("resume")
     manifest = verify_checkpoint(path, hashes=cfg.verify_hashes and not verified)
     if manifest.get("meta", {}).get("kind") == "model" or not (path / "trainer_state.json").exists():
         raise CheckpointError(

@@ -38,7 +38,7 @@ def _rotate_resume_source(fitter: Fitter) -> None:
         from lightlike.checkpoint.training import rotate
 
         rotate(fitter)
-    strategy.barrier("save")
+    strategy.collectives.barrier("save")
 
 
 def fit_finding_batch_size(fitter: Fitter, module: Any, train: Any, val: Any, resume: Any) -> FitResult:
