@@ -17,6 +17,7 @@ from torch import nn
 from lightlike.errors import ConfigError
 from lightlike.utils.batches import map_tensors
 
+
 class Precision:
     """Full fp32 (``32-true``): the base every plugin refines."""
 

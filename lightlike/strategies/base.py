@@ -74,9 +74,11 @@ class Strategy(ABC):
     def configure(self, config: Any) -> None:
         """Receive the run's ``FitConfig`` before anything is set up, for strategies that must
         generate settings from it (DeepSpeed's config: batch sizes, accumulation, clipping)."""
+        return None  # (none here)
 
     def teardown(self) -> None:
         """Release the process group and anything else set up."""
+        return None  # (none here)
 
     # -- module and optimizer ------------------------------------------------------------------
     @abstractmethod
