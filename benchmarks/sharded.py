@@ -3,7 +3,7 @@
 Every strategy trains the same model through the same Fitter settings (a stack of 4 residual MLP
 blocks, AdamW, batch 16 per rank); only ``strategy=`` changes. Reported per strategy: median
 steady-state per-step time and its ratio to DDP, and the bytes of parameters + gradients +
-optimizer state that each rank holds (its local shards, read from ``Strategy.memory_footprint``
+optimizer state that each rank holds (its local shards, read from ``lightlike.utils.memory.memory_footprint``
 just before an optimizer step) and their ratio to DDP's. Strategies whose extra is not installed
 (DeepSpeed) are reported as skipped.
 
@@ -30,6 +30,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from overhead import Clock, Data  # noqa: E402
 
 import lightlike as ll  # noqa: E402
+from lightlike.utils.memory import memory_footprint  # noqa: E402
 
 DEFAULT = "ddp,fsdp,deepspeed_zero1,deepspeed_zero2,deepspeed_zero3"
 
@@ -68,7 +69,7 @@ class Footprint(ll.Callback):
 
     def on_before_optimizer_step(self, fitter, state, control, optimizer):
         if state.global_step + 1 == self.at:
-            self.bytes = fitter.strategy.memory_footprint(fitter.model, fitter.optimizer)
+            self.bytes = memory_footprint(fitter.strategy, fitter.model, fitter.optimizer)
 
 
 def run(strategy: str, data: Data, args: argparse.Namespace) -> tuple[float, dict[str, int]]:

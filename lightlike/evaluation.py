@@ -265,12 +265,12 @@ def _in_lockstep(loader: Any, strategy: Strategy) -> Iterator[tuple[Any, bool]]:
         have = batch is not _END
         if have:
             stand_in = batch
-        states = strategy.all_gather_object((have, stand_in is not _END))
+        states = strategy.collectives.all_gather_object((have, stand_in is not _END))
         if not any(h for h, _ in states):
             return
         if not all(s for _, s in states):  # some rank never had a batch: the first one there is, sent
             src = next(r for r, (h, _) in enumerate(states) if h)
-            sent = strategy.broadcast_object(batch if strategy.global_rank == src else None, src=src)
+            sent = strategy.collectives.broadcast_object(batch if strategy.global_rank == src else None, src=src)
             if stand_in is _END:
                 stand_in = sent
         yield (batch, True) if have else (stand_in, False)
@@ -417,7 +417,7 @@ def run_evaluation(
         # the ranks agree on what each holds, so that a rank whose share is empty (a set smaller
         # than the world) joins the same collectives, with zeros and empty parts
         rows = ([leaf_rows(p) for p in preds], [leaf_rows(x) for x in labels]) if by_batch else None
-        infos = strategy.all_gather_object((n_batches, names, labelled, spec_of(pred_local), spec_of(label_local),
+        infos = strategy.collectives.all_gather_object((n_batches, names, labelled, spec_of(pred_local), spec_of(label_local),
                                             rows))
         try:  # every rank judges the same gathered values: it raises everywhere or nowhere
             names, labelled, pred_spec, label_spec = _agree(infos, prefix)
@@ -429,13 +429,13 @@ def run_evaluation(
         raise DataError(f"the {prefix} data produced no batches: pass a non-empty dataset")
     metrics: dict[str, float] = {}
     if labelled:
-        total = strategy.all_reduce(items)
+        total = strategy.collectives.all_reduce(items)
         zero = torch.zeros((), dtype=torch.float64, device=device)
-        stacked = strategy.all_reduce(torch.stack([sums.get(k, zero) for k in names])) / total
+        stacked = strategy.collectives.all_reduce(torch.stack([sums.get(k, zero) for k in names])) / total
         metrics = {f"{prefix}/{k}": float(v) for k, v in zip(names, stacked.tolist(), strict=True)}
     # a dataset that shards itself deals its own way: its ranks' outputs are joined rank by rank
-    predictions = strategy.gather_in_order(pred_local, dealt and not by_batch) if collect else None
-    label_set = strategy.gather_in_order(label_local, dealt and not by_batch) if label_local is not None else None
+    predictions = strategy.collectives.gather_in_order(pred_local, dealt and not by_batch) if collect else None
+    label_set = strategy.collectives.gather_in_order(label_local, dealt and not by_batch) if label_local is not None else None
     if by_batch:  # whole batches were dealt round-robin: the joined rows go back in batch order
         predictions = in_batch_order(predictions, [info[5][0] for info in infos]) if collect else None
         label_set = in_batch_order(label_set, [info[5][1] for info in infos]) if label_set is not None else None

@@ -162,7 +162,7 @@ class Fitter:
         """This step's micro-batches. Ranks whose shares may run out at different steps agree
         on each step that all still have data (every rank must take the same steps)."""
         window = list(itertools.islice(batches, self.config.grad_accum_steps))
-        if run.agree_on_data and not position.follows and self.strategy.reduce_flag(not window) and window:
+        if run.agree_on_data and not position.follows and self.strategy.collectives.reduce_flag(not window) and window:
             log.warning("another rank ran out of training data: skipping this rank's last %d batch(es) of epoch %d",
                         len(window), self.state.epoch_index)
             return []
@@ -202,7 +202,7 @@ class Fitter:
                                                 self.config.max_grad_value, want_norm)
         self.callbacks.call("on_before_optimizer_step", self, state, self.control, run.optimizer)
         stepped = strategy.optimizer_step(run.optimizer, model)
-        strategy.zero_grad(run.optimizer)
+        run.optimizer.zero_grad(set_to_none=True)
         if not stepped:
             state.skipped_steps += 1
         return stepped
@@ -211,9 +211,9 @@ class Fitter:
         """``nonfinite_loss="skip"``: whether any rank saw a non-finite loss this step (one host
         read per step, by choice); if so the step is undone: no update, buffers restored."""
         losses = run.losses.last_losses(micro_batches)
-        if not self.strategy.reduce_flag(not bool(torch.isfinite(losses).all())):
+        if not self.strategy.collectives.reduce_flag(not bool(torch.isfinite(losses).all())):
             return False
-        self.strategy.zero_grad(run.optimizer)
+        run.optimizer.zero_grad(set_to_none=True)
         restore_buffers(buffers)
         run.grad_norm = None
         run.losses.drop_last(micro_batches)

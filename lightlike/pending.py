@@ -105,4 +105,4 @@ def sum_values(strategy: Any, values: list[tuple[float, float, int, int]]) -> tu
     """Item-weighted loss sum and item count of read pending values, over every rank."""
     loss_sum = sum(loss * n for loss, n, _, _ in values)
     item_sum = sum(n for _, n, _, _ in values)
-    return tuple(strategy.sum_floats([loss_sum, item_sum]))  # type: ignore[return-value]
+    return tuple(strategy.collectives.sum_floats([loss_sum, item_sum]))  # type: ignore[return-value]

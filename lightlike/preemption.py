@@ -88,7 +88,7 @@ class PreemptionHandler:
             return self.received is not None
         if step % VOTE_EVERY:
             return False
-        vote, self.vote = self.vote, strategy.reduce_flag_async(self.received is not None)
+        vote, self.vote = self.vote, strategy.collectives.reduce_flag_async(self.received is not None)
         return vote is not None and vote()
 
     def finish_vote(self) -> None:

@@ -57,7 +57,7 @@ class PruningCallback(Callback):
             self.trial.report(metrics[self.metric], step=state.global_step)
             prune = self.trial.should_prune()
         if strategy.world_size > 1:
-            prune = strategy.broadcast_object(prune)
+            prune = strategy.collectives.broadcast_object(prune)
         if prune:
             self.pruned_at = state.global_step
             control.should_training_stop = True
@@ -137,7 +137,7 @@ def search(fitter: Fitter, module_factory: Callable[..., Any], space: Any, n_tri
                 params = dict(params)
                 _check_names(params, module_factory, config_keys)
                 if strategy.world_size > 1:
-                    strategy.broadcast_object((trial.number, params))
+                    strategy.collectives.broadcast_object((trial.number, params))
                 # set first: a trial that fails (or is killed) still names its folder and settings
                 trial.set_user_attr("output_dir", str(Path(base.output_dir) / f"trial-{trial.number}"))
                 trial.set_user_attr("overrides", _jsonable(params))
@@ -149,17 +149,17 @@ def search(fitter: Fitter, module_factory: Callable[..., Any], space: Any, n_tri
 
             study.optimize(objective, n_trials=n_trials, timeout=timeout)
             if strategy.world_size > 1:
-                strategy.broadcast_object(None)  # no more trials
-                strategy.broadcast_object((study.direction.name.lower(), study.trials))
+                strategy.collectives.broadcast_object(None)  # no more trials
+                strategy.collectives.broadcast_object((study.direction.name.lower(), study.trials))
             return study
         # ranks other than 0: run the trials rank 0 announces, with its pruning decisions
         while True:
-            announced = strategy.broadcast_object(None)
+            announced = strategy.collectives.broadcast_object(None)
             if announced is None:
                 break
             number, params = announced
             run_trial(number, params, None)
-        direction, trials = strategy.broadcast_object(None)
+        direction, trials = strategy.collectives.broadcast_object(None)
         study = optuna.create_study(direction=direction)  # type: ignore[arg-type]
         study.add_trials(trials)
         return study
@@ -172,7 +172,7 @@ def _stop_if_preempted(strategy: Any, handlers: list[Any], after: str) -> None:
     acts on it): the search stops with exit 75. It is not requeued: a search does not resume
     (pass ``study=`` with a storage to continue one)."""
     names = [h.signal_name for h in handlers if h.received is not None]
-    if strategy.reduce_flag(bool(names)) if strategy.world_size > 1 else names:
+    if strategy.collectives.reduce_flag(bool(names)) if strategy.world_size > 1 else names:
         log.warning("%s received %s: the search stops (exit %d; a search does not resume, pass study= with a "
                     "storage to continue it)", names[0] if names else "a signal on another rank", after, EXIT_PREEMPTED)
         raise Preempted(names[0] if names else "a signal on another rank", None)

@@ -74,12 +74,14 @@ def test_a_process_group_of_another_size_is_refused(monkeypatch):
 
 
 class _Ranks:
-    """A stand-in for a two-process strategy that records what failing_fast tells it."""
+    """A stand-in for a two-process strategy that records what failing_fast tells its collectives
+    (itself here)."""
 
     global_rank, world_size, is_global_zero = 1, 2, False
 
     def __init__(self):
         self.failures = 0
+        self.collectives = self
 
     def note_failure(self, report=None, call=0):
         self.failures += 1
@@ -128,7 +130,7 @@ def test_ddp_collectives_pass_their_source_and_operation_through(monkeypatch):
     """broadcast_object sends from the rank asked for (evaluation in lockstep sends the stand-in
     batch from the lowest rank that has one, which is not rank 0 for a dataset that shards itself);
     all_reduce maps each op name to torch's op. Recorded, not run: one process cannot tell."""
-    from lightlike.strategies import ddp as ddp_module
+    from lightlike.strategies import collectives as collectives_module
     from lightlike.strategies.ddp import DDPStrategy
     from lightlike.strategies.environment import ClusterEnvironment
 
@@ -141,17 +143,17 @@ def test_ddp_collectives_pass_their_source_and_operation_through(monkeypatch):
     def all_reduce(t, op=dist.ReduceOp.SUM, async_op=False):
         seen.append(("all_reduce", op))
 
-    monkeypatch.setattr(ddp_module.dist, "broadcast_object_list", broadcast_object_list)
-    monkeypatch.setattr(ddp_module.dist, "all_reduce", all_reduce)
+    monkeypatch.setattr(collectives_module.dist, "broadcast_object_list", broadcast_object_list)
+    monkeypatch.setattr(collectives_module.dist, "all_reduce", all_reduce)
     strategy = DDPStrategy(accelerator="cpu")
     strategy.env = ClusterEnvironment("torchrun", 0, 2, 0, 0, "127.0.0.1", 44202, 2)
-    assert strategy.broadcast_object("mine", src=1) == "from 1"
-    assert strategy.broadcast_object("mine") == "from 0"
+    assert strategy.collectives.broadcast_object("mine", src=1) == "from 1"
+    assert strategy.collectives.broadcast_object("mine") == "from 0"
     import torch
 
     for name in ("sum", "max", "min"):
-        strategy.all_reduce(torch.ones(1), name)
-    strategy.reduce_flag(True)
+        strategy.collectives.all_reduce(torch.ones(1), name)
+    strategy.collectives.reduce_flag(True)
     assert seen == [("broadcast", 1), ("broadcast", 0), ("all_reduce", dist.ReduceOp.SUM),
                     ("all_reduce", dist.ReduceOp.MAX), ("all_reduce", dist.ReduceOp.MIN),
                     ("all_reduce", dist.ReduceOp.MAX)]

@@ -410,23 +410,11 @@ def test_configure_optimizers_rejected_forms():
         unwrap_configure_optimizers(42)
 
 
-def test_strategy_zero_grad_clears_every_group_and_calls_an_optimizer_own_zero_grad():
-    """Strategy.zero_grad sets every gradient of every group to None for torch's optimizers
-    (what ``zero_grad(set_to_none=True)`` does, without its profiler range), and calls the
-    optimizer's own ``zero_grad`` when it overrides torch's."""
-    from lightlike.strategies.single import SingleDeviceStrategy
-
-    model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
-    frozen = nn.Parameter(torch.ones(2))  # in a group, but its grad is left None by backward
-    opt = torch.optim.AdamW([{"params": model[0].parameters()}, {"params": [*model[1].parameters(), frozen]}])
-    model(torch.randn(5, 3)).sum().backward()
-    frozen.grad = torch.ones(2)
-    assert all(p.grad is not None for p in [*model.parameters(), frozen])
-    outside = nn.Parameter(torch.ones(1))  # not in the optimizer: left alone, as torch does
-    outside.grad = torch.ones(1)
-    SingleDeviceStrategy().zero_grad(opt)
-    assert all(p.grad is None for p in [*model.parameters(), frozen])
-    assert outside.grad is not None
+def test_the_loop_clears_gradients_through_the_optimizers_zero_grad(tmp_path):
+    """After every step the loop calls ``optimizer.zero_grad(set_to_none=True)``: torch's sets every
+    gradient of every group to None; an optimizer that overrides ``zero_grad`` decides for itself
+    (here it keeps them)."""
+    from helpers import Classifier, DictDataset
 
     calls = []
 
@@ -434,8 +422,16 @@ def test_strategy_zero_grad_clears_every_group_and_calls_an_optimizer_own_zero_g
         def zero_grad(self, set_to_none=True):
             calls.append(set_to_none)  # e.g. an optimizer that keeps gradient buffers
 
-    own = OwnZeroGrad(model.parameters(), lr=0.1)
-    model(torch.randn(5, 3)).sum().backward()
-    SingleDeviceStrategy().zero_grad(own)
-    assert calls == [True]
-    assert all(p.grad is not None for p in model.parameters())  # its zero_grad decided: kept
+    class Own(Classifier):
+        def configure_optimizers(self):
+            return OwnZeroGrad(self.parameters(), lr=0.1)
+
+    def fit(module, name):
+        ll.Fitter(max_steps=2, batch_size=4, output_dir=str(tmp_path / name), loggers=[],
+                  model_summary=False).fit(module, DictDataset(n=16))
+        return module
+
+    assert all(p.grad is None for p in fit(Classifier(), "torch").parameters())
+    kept = fit(Own(), "own")
+    assert calls == [True, True]
+    assert all(p.grad is not None for p in kept.parameters())  # its zero_grad decided: kept

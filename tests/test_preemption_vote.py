@@ -24,13 +24,14 @@ SCRIPTS = Path(__file__).parent / "scripts"
 
 
 class TwoRanks:
-    """A stand-in for a two-process strategy: ``reduce_flag_async`` ORs this rank's flag with the
-    peer's (``peer``) and records when each vote is started and read."""
+    """A stand-in for a two-process strategy and its collectives (itself): ``reduce_flag_async``
+    ORs this rank's flag with the peer's (``peer``) and records when each vote is started and read."""
 
     world_size = 2
 
     def __init__(self, peer=False):
         self.peer, self.started, self.read = peer, [], []
+        self.collectives = self
 
     def reduce_flag_async(self, flag):
         n = len(self.started)

@@ -54,17 +54,19 @@ def test_single_refuses_a_task_of_a_multi_task_srun_step(clean_env):
         SingleDeviceStrategy("cpu").setup_environment()
 
 
-def test_the_loop_skips_the_batch_move_only_where_it_could_change_nothing(clean_env, tmp_path):
-    """``moves_batches`` is False on the CPU with no input cast, where the loop skips the call;
-    an input cast, or an overridden ``convert_input`` / ``batch_to_device``, keeps every batch going through it."""
+def test_every_batch_goes_through_batch_to_device_which_changes_nothing_it_need_not(clean_env, tmp_path):
+    """On the CPU with no input cast, ``batch_to_device`` gives the batch back as it is; an input
+    cast, or an overridden ``convert_input`` / ``batch_to_device``, is applied to every batch."""
     from helpers import Classifier, DictDataset
 
     import lightlike as ll
     from lightlike.precision import Precision, get_precision
 
-    assert not SingleDeviceStrategy("cpu", precision=get_precision("32-true")).moves_batches()
-    assert not SingleDeviceStrategy("cpu", precision=get_precision("bf16-mixed")).moves_batches()
-    assert SingleDeviceStrategy("cpu", precision=get_precision("bf16-true")).moves_batches()
+    batch = {"x": torch.ones(2, 3), "y": torch.tensor([0, 1])}
+    for name in ("32-true", "bf16-mixed"):
+        assert SingleDeviceStrategy("cpu", precision=get_precision(name)).batch_to_device(batch) is batch
+    cast = SingleDeviceStrategy("cpu", precision=get_precision("bf16-true")).batch_to_device(batch)
+    assert cast["x"].dtype == torch.bfloat16 and cast["y"].dtype == torch.int64
     seen = []
 
     class Marking(Precision):  # a user's plugin that changes the inputs
@@ -77,8 +79,6 @@ def test_the_loop_skips_the_batch_move_only_where_it_could_change_nothing(clean_
             seen.append(-1)
             return super().batch_to_device(batch)
 
-    assert SingleDeviceStrategy("cpu", precision=Marking()).moves_batches()
-    assert Moving("cpu").moves_batches()
     fitter = ll.Fitter(strategy=SingleDeviceStrategy("cpu", precision=Marking()), max_steps=3, batch_size=4,
                        output_dir=str(tmp_path / "a"), loggers=[], model_summary=False, learning_rate=0.1)
     module = Classifier()

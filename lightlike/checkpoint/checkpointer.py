@@ -94,7 +94,7 @@ class Checkpointer:
         try:
             shards = strategy.save_checkpoint_state(writer, self.model, self.optimizer if full else None)
             # every rank's random state and loop state (pending losses, batches taken in the epoch)
-            per_rank = strategy.all_gather_object((self.rng.state_dict(), self.loop.rank_state_dict())) \
+            per_rank = strategy.collectives.all_gather_object((self.rng.state_dict(), self.loop.rank_state_dict())) \
                 if full else []
             if strategy.is_global_zero:
                 self._write_main_files(writer, full, per_rank)
@@ -103,7 +103,7 @@ class Checkpointer:
                 return None
             if shards is not None:
                 shards.result()
-            strategy.barrier("save")  # every rank's files are written
+            strategy.collectives.barrier("save")  # every rank's files are written
         except BaseException:
             if strategy.is_global_zero:
                 writer.__exit__(*sys.exc_info())  # removes the temp directory
@@ -120,10 +120,10 @@ class Checkpointer:
         writer = CheckpointWriter(out, step, meta=meta, overwrite=True)
         if strategy.world_size > 1:
             writer = CheckpointWriter(out, step, meta=meta, overwrite=True,
-                                      tmp_name=strategy.broadcast_object(writer.tmp.name))
+                                      tmp_name=strategy.collectives.broadcast_object(writer.tmp.name))
         if strategy.is_global_zero:
             writer.__enter__()  # creates the temp directory
-        strategy.barrier("save")  # ... before any rank writes into it
+        strategy.collectives.barrier("save")  # ... before any rank writes into it
         return writer
 
     def _write_main_files(self, writer: CheckpointWriter, full: bool, per_rank: list[Any]) -> None:
@@ -159,7 +159,7 @@ class Checkpointer:
         if shards is not None:
             try:
                 shards.result()  # this rank's shards are on disk
-                self.strategy.barrier("save")  # ... and every rank's
+                self.strategy.collectives.barrier("save")  # ... and every rank's
             except BaseException:
                 if self.strategy.is_global_zero:
                     writer.__exit__(*sys.exc_info())
@@ -177,7 +177,7 @@ class Checkpointer:
                 writer.__exit__(None, None, None)  # fsync, hash, manifest, rename
             self.rotate(keep_resume_source=self.config.auto_find_batch_size)  # a retry starts from it again
             log.info("saved checkpoint %s", path)
-        strategy.barrier("save")
+        strategy.collectives.barrier("save")
         return path
 
     def publish_sealed(self) -> Path | None:
@@ -218,7 +218,7 @@ class Checkpointer:
         abandoned continuation moved aside)."""
         cfg, strategy = self.config, self.strategy
         path = Path(path)
-        strategy.barrier("resume")  # no rank is still looking for the checkpoint to resume from
+        strategy.collectives.barrier("resume")  # no rank is still looking for the checkpoint to resume from
         self._check_resumable(path, verify_checkpoint(path, hashes=cfg.verify_hashes and not verified))
         check_optimizer_fits(self.module, cfg, path)
         strategy.load_checkpoint_state(path, self.model, self.optimizer)

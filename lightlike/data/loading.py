@@ -61,8 +61,8 @@ class TrainData:
         every rank (one all-reduce per epoch); one without ends when a rank runs out, which the loop
         agrees on every step. Collective."""
         device = strategy.root_device
-        self.min_over_ranks = lambda n: int(strategy.all_reduce(torch.tensor(n, device=device), "min"))
-        self.sum_over_ranks = strategy.sum_floats
+        self.min_over_ranks = lambda n: int(strategy.collectives.all_reduce(torch.tensor(n, device=device), "min"))
+        self.sum_over_ranks = strategy.collectives.sum_floats
 
     def replays(self) -> bool:
         """Whether a mid-epoch resume reaches its position by reading the epoch's first batches

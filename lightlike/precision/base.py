@@ -8,7 +8,7 @@ says whether the step was taken), and carries its own checkpoint state.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -16,10 +16,6 @@ from torch import nn
 
 from lightlike.errors import ConfigError
 from lightlike.utils.batches import map_tensors
-
-#: the context of a step that needs none: one shared ``nullcontext`` (reusable and reentrant), as a
-#: new one per micro-batch costs a Python ``__init__`` in the step
-NO_CONTEXT = contextlib.nullcontext()
 
 
 class Precision:
@@ -64,7 +60,8 @@ class Precision:
         return _cast_floats(batch, self.param_dtype)
 
     def autocast(self) -> contextlib.AbstractContextManager:
-        return NO_CONTEXT
+        """The context a forward pass runs in: none in fp32."""
+        return contextlib.nullcontext()
 
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()
@@ -100,8 +97,3 @@ def require_device_support(name: str, device: torch.device, dtype: torch.dtype) 
         )
     if device.type == "mps" and dtype == torch.bfloat16:
         raise ConfigError(f"precision={name!r}: MPS has no bfloat16 here; use '16-mixed' or '32-true'")
-
-
-@contextlib.contextmanager
-def _no_op() -> Iterator[None]:
-    yield

@@ -1,16 +1,24 @@
-"""The ``Strategy`` contract: everything the loop asks about devices and processes.
+"""The ``Strategy`` contract: what the loop asks about devices and processes.
 
-One process group and device setup, wrapping of module and optimizer, backward and optimizer
-step (delegated to the ``Precision`` plugin), gradient clipping on the true global norm,
-collectives (reduce, gather, barrier, broadcast), the no-sync context for accumulation, and the
-state that goes into checkpoints. ``SingleDevice`` implements it for one process; DDP, FSDP and
-DeepSpeed implement the same methods, so ``Fitter`` never asks which strategy it has.
+A strategy sets up the processes and the device, wraps the module and the optimizer, runs
+backward and the optimizer step (through its ``Precision`` plugin), clips gradients on the true
+global norm, opens the no-sync context of accumulation, and writes and reads the weights and
+optimizer state of a checkpoint. Those members are abstract: each strategy says how it does each
+(``SingleDeviceStrategy`` for one process; ``DDPStrategy``, ``FSDPStrategy`` and
+``DeepSpeedStrategy`` on the ``ParallelStrategy`` base). What all ranks compute together
+(reduce, gather, broadcast, barrier, agreeing on flags) is a separate object,
+``strategy.collectives``, so the loop never asks which strategy it has.
+
+The rest has defaults that hold for every strategy that does not say otherwise; the functions
+at the end (``clip_gradients``, ``save_full_state``, ``load_full_state``, ...) are the plain
+ways that several strategies share.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from abc import ABC, abstractmethod
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -18,21 +26,30 @@ import torch
 from torch import nn
 
 from lightlike.precision import Precision
-from lightlike.precision.base import NO_CONTEXT
+from lightlike.strategies.collectives import Collectives
 from lightlike.utils.batches import map_tensors
 
 
-class Strategy:
-    """Base class. Subclasses set up devices and processes and override what differs."""
+class Strategy(ABC):
+    """The contract. Subclasses implement the abstract members and override the defaults that
+    differ for them."""
 
     name: str = "base"
+    #: how ``save_checkpoint_state`` lays out weights and optimizer state; recorded in the
+    #: manifest's meta as ``state_format`` ("full": ``model.safetensors`` + ``optimizer.pt``)
+    checkpoint_format: str = "full"
+    #: the layouts a run resumes from under this strategy, optimizer state included (a checkpoint
+    #: of another layout is refused before anything loads; its weights can start a new fit)
+    resumes_from: tuple[str, ...] = ("full", "dcp")
 
     def __init__(self, accelerator: str = "auto", precision: Precision | None = None) -> None:
         self.accelerator = accelerator
         self.precision: Precision = precision if precision is not None else Precision()
         self.root_device = torch.device("cpu")
+        #: what the ranks compute together (identity on one process)
+        self.collectives: Collectives = Collectives()
 
-    # -- processes and devices -----------------------------------------------------------------
+    # -- processes and devices (one process unless overridden) --------------------------------
     @property
     def world_size(self) -> int:
         return 1
@@ -49,43 +66,35 @@ class Strategy:
     def is_global_zero(self) -> bool:
         return self.global_rank == 0
 
+    @abstractmethod
+    def setup_environment(self) -> None:
+        """Start the process group (if any), bind the device and set up the precision plugin
+        (``self.precision.setup(self.root_device)``)."""
+
     def configure(self, config: Any) -> None:
         """Receive the run's ``FitConfig`` before anything is set up, for strategies that must
         generate settings from it (DeepSpeed's config: batch sizes, accumulation, clipping)."""
-
-    def setup_environment(self) -> None:
-        """Start the process group (if any), bind the device and set up the precision plugin."""
-        self.precision.setup(self.root_device)
+        return None  # (none here)
 
     def teardown(self) -> None:
         """Release the process group and anything else set up."""
-
-    def note_failure(self, report: str | None = None, call: int = 0) -> None:
-        """The loop is unwinding after an error of this rank's: teardown must not wait for the
-        other ranks. ``report`` (this rank's one-line account of call number ``call``) is left
-        where the peers can read it (``failed_peers``)."""
-
-    def failed_peers(self, call: int = 0) -> list[str]:
-        """The reports other ranks left with ``note_failure`` for call number ``call``, in rank
-        order (none that cannot be read)."""
-        return []
+        return None  # (none here)
 
     # -- module and optimizer ------------------------------------------------------------------
-    def module_init_context(self) -> contextlib.AbstractContextManager:
-        """Where ``Fitter.init_module()`` builds the module: as usual, unless a sharded strategy
-        can build it without materialising it whole on one device."""
-        return contextlib.nullcontext()
-
+    @abstractmethod
     def setup_module(self, module: nn.Module) -> nn.Module:
         """Move, convert and wrap the module. Returns the module the loop calls."""
-        module = self.precision.convert_module(module)
-        return module.to(self.root_device)
 
+    @abstractmethod
     def setup_optimizer(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[nn.Module, torch.optim.Optimizer]:
         """Wrap the optimizer built over ``setup_module``'s parameters. Returns the module the
         loop calls and the optimizer it steps: an engine that owns both (DeepSpeed) may replace
         the module here too."""
-        return model, optimizer
+
+    def module_init_context(self) -> contextlib.AbstractContextManager:
+        """Where ``Fitter.init_module()`` builds the module: as usual, unless a sharded strategy
+        can build it without materialising it whole on one device."""
+        return contextlib.nullcontext()
 
     def setup_module_for_evaluation(self, module: nn.Module) -> nn.Module:
         """``setup_module`` for ``validate``/``test``/``predict`` without a ``fit`` before them
@@ -111,82 +120,6 @@ class Strategy:
             batch = move_to_device(batch, self.root_device)
         return self.precision.convert_input(batch)
 
-    def moves_batches(self) -> bool:
-        """Whether ``batch_to_device`` can change a batch: False on the CPU with the precision
-        casting no input (and neither method overridden), where the loop then skips the call."""
-        precision = self.precision
-        return (type(self).batch_to_device is not Strategy.batch_to_device or self.root_device.type != "cpu"
-                or precision.param_dtype is not None or type(precision).convert_input is not Precision.convert_input)
-
-    # -- a training step -----------------------------------------------------------------------
-    def no_sync(self, module: nn.Module, enabled: bool) -> contextlib.AbstractContextManager:
-        """Context for micro-steps whose gradients must not be synchronised yet."""
-        return NO_CONTEXT
-
-    def autocast(self) -> contextlib.AbstractContextManager:
-        return self.precision.autocast()
-
-    def backward(self, loss: torch.Tensor, module: nn.Module) -> None:
-        self.precision.backward(loss)
-
-    def clip_gradients(
-        self,
-        module: nn.Module,
-        optimizer: torch.optim.Optimizer,
-        max_norm: float | None,
-        max_value: float | None,
-        want_norm: bool = False,
-    ) -> torch.Tensor | None:
-        """Unscale, clip by value and/or by global norm. Returns the global norm of the
-        gradients before norm clipping (a device tensor, not read here) when clipping by norm or
-        when ``want_norm``; otherwise None, so steps that do not log skip the norm."""
-        self.precision.unscale_gradients(optimizer)
-        if max_norm is None and max_value is None and not want_norm:
-            return None  # nothing to do: no per-parameter work on this step
-        params = [p for p in _params(optimizer) if p.grad is not None]
-        if max_value is not None:
-            torch.nn.utils.clip_grad_value_(params, max_value, foreach=True)
-        if max_norm is not None:
-            return torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
-        if want_norm:
-            return torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)  # type: ignore[misc]
-        return None
-
-    def optimizer_step(self, optimizer: torch.optim.Optimizer, module: nn.Module) -> bool:
-        """Step; False when the update was skipped (fp16 overflow)."""
-        return self.precision.optimizer_step(optimizer)
-
-    def zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
-        """``optimizer.zero_grad(set_to_none=True)``. For an optimizer that keeps torch's own
-        ``zero_grad``, that is exactly ``p.grad = None`` for every parameter of every group,
-        done here directly: torch's version also opens a profiler range and builds a foreach
-        table, 7.8 us against 0.3 us on a four-tensor model (benchmarks/RESULTS.md)."""
-        if type(optimizer).zero_grad is not _TORCH_ZERO_GRAD:  # its own zero_grad: call it
-            optimizer.zero_grad(set_to_none=True)
-            return
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                p.grad = None
-
-    # -- collectives (identity on one process) ---------------------------------------------------
-    def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
-        return tensor
-
-    def item_normaliser(self, counts: list[int | torch.Tensor], flag: bool = False,
-                        uniform: bool = False) -> StepNormaliser:
-        """The denominator of exact accumulation, and whether ``flag`` is set on any rank.
-
-        Micro-batch i's loss is weighted by ``n_i / total``, so that after this strategy's
-        gradient reduction the step's gradient is that of the mean loss over every item of the
-        step (all micro-batches, all ranks). On one process: the sum of the counts (ints stay
-        ints; tensors stay on the device, so no host read). ``flag`` (a stop request such as
-        preemption) rides along, so agreeing on it costs no extra collective. A distributed
-        strategy may start its reduction here and finish it when ``total`` is first read,
-        so it overlaps the first forward pass. ``uniform=True`` promises that every rank holds the
-        same integer counts this step (lightlike's sampler deals equal shares), which lets a
-        distributed strategy skip the reduction; the flag is then returned as None (not agreed)."""
-        return StepNormaliser(sum(counts[1:], counts[0]), flag)  # (counts[0] + counts[1] + ...)
-
     @property
     def forward_is_collective(self) -> bool:
         """Whether a forward pass takes part in collectives (sharded parameters gathered on the
@@ -194,85 +127,64 @@ class Strategy:
         then keeps the ranks in step when their shares hold different numbers of batches."""
         return False
 
-    def sum_floats(self, values: list[float]) -> list[float]:
-        """Sum host-side numbers over ranks (identity on one process)."""
-        return values
+    # -- a training step -----------------------------------------------------------------------
+    @abstractmethod
+    def no_sync(self, module: nn.Module, enabled: bool) -> contextlib.AbstractContextManager:
+        """Context for one micro-step: with ``enabled``, its gradients must not be synchronised
+        over ranks yet (a micro-step before the last of an accumulation window)."""
 
-    def all_gather_object(self, obj: Any) -> list[Any]:
-        return [obj]
+    def autocast(self) -> contextlib.AbstractContextManager:
+        """The precision plugin's autocast context around a forward pass."""
+        return self.precision.autocast()
 
-    def gather_in_order(self, local: Any, dealt: bool = True) -> Any:
-        """Evaluation outputs of every rank, in dataset order (identity on one process): dealt
-        round-robin, as lightlike splits a set; ``dealt=False`` (a dataset that shards itself)
-        rank 0's items first, then rank 1's, and so on."""
-        return local
+    @abstractmethod
+    def backward(self, loss: torch.Tensor, module: nn.Module) -> None:
+        """Backward of ``loss`` (already weighted by the loop; scaled by the precision if it must)."""
 
-    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
-        return obj
+    @abstractmethod
+    def clip_gradients(self, module: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float | None,
+                       max_value: float | None, want_norm: bool = False) -> torch.Tensor | None:
+        """Unscale, clip by value and/or by global norm. Returns the global norm of the
+        gradients before norm clipping (a device tensor, not read here) when clipping by norm or
+        when ``want_norm``; otherwise None, so steps that do not log skip the norm."""
 
-    def barrier(self, name: str = "") -> None:
-        pass
+    @abstractmethod
+    def optimizer_step(self, optimizer: torch.optim.Optimizer, module: nn.Module) -> bool:
+        """Step; False when the update was skipped (fp16 overflow)."""
 
-    def reduce_flag(self, flag: bool) -> bool:
-        """True on every rank if ``flag`` is True on any rank (control decisions agree)."""
-        return flag
+    def item_normaliser(self, counts: list[int | torch.Tensor], uniform: bool = False) -> StepNormaliser:
+        """The denominator of exact accumulation (``.total``).
 
-    def reduce_flag_async(self, flag: bool) -> Callable[[], bool]:
-        """Start agreeing on ``flag`` as ``reduce_flag`` does; the returned function, called later
-        at the same point on every rank, gives the agreed value. For checks that can wait a few
-        steps (preemption), so that agreeing costs the step no wait and no device sync."""
-        value = self.reduce_flag(flag)
-        return lambda: value
-
-    # -- checkpoint state --------------------------------------------------------------------------
-    #: how ``save_checkpoint_state`` lays out weights and optimizer state; recorded in the
-    #: manifest's meta as ``state_format`` ("full": ``model.safetensors`` + ``optimizer.pt``)
-    checkpoint_format: str = "full"
-    #: the layouts a run resumes from under this strategy, optimizer state included (a checkpoint
-    #: of another layout is refused before anything loads; its weights can start a new fit)
-    resumes_from: tuple[str, ...] = ("full", "dcp")
-
-    def save_checkpoint_state(self, writer: Any, module: nn.Module, optimizer: torch.optim.Optimizer | None) -> Any:
-        """Write the weights, and the optimizer state unless ``optimizer`` is None, into the
-        checkpoint that ``writer`` (a ``CheckpointWriter`` whose temp directory every rank shares)
-        is assembling. Called on every rank, so it may be collective; files go to
-        ``writer.path_for(rel)``. This default gathers the full state and lets the main rank write
-        ``model.safetensors`` and ``optimizer.pt``; sharded strategies write each rank's shards.
-        Returns None when the files are written, or a future (``.result()``) for a write still
-        going on in the background, which the checkpoint layer waits on before committing."""
-        weights = self.module_state_dict(module)
-        optim_state = self.optimizer_state_dict(optimizer) if optimizer is not None else None
-        if self.is_global_zero:
-            writer.save_safetensors("model.safetensors", weights)
-            if optim_state is not None:
-                writer.save_torch("optimizer.pt", optim_state)
-
-    def load_checkpoint_state(self, path: Path, module: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
-        """Restore what ``save_checkpoint_state`` wrote into a verified checkpoint at ``path``
-        (weights only when ``optimizer`` is None). Called on every rank. A sharded DCP
-        checkpoint (written by FSDP) loads too: its names do not depend on the sharding."""
-        from lightlike.checkpoint.weights import load_safetensors
-
-        if (path / "dcp").is_dir():
-            from lightlike.checkpoint.dcp import load_dcp_state
-
-            load_dcp_state(path / "dcp", self.unwrap(module), optimizer)
-            return
-
-        self.load_module_state_dict(module, load_safetensors(path / "model.safetensors"))
-        if optimizer is not None:
-            state = torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True)
-            try:
-                self.load_optimizer_state_dict(optimizer, state)
-            except ValueError as e:  # (after the optimizer's own load hooks, which may adapt the state)
-                if "parameter group" not in str(e):
-                    raise
-                raise group_size_error(optimizer, state, path) from e
+        Micro-batch i's loss is weighted by ``n_i / total``, so that after this strategy's
+        gradient reduction the step's gradient is that of the mean loss over every item of the
+        step (all micro-batches, all ranks). On one process: the sum of the counts (ints stay
+        ints; tensors stay on the device, so no host read). A distributed strategy may start its
+        reduction here and finish it when ``total`` is first read, so it overlaps the first
+        forward pass. ``uniform=True`` promises that every rank holds the same integer counts this
+        step (lightlike's sampler deals equal shares), which lets a distributed strategy skip the
+        reduction."""
+        return StepNormaliser(sum(counts[1:], counts[0]))  # (counts[0] + counts[1] + ...)
 
     def discard_gradients(self, module: nn.Module) -> None:
         """Drop every gradient the module holds, also those of an accumulation window an error
         cut short (``auto_find_batch_size`` retries on the same module)."""
         self.unwrap(module).zero_grad(set_to_none=True)
+
+    # -- checkpoint state --------------------------------------------------------------------------
+    @abstractmethod
+    def save_checkpoint_state(self, writer: Any, module: nn.Module, optimizer: torch.optim.Optimizer | None) -> Any:
+        """Write the weights, and the optimizer state unless ``optimizer`` is None, into the
+        checkpoint that ``writer`` (a ``CheckpointWriter`` whose temp directory every rank shares)
+        is assembling. Called on every rank, so it may be collective; files go to
+        ``writer.path_for(rel)``. Returns None when the files are written, or a future
+        (``.result()``) for a write still going on in the background, which the checkpoint layer
+        waits on before committing. ``save_full_state`` is the plain layout (``checkpoint_format``
+        "full")."""
+
+    @abstractmethod
+    def load_checkpoint_state(self, path: Path, module: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+        """Restore what ``save_checkpoint_state`` wrote into a verified checkpoint at ``path``
+        (weights only when ``optimizer`` is None). Called on every rank."""
 
     def module_state_dict(self, module: nn.Module) -> dict[str, torch.Tensor]:
         """Full, unsharded weights of the user's module (on CPU), for ``model.safetensors``."""
@@ -281,55 +193,80 @@ class Strategy:
     def load_module_state_dict(
         self, module: nn.Module, state: Mapping[str, torch.Tensor], strict: bool = True
     ) -> None:
+        """Set the full weights ``state`` (as ``module_state_dict`` gives them) into the module."""
         from lightlike.checkpoint.weights import load_module_state
 
         load_module_state(self.unwrap(module), state, strict=strict)
-
-    def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        return optimizer.state_dict()
-
-    def load_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state: Mapping[str, Any]) -> None:
-        optimizer.load_state_dict(state)  # type: ignore[arg-type]
-
-    def memory_footprint(self, module: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, int]:
-        """Bytes of parameters, gradients and optimizer state that *this rank* holds (its local
-        shards under sharded strategies), for memory comparisons between strategies."""
-        params = list(self.unwrap(module).parameters())
-        opt_tensors = [] if optimizer is None else [
-            t for s in optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
-        return {"params": _nbytes(params), "grads": _nbytes([p.grad for p in params if p.grad is not None]),
-                "optimizer": _nbytes(opt_tensors)}
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(device={self.root_device}, precision={self.precision.name!r})"
 
 
-_TORCH_ZERO_GRAD = torch.optim.Optimizer.zero_grad
-
-
 class StepNormaliser:
-    """This step's item normaliser ``total`` and agreed stop ``flag`` (see ``Strategy.item_normaliser``):
-    plain attributes, read by the loop without a call. A strategy that reduces them asynchronously
-    returns a subclass whose attributes wait for the reduction (``DDPStrategy``)."""
+    """This step's item normaliser ``total`` (see ``Strategy.item_normaliser``): a plain attribute,
+    read by the loop without a call. A strategy that reduces it asynchronously returns a subclass
+    whose ``total`` waits for the reduction (``ParallelStrategy``)."""
 
-    __slots__ = ("total", "flag")
+    __slots__ = ("total",)
 
-    def __init__(self, total: int | torch.Tensor, flag: Any):
-        self.total, self.flag = total, flag
-
-
-def _nbytes(tensors: Iterable[torch.Tensor]) -> int:
-    """Bytes held locally: a DTensor (FSDP2 shard) counts its local shard only."""
-    total = 0
-    for t in tensors:
-        local = t.to_local() if hasattr(t, "to_local") else t
-        total += local.numel() * local.element_size()
-    return total
+    def __init__(self, total: int | torch.Tensor):
+        self.total = total
 
 
-def _params(optimizer: torch.optim.Optimizer) -> Iterable[torch.Tensor]:
-    for group in optimizer.param_groups:
-        yield from group["params"]
+# -- the plain ways, shared by the strategies that take them ----------------------------------------
+def clip_gradients(precision: Precision, optimizer: torch.optim.Optimizer, max_norm: float | None,
+                   max_value: float | None, want_norm: bool = False) -> torch.Tensor | None:
+    """``Strategy.clip_gradients`` over the optimizer's parameters with torch's utilities: unscale,
+    clip by value, then by the global norm. A gradient sharded as a DTensor (FSDP) gives the
+    norm of its shard; the partial norms are reduced over the mesh (a per-shard norm would be
+    wrong), so the norm is the true global one on every strategy."""
+    precision.unscale_gradients(optimizer)
+    if max_norm is None and max_value is None and not want_norm:
+        return None  # nothing to do: no per-parameter work on this step
+    params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+    if max_value is not None:
+        torch.nn.utils.clip_grad_value_(params, max_value, foreach=True)
+    if max_norm is None and not want_norm:
+        return None
+    norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)  # type: ignore[misc]
+    if hasattr(norm, "full_tensor"):
+        norm = norm.full_tensor()  # the partial norms of the shards, reduced over the mesh
+    if max_norm is not None:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
+    return norm
+
+
+def save_full_state(strategy: Strategy, writer: Any, module: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+    """The "full" layout: the full state gathered (``strategy.module_state_dict``, which may be
+    collective), written by the main rank as ``model.safetensors`` and ``optimizer.pt``."""
+    weights = strategy.module_state_dict(module)
+    optim_state = optimizer.state_dict() if optimizer is not None else None
+    if strategy.is_global_zero:
+        writer.save_safetensors("model.safetensors", weights)
+        if optim_state is not None:
+            writer.save_torch("optimizer.pt", optim_state)
+
+
+def load_full_state(strategy: Strategy, path: Path, module: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+    """Restore what ``save_full_state`` wrote; a sharded DCP checkpoint (written by FSDP) loads
+    too: its names do not depend on the sharding."""
+    from lightlike.checkpoint.weights import load_safetensors
+
+    if (path / "dcp").is_dir():
+        from lightlike.checkpoint.dcp import load_dcp_state
+
+        load_dcp_state(path / "dcp", strategy.unwrap(module), optimizer)
+        return
+
+    strategy.load_module_state_dict(module, load_safetensors(path / "model.safetensors"))
+    if optimizer is not None:
+        state = torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True)
+        try:
+            optimizer.load_state_dict(state)
+        except ValueError as e:  # (after the optimizer's own load hooks, which may adapt the state)
+            if "parameter group" not in str(e):
+                raise
+            raise group_size_error(optimizer, state, path) from e
 
 
 def move_to_device(obj: Any, device: torch.device) -> Any:

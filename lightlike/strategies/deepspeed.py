@@ -1,7 +1,7 @@
 """DeepSpeed ZeRO (stages 1, 2, 3; optimizer and parameter offload to CPU) behind the Strategy contract.
 
 ``strategy="deepspeed_zero3"`` (or ``DeepSpeedStrategy(stage=3, config="ds.json")``) is the only
-change to a training script. lightlike keeps the loop: the process group is DDP's (torchrun, SLURM,
+change to a training script. lightlike keeps the loop: the process group is ``ParallelStrategy``'s (torchrun, SLURM,
 or one plain process), DeepSpeed reuses it; the DeepSpeed config is generated from the Fitter's
 settings (``deepspeed_config.py``: micro-batch, accumulation, clipping, precision, stage), and a
 user config may add settings but not contradict those; the optimizer and the LR scheduler are
@@ -12,7 +12,7 @@ optimizer steps with — the same dict objects, checked at set-up).
 A step: ``no_sync`` sets DeepSpeed's accumulation boundary explicitly (the last window of an epoch
 may be partial); ``backward`` is ``engine.backward(loss, scale_wrt_gas=False)`` because the Fitter
 already weights each micro-batch by its share of the step's items over all ranks (DeepSpeed
-averages gradients over ranks as DDP does, so ``DDPStrategy.item_normaliser`` applies unchanged);
+averages gradients over ranks as DDP does, so ``ParallelStrategy.item_normaliser`` applies unchanged);
 ``engine.step()`` clips by the global norm (config ``gradient_clipping`` = ``max_grad_norm``) and
 steps; the norm it computed is returned through the tensor ``clip_gradients`` handed out (filled
 in place after the step); ``optimizer_step`` returns False when DeepSpeed skipped the step (fp16
@@ -47,12 +47,10 @@ from torch import nn
 
 from lightlike.errors import CheckpointError, ConfigError
 from lightlike.precision import Precision
-from lightlike.precision.base import NO_CONTEXT
 from lightlike.strategies import deepspeed_config as dsc
 from lightlike.strategies import deepspeed_fixes as ds_fixes
-from lightlike.strategies.base import Strategy
-from lightlike.strategies.ddp import DDPStrategy
 from lightlike.strategies.environment import detect_environment
+from lightlike.strategies.parallel import ParallelStrategy
 
 log = logging.getLogger("lightlike")
 
@@ -60,7 +58,7 @@ log = logging.getLogger("lightlike")
 DS_DIR, DS_TAG, META = "deepspeed", "state", "deepspeed_meta.json"
 
 
-class DeepSpeedStrategy(DDPStrategy):
+class DeepSpeedStrategy(ParallelStrategy):
     """ZeRO data parallelism through a DeepSpeed engine.
 
     ``stage`` (1: optimizer state sharded; 2: + gradients; 3: + parameters), ``offload_optimizer``
@@ -187,7 +185,7 @@ class DeepSpeedStrategy(DDPStrategy):
         # no wrapper yet: the engine wraps module and optimizer together in setup_optimizer
         if any(hasattr(p, "ds_id") for p in module.parameters()):
             return module  # built under zero.Init: partitioned already, in the right dtype
-        return Strategy.setup_module(self, module)
+        return self.precision.convert_module(module).to(self.root_device)
 
     def setup_module_for_evaluation(self, module: nn.Module) -> nn.Module:
         if any(hasattr(p, "ds_id") for p in module.parameters()) and self.engine is None:
@@ -244,7 +242,7 @@ class DeepSpeedStrategy(DDPStrategy):
         window of an epoch may hold fewer micro-batches than ``gradient_accumulation_steps``).
         ZeRO-2/3 reduce-scatter on every micro-batch anyway; ZeRO-1 waits for the boundary."""
         self._engine().set_gradient_accumulation_boundary(not enabled)
-        return NO_CONTEXT
+        return contextlib.nullcontext()
 
     def backward(self, loss: torch.Tensor, module: nn.Module) -> None:
         # the Fitter's weights already make the window's gradient the item mean: no 1/GAS here
@@ -279,10 +277,6 @@ class DeepSpeedStrategy(DDPStrategy):
                 self._norm.fill_(float(norm))
             self._norm = None
         return bool(engine.was_step_applied())
-
-    def zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
-        # engine.step() has cleared them already; this matters after a skipped (non-finite) step
-        optimizer.zero_grad(set_to_none=True)
 
     # -- full weights ----------------------------------------------------------------------------------
     def _named_params(self, inner: nn.Module) -> dict[str, nn.Parameter]:
@@ -425,7 +419,7 @@ class DeepSpeedStrategy(DDPStrategy):
             from lightlike.checkpoint.zero import consolidated_state_dict
 
             weights = consolidated_state_dict(path) if self.is_global_zero else None
-            self.load_module_state_dict(module, self.broadcast_object(weights) if self.world_size > 1 else weights)  # type: ignore[arg-type]
+            self.load_module_state_dict(module, self.collectives.broadcast_object(weights) if self.world_size > 1 else weights)  # type: ignore[arg-type]
             return
         engine = self._engine()
         if meta["world_size"] == self.world_size and meta.get("stage") == self.stage:
@@ -469,7 +463,7 @@ class DeepSpeedStrategy(DDPStrategy):
                 to_universal(path, tmp)
             except Exception as e:  # noqa: BLE001 - reported on every rank below
                 error = f"{type(e).__name__}: {e}"
-        tmp, error = self.broadcast_object((str(tmp), error)) if self.world_size > 1 else (str(tmp), error)
+        tmp, error = self.collectives.broadcast_object((str(tmp), error)) if self.world_size > 1 else (str(tmp), error)
         try:
             if error is not None:
                 raise CheckpointError(f"converting {path} to DeepSpeed's universal checkpoint failed: {error}")
@@ -483,14 +477,15 @@ class DeepSpeedStrategy(DDPStrategy):
                 ds_fixes.repair_zero3_universal_load(engine.optimizer, Path(tmp) / "state" / "zero" / "optimizer_state.pt")
             ds_fixes.restore_buffers_after_universal_load(self, engine.module, path)
         finally:
-            self.barrier()
+            self.collectives.barrier()
             if self.is_global_zero:
                 shutil.rmtree(tmp, ignore_errors=True)
         return load_path
 
     # -- memory --------------------------------------------------------------------------------------------
-    def memory_footprint(self, module: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, int]:
-        """Bytes of storage this rank holds (device and, when offloading, host memory alike), each
+    def partition_footprint(self, module: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, int] | None:
+        """For ``lightlike.utils.memory.memory_footprint``, which asks for it by name: bytes of
+        storage this rank holds (device and, when offloading, host memory alike), each
         storage counted once, in the first category that holds it:
 
         - ``params``: the module's parameters as this rank holds them: full under ZeRO-1/2; under
@@ -500,9 +495,10 @@ class DeepSpeedStrategy(DDPStrategy):
           partitions themselves, as under fp32 ZeRO-3) and the wrapped optimizer's state (moments).
         - ``grads``: gradients held now: ``.grad`` of parameters and master partitions, and ZeRO's
           gradient partition buffers (ZeRO-3 keeps its flat one allocated between steps).
-        Padding of the flat partitions is included (whole storages are counted)."""
+        Padding of the flat partitions is included (whole storages are counted). None before the
+        engine exists (nothing partitioned yet: the plain count holds)."""
         if self.engine is None:
-            return super().memory_footprint(module, optimizer)
+            return None
         zero = self.engine.optimizer
         inner = self.engine.module
         seen: set[int] = set()

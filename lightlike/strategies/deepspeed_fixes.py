@@ -54,7 +54,7 @@ def restore_buffers_after_universal_load(strategy: Any, module: Any, checkpoint_
     names = {n for n, _ in module.named_buffers()}
     saved: dict[str, torch.Tensor] = consolidated_state_dict(checkpoint_dir, only=names) if strategy.is_global_zero else {}
     if strategy.world_size > 1:
-        saved = strategy.broadcast_object(saved)
+        saved = strategy.collectives.broadcast_object(saved)
     with torch.no_grad():
         for name, buffer in module.named_buffers():
             if name in saved:

@@ -3,7 +3,7 @@
 Each rank holds 1/N of every parameter, gradient and optimizer state (DTensors sharded on dim 0).
 Shard units (by default the module's repeated blocks, then the root) all-gather their parameters
 for forward and backward and reduce-scatter gradients, averaged over ranks as DDP averages them,
-so the Fitter's exact-accumulation weighting (``DDPStrategy.item_normaliser``) applies unchanged.
+so the Fitter's exact-accumulation weighting (``ParallelStrategy.item_normaliser``) applies unchanged.
 
 - HSDP (``hsdp``): a 2-D mesh (replicate × shard), shard within a node and replicate across nodes.
 - Precision: ``bf16-mixed``/``16-mixed`` become a ``MixedPrecisionPolicy`` (parameters all-gathered
@@ -38,9 +38,8 @@ from torch import nn
 
 from lightlike.errors import ConfigError
 from lightlike.precision import Precision
-from lightlike.precision.base import NO_CONTEXT
-from lightlike.strategies.base import _params
-from lightlike.strategies.ddp import DDPStrategy
+from lightlike.strategies.base import clip_gradients
+from lightlike.strategies.parallel import ParallelStrategy
 
 log = logging.getLogger("lightlike")
 
@@ -79,7 +78,13 @@ def _per_process_group(key: tuple, make: Callable[[], Any]) -> Any:
     return _MADE[key]
 
 
-class FSDPStrategy(DDPStrategy):
+class FSDPStrategy(ParallelStrategy):
+    """FSDP2 over a DeviceMesh (see the module's docstring). ``shard_units``: which submodules
+    become shard units (class names, a predicate, or None: the module's ``fsdp_units()`` or its
+    repeated blocks); ``reshard_after_forward``, ``offload``, ``hybrid`` (+ ``shard_size``),
+    ``activation_checkpointing``, ``async_save``; ``timeout_s`` and ``backend`` the process
+    group's."""
+
     name = "fsdp"
     checkpoint_format = "dcp"
     resumes_from = ("dcp",)
@@ -318,7 +323,7 @@ class FSDPStrategy(DDPStrategy):
                 why = "replaced" if name in params else None
             if why is not None:
                 found.append(name if why == "unset" else f"{name} ({why})")
-        bad = sorted({item for part in self.all_gather_object(found) for item in part})
+        bad = sorted({item for part in self.collectives.all_gather_object(found) for item in part})
         if bad:  # every rank raises (a shard may hold no unset value)
             raise ConfigError(
                 f"the module was built on the meta device, where tensors hold no value, and {by} did not set "
@@ -336,7 +341,7 @@ class FSDPStrategy(DDPStrategy):
             inner.set_requires_gradient_sync(sync)  # type: ignore[operator]
             inner.set_reshard_after_backward(sync)  # type: ignore[operator]
             self._syncing = sync
-        return NO_CONTEXT
+        return contextlib.nullcontext()
 
     def discard_gradients(self, module: nn.Module) -> None:
         """Also FSDP's state of an iteration an error cut short (a forward that never reached its
@@ -358,23 +363,19 @@ class FSDPStrategy(DDPStrategy):
         inner.zero_grad(set_to_none=True)  # the sharded gradients
 
     # -- a training step -----------------------------------------------------------------------
+    def setup_optimizer(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[nn.Module, torch.optim.Optimizer]:
+        return model, optimizer  # built over the sharded parameters: it steps each rank's shards
+
+    def backward(self, loss: torch.Tensor, module: nn.Module) -> None:
+        self.precision.backward(loss)  # FSDP's hooks reduce-scatter the gradients (when syncing)
+
     def clip_gradients(self, module: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float | None,
                        max_value: float | None, want_norm: bool = False) -> torch.Tensor | None:
         """Clip on the global norm over every rank's shards (a per-shard norm would be wrong)."""
-        self.precision.unscale_gradients(optimizer)
-        if max_norm is None and max_value is None and not want_norm:
-            return None
-        params = [p for p in _params(optimizer) if p.grad is not None]
-        if max_value is not None:
-            torch.nn.utils.clip_grad_value_(params, max_value, foreach=True)
-        if max_norm is None and not want_norm:
-            return None
-        norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)  # type: ignore[misc]
-        if hasattr(norm, "full_tensor"):
-            norm = norm.full_tensor()  # the partial norms of the shards, reduced over the mesh
-        if max_norm is not None:
-            torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
-        return norm
+        return clip_gradients(self.precision, optimizer, max_norm, max_value, want_norm)
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer, module: nn.Module) -> bool:
+        return self.precision.optimizer_step(optimizer)
 
     # -- checkpoint state --------------------------------------------------------------------------
     def save_checkpoint_state(self, writer: Any, module: nn.Module, optimizer: torch.optim.Optimizer | None) -> Any:
@@ -413,9 +414,6 @@ class FSDPStrategy(DDPStrategy):
         inner = self.unwrap(module)
         check_fits(inner, state, strict=strict)
         set_model_state_dict(inner, dict(state), options=StateDictOptions(full_state_dict=True, strict=strict))
-
-    def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        raise NotImplementedError("FSDP optimizer state is saved sharded, through save_checkpoint_state")
 
     def __repr__(self) -> str:
         return (f"FSDPStrategy(rank={self.global_rank}/{self.world_size}, mesh={tuple(self.mesh.shape) if self.mesh else None}, "

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
+from pathlib import Path
+from typing import Any
+
 import torch
+from torch import nn
 
 from lightlike.errors import ConfigError
 from lightlike.precision import Precision
-from lightlike.strategies.base import Strategy
+from lightlike.strategies.base import Strategy, clip_gradients, load_full_state, save_full_state
 
 
 class SingleDeviceStrategy(Strategy):
@@ -39,7 +44,32 @@ class SingleDeviceStrategy(Strategy):
             )
         if self.root_device.type == "cuda":
             torch.cuda.set_device(self.root_device)
-        super().setup_environment()
+        self.precision.setup(self.root_device)
+
+    def setup_module(self, module: nn.Module) -> nn.Module:
+        return self.precision.convert_module(module).to(self.root_device)
+
+    def setup_optimizer(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[nn.Module, torch.optim.Optimizer]:
+        return model, optimizer
+
+    def no_sync(self, module: nn.Module, enabled: bool) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()  # no other rank to synchronise with
+
+    def backward(self, loss: torch.Tensor, module: nn.Module) -> None:
+        self.precision.backward(loss)
+
+    def clip_gradients(self, module: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float | None,
+                       max_value: float | None, want_norm: bool = False) -> torch.Tensor | None:
+        return clip_gradients(self.precision, optimizer, max_norm, max_value, want_norm)
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer, module: nn.Module) -> bool:
+        return self.precision.optimizer_step(optimizer)
+
+    def save_checkpoint_state(self, writer: Any, module: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+        save_full_state(self, writer, module, optimizer)
+
+    def load_checkpoint_state(self, path: Path, module: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+        load_full_state(self, path, module, optimizer)
 
 
 def resolve_device(accelerator: str) -> torch.device:

@@ -42,10 +42,10 @@ def failing_fast(fitter: Fitter) -> Iterator[None]:
         if strategy is not None and alone:
             # a peer may sit in another collective: teardown waits for none; the peers read this
             # rank's line where they stopped (the process group's store)
-            strategy.note_failure(None if lost else f"{line}{type(error).__name__}: {error}", call)
+            strategy.collectives.note_failure(None if lost else f"{line}{type(error).__name__}: {error}", call)
         if world > 1 and not isinstance(error, (Preempted, KeyboardInterrupt)) \
                 and not getattr(error, "_lightlike_logged", False):  # one process: its traceback says it
-            peers = "; ".join(strategy.failed_peers(call)) if lost else ""  # type: ignore[union-attr]
+            peers = "; ".join(strategy.collectives.failed_peers(call)) if lost else ""  # type: ignore[union-attr]
             if peers and hasattr(error, "add_note"):  # the traceback names the failed rank too
                 error.add_note(f"lightlike: {peers}")
             cause = (f"{peers} (here: " if peers else "a peer process failed or exited (its own line says why): ") \
@@ -72,7 +72,7 @@ def decided_on_main(strategy: Any, fn: Callable[..., T], *args: Any) -> T:
         except LightlikeError as error:
             problem = error
     if strategy.world_size > 1:
-        result, problem = strategy.broadcast_object((result, problem))
+        result, problem = strategy.collectives.broadcast_object((result, problem))
     if problem is not None:
         raise on_every_rank(problem)
     return result  # type: ignore[return-value]
@@ -113,4 +113,4 @@ def all_ranks_succeeded(fitter: Fitter) -> None:
     per step."""
     strategy = fitter.strategy
     if strategy is not None and strategy.world_size > 1:
-        strategy.reduce_flag(False)
+        strategy.collectives.reduce_flag(False)

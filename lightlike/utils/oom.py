@@ -79,4 +79,4 @@ class OutOfMemoryRetry:
             return
         if strategy.is_global_zero:
             checkpointer.rotate()
-        strategy.barrier("save")
+        strategy.collectives.barrier("save")

@@ -15,10 +15,10 @@ from helpers import Classifier, DictDataset  # noqa: E402
 
 import lightlike as ll  # noqa: E402
 from lightlike.preemption import Preempted  # noqa: E402
-from lightlike.strategies.ddp import DDPStrategy  # noqa: E402
+from lightlike.strategies.collectives import DistributedCollectives  # noqa: E402
 
 counts = {"started": 0, "read": 0}
-_original = DDPStrategy.reduce_flag_async
+_original = DistributedCollectives.reduce_flag_async
 
 
 def counting(self, flag):
@@ -31,7 +31,7 @@ def counting(self, flag):
     return counted
 
 
-DDPStrategy.reduce_flag_async = counting
+DistributedCollectives.reduce_flag_async = counting
 
 
 class SignalAt3(ll.Callback):

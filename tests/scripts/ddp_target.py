@@ -20,6 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from helpers import Classifier, DictDataset, TokenClassifier  # noqa: E402
 
 import lightlike as ll  # noqa: E402
+from lightlike.utils.memory import memory_footprint  # noqa: E402
 
 
 class StopAt(ll.Callback):
@@ -105,7 +106,7 @@ class Footprint(ll.Callback):
 
     def on_before_optimizer_step(self, fitter, state, control, optimizer):
         if state.global_step + 1 == state.max_steps:
-            footprint = fitter.strategy.memory_footprint(fitter.model, fitter.optimizer)
+            footprint = memory_footprint(fitter.strategy, fitter.model, fitter.optimizer)
             (self.out / f"footprint-rank{fitter.strategy.global_rank}.json").write_text(json.dumps(footprint))
 
 

@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import ddp_target  # noqa: E402
 
 import lightlike as ll  # noqa: E402
+from lightlike.utils.memory import memory_footprint  # noqa: E402
 
 extra = argparse.ArgumentParser(add_help=False)
 extra.add_argument("--ds-config")
@@ -45,7 +46,7 @@ class FootprintProbe(ll.Callback):
         self.best: dict[str, int] = {}
 
     def on_before_optimizer_step(self, fitter, state, control, optimizer):
-        fp = fitter.strategy.memory_footprint(fitter.model, optimizer)
+        fp = memory_footprint(fitter.strategy, fitter.model, optimizer)
         if sum(fp.values()) > sum(self.best.values()):
             self.best = fp
 
