@@ -36,9 +36,8 @@ class GradientCheckpointingCheck(Callback):
         self.checked = True
         self.tally.stop()
         module: Any = fitter.module
-        # a strategy that checkpoints the module's blocks itself (FSDP's shard units) says so in
-        # the module's __dict__ (lightlike/strategies/fsdp.py)
-        if not self.tally.calls and not module.__dict__.get("_checkpointed", False):
+        # a strategy that checkpoints the module's blocks itself (FSDP's shard units) says so
+        if not self.tally.calls and not getattr(fitter.strategy, "checkpoints_activations", False):
             log.warning("gradient_checkpointing=True, but %s.forward never called self.maybe_checkpoint(fn, *args): "
                         "no activation is checkpointed. Wrap the blocks to recompute in maybe_checkpoint, or "
                         "drop gradient_checkpointing", type(module).__name__)

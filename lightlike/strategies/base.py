@@ -35,6 +35,9 @@ class Strategy(ABC):
     differ for them."""
 
     name: str = "base"
+    #: True once ``setup_module`` checkpoints the module's blocks itself (FSDP's shard units with
+    #: ``activation_checkpointing``): the Fitter's check that ``gradient_checkpointing`` acts reads it
+    checkpoints_activations: bool = False
     #: how ``save_checkpoint_state`` lays out weights and optimizer state; recorded in the
     #: manifest's meta as ``state_format`` ("full": ``model.safetensors`` + ``optimizer.pt``)
     checkpoint_format: str = "full"

@@ -228,9 +228,9 @@ class FSDPStrategy(ParallelStrategy):
             for unit in units:  # hooks, no wrapper module: parameter names stay the same
                 checkpoint(unit, context_fn=buffers_kept_on_recompute(unit))  # statistics updated once
             if units:  # checkpointed here, so not twice (without units the module's maybe_checkpoint does it)
-                if hasattr(module, "gradient_checkpointing"):
-                    module.gradient_checkpointing = False  # type: ignore[assignment]
-                module.__dict__["_checkpointed"] = True  # seen by the Fitter's check: something is
+                if hasattr(module, "gradient_checkpointing_disable"):
+                    module.gradient_checkpointing_disable()
+                self.checkpoints_activations = True
         compute = getattr(self.precision, "compute_dtype", None)
         mp = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32) if compute else MixedPrecisionPolicy()
         offload = CPUOffloadPolicy() if self.offload else OffloadPolicy()
