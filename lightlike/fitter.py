@@ -472,10 +472,8 @@ class Fitter:
             "train/loss": loss_sum / item_sum if item_sum else float("nan"),
             "train/epoch": round(state.epoch, 4),
         }
-        if run.scheduler is not None:
-            metrics["train/lr"] = float(run.scheduler.get_last_lr()[0])
-        else:
-            metrics["train/lr"] = float(run.optimizer.param_groups[0]["lr"])
+        lr = run.scheduler.get_last_lr()[0] if run.scheduler is not None else run.optimizer.param_groups[0]["lr"]
+        metrics["train/lr"] = float(lr)
         if run.grad_norm is not None:
             metrics["train/grad_norm"] = float(run.grad_norm)
             run.grad_norm = None
