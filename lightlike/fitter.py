@@ -108,8 +108,7 @@ class Fitter:
                     except RuntimeError as error:  # torch.OutOfMemoryError is one
                         if retry is None or not retry.applies(error, self.config, self.strategy):
                             raise
-                        if self.checkpointer is not None:  # the failed try's asynchronous save lands first
-                            self.checkpointer.commit()
+                        self._commit()  # the failed try's asynchronous save lands first (on_save too)
                         self.config, resume = retry.next_try(self.config, self.strategy, self._resume_choice)
                 if retry is not None and self.checkpointer is not None:
                     retry.release_resume_source(self.checkpointer, self.strategy)
