@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # What a session lent a GPU runs, in one call (CI has no GPU; see benchmarks/RESULTS.md):
-#   1. tests/test_cuda.py: each precision against a hand-written CUDA loop, a real fp16 overflow,
+#   1. tests/gpu/test_cuda.py: each precision against a hand-written CUDA loop, a real fp16 overflow,
 #      DDP with nccl, FSDP2 and (carried) DeepSpeed ZeRO against one device, resume bit for bit
 #      with CUDA's random state;
 #   2. benchmarks/gpt_throughput.py: tokens/s, MFU and the Fitter against a hand-written compiled
@@ -38,10 +38,10 @@ fi
 cat "$OUT/env.txt"
 
 export LIGHTLIKE_TEST_GPU=1  # tests/conftest.py hides the GPU from the tests without it
-echo "== tests/test_cuda.py"
+echo "== tests/gpu/test_cuda.py"
 # one worker per test (pyproject's --dist loadfile and 4 workers ran the file's 14 tests one after
 # another: each launch starts CUDA, and over 180 s the last two, three launches each, did not finish)
-timeout 180 python3 -m pytest tests/test_cuda.py -n 14 --maxprocesses 14 --dist load -p no:cacheprovider \
+timeout 180 python3 -m pytest tests/gpu/test_cuda.py -n 14 --maxprocesses 14 --dist load -p no:cacheprovider \
   -v -o console_output_style=classic --durations=0 --junitxml="$OUT/cuda.xml" >"$OUT/cuda.log" 2>&1
 grep -E ' (PASSED|FAILED|ERROR) |passed|failed' "$OUT/cuda.log" | sed 's/^\[gw[0-9]*\] *//' | tail -20
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The wheels the GPU machines' image lacks (DeepSpeed and what it needs: its Python is 3.12), for
-# tests/test_cuda.py's DeepSpeed cases. Made here, where PyPI is reachable, into .whl/ (ignored
+# tests/gpu/test_cuda.py's DeepSpeed cases. Made here, where PyPI is reachable, into .whl/ (ignored
 # by git: .git/info/exclude); the device tool carries them (carry=[".whl"]) and
 # benchmarks/gpu_session.sh installs them there. ~5 MB.
 #

@@ -11,7 +11,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 # The suite runs on the CPU, as CI does (gloo, CPU references, several ranks on one machine), on a
 # machine with a GPU too: there it failed where a test compares with a CPU tensor or starts two
-# ranks for one GPU. tests/test_cuda.py holds the GPU's own tests; LIGHTLIKE_TEST_GPU=1 leaves the
+# ranks for one GPU. tests/gpu/test_cuda.py holds the GPU's own tests; LIGHTLIKE_TEST_GPU=1 leaves the
 # GPU visible to them (and to the whole suite, a probe of what differs on a GPU: read what fails).
 # Set before anything initialises CUDA; the processes the tests start inherit it.
 if os.environ.get("LIGHTLIKE_TEST_GPU") != "1":
@@ -103,12 +103,12 @@ def shared_run(tmp_path_factory):
     script (``scripts/ddp_target.py`` unless named), launched once per session however many tests
     compare against it (reference runs: same script, same arguments, same result). Tests only read
     it: anything that writes (a resume, an export) goes to the test's own folder."""
-    from test_ddp import SCRIPT, launch
+    from launching import DDP_TARGET, launch
 
     base = tmp_path_factory.mktemp("shared-runs")
     done: dict[tuple, Path] = {}
 
-    def get(nproc: int, *args: str, script: Path = SCRIPT) -> Path:
+    def get(nproc: int, *args: str, script: Path = DDP_TARGET) -> Path:
         key = (str(script), nproc, *args)
         if key not in done:
             out = base / f"run-{len(done)}"

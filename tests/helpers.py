@@ -104,3 +104,33 @@ def run_killing_group(cmd, *, timeout, **kwargs):
             out, err = p.communicate()
             raise subprocess.TimeoutExpired(cmd, timeout, out, err) from None
     return subprocess.CompletedProcess(cmd, p.returncode, out, err)
+
+
+class StopAt(ll.Callback):
+    """Raises KeyboardInterrupt as optimizer step ``step`` ends: like a kill right after that
+    step's checkpoint."""
+
+    def __init__(self, step):
+        self.step = step
+
+    def on_step_end(self, fitter, state, control):
+        if state.global_step == self.step:
+            raise KeyboardInterrupt
+
+
+class Dropout(Classifier):
+    """The Classifier with dropout on its input: training draws from the random stream."""
+
+    def __init__(self):
+        super().__init__()
+        self.drop = nn.Dropout(0.3)
+
+    def forward(self, batch):
+        return self.net(self.drop(batch["x"]))
+
+
+def stacked_batches(n, bs):
+    """The first ``n`` items of ``DictDataset(n=n)`` in batches of ``bs``, stacked by hand."""
+    data = DictDataset(n=n)
+    for s in range(0, n, bs):
+        yield {k: torch.stack([data[i][k] for i in range(s, s + bs)]) for k in ("x", "y", "w")}

@@ -1,5 +1,5 @@
 """Workarounds for DeepSpeed faults met on the way (DeepSpeed 0.19.8, torch 2.13), each small,
-guarded; the last three are each checked by a test in ``tests/test_deepspeed.py`` that fails
+guarded; the last three are each checked by a test in ``tests/strategies/test_deepspeed.py`` that fails
 without it (named in brackets):
 
 - ``init_deepspeed_comm``: skip a JIT build (about a minute on first use, needs a C++ compiler)

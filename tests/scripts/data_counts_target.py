@@ -1,4 +1,4 @@
-"""A script tests/test_data_counts_and_eval_samplers.py launches under torchrun (or as one process).
+"""A script tests/data/test_data_counts_and_eval_samplers.py launches under torchrun (or as one process).
 
     torchrun --nproc_per_node 2 data_counts_target.py OUT
 

@@ -1,4 +1,4 @@
-"""A script tests/test_eval_state.py launches with torchrun: what evaluation leaves behind on
+"""A script tests/evaluation/test_eval_state.py launches with torchrun: what evaluation leaves behind on
 several processes (module modes, BatchNorm statistics, FSDP's shards) and a set smaller than
 the world with buffers. Rank r writes ``OUT/rank<r>.pt``.
 

@@ -1,4 +1,4 @@
-"""A script tests/test_ddp_data.py launches with torchrun: evaluation and data splitting on
+"""A script tests/evaluation/test_evaluation_on_ranks.py launches with torchrun: evaluation and data splitting on
 several processes, several checks per launch. Each rank writes ``OUT/rank<r>.json``.
 
     torchrun --nproc_per_node 2 eval_target.py OUT
@@ -17,6 +17,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "evaluation"))
 from helpers import Classifier, DictDataset  # noqa: E402
 from test_evaluation import Tagger, TokenMetricTagger, VarLen, pad_collate  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""A script tests/test_ddp_data.py launches with torchrun: IterableDatasets whose ``__len__``
+"""A script tests/evaluation/test_evaluation_on_ranks.py launches with torchrun: IterableDatasets whose ``__len__``
 is wrong, trained by epochs with accumulation on several ranks. Each rank writes
 ``OUT/rank<r>.json``: per case, the steps taken, the items each rank trained on, and the
 warnings it logged; last, the error of a fit in which one rank's first epoch is empty.

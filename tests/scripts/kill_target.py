@@ -1,4 +1,4 @@
-"""A short fit that can SIGKILL itself at a chosen point; used by tests/test_kill_matrix.py.
+"""A short fit that can SIGKILL itself at a chosen point; used by tests/checkpoint/test_kill_matrix.py.
 
     python kill_target.py OUT_DIR --precision 32-true --workers 0 [--kill micro:7|eval:3|save:2:4|step:5]
 

@@ -1,5 +1,5 @@
 """Two things the other DDP targets cannot show, because their ranks draw the same random numbers
-and never see a non-finite loss; used by tests/test_ddp.py.
+and never see a non-finite loss; used by tests/strategies/test_ddp.py.
 
     rank_streams_target.py OUT rng [--stop N]   ranks draw different amounts from torch, numpy and
                                                  Python's generators; --stop N: killed after step N

@@ -1,4 +1,4 @@
-"""A script tests/test_resume_changes.py launches under torchrun: resume OUT's newest checkpoint
+"""A script tests/checkpoint/test_resume_changes.py launches under torchrun: resume OUT's newest checkpoint
 (26 indexed items, batch 3, max_epochs 2) and write OUT/served-rank<r>.json, the (epoch, item
 indices) of every training micro-batch this rank took.
 

@@ -1,0 +1,65 @@
+"""Launching the test scripts as real processes (one plain process, or torchrun on gloo), and
+reading back what they wrote. Shared by the multi-process tests of every folder."""
+
+from __future__ import annotations
+
+import socket
+import sys
+from pathlib import Path
+
+import torch
+from helpers import Classifier, run_killing_group
+
+SCRIPTS = Path(__file__).resolve().parent / "scripts"
+DDP_TARGET = SCRIPTS / "ddp_target.py"
+
+#: the uninterrupted 2-rank run whose final weights the resumes across world sizes (test_ddp.py,
+#: test_fsdp.py) and the resume from rank 0's choice must reach; launched once for all (``shared_run``)
+REF_8_STEPS = ["--steps", "8", "--items", "40", "--batch", "4", "--save-every", "2"]
+#: the sharded run test_fsdp.py compares with DDP (checkpoints at 2, 4, 6 and the last, 7), which
+#: the command line's export tests read too; launched once (``shared_run``)
+FSDP_COMMON = ["--items", "46", "--accum", "2", "--max-grad-norm", "0.5", "--task", "token", "--steps", "7"]
+FSDP_ARGS = ["--batch", "4", *FSDP_COMMON, "--save-every", "2"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(nproc, out, *args, timeout=240, script=DDP_TARGET):
+    """``script OUT ARGS`` as one plain process, or under torchrun with ``nproc`` processes."""
+    out.mkdir(parents=True, exist_ok=True)
+    if nproc == 1:
+        cmd = [sys.executable, str(script), str(out), *args]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+               "--master_addr", "127.0.0.1", "--master_port", str(free_port()), str(script), str(out), *args]
+    return run_killing_group(cmd, timeout=timeout)
+
+
+def run_ok(nproc, out, *args, script=DDP_TARGET):
+    p = launch(nproc, out, *args, script=script)
+    assert p.returncode == 0, p.stderr[-4000:]
+    return p
+
+
+def weights(out, rank=0):
+    return torch.load(out / f"final-rank{rank}.pt", weights_only=True)
+
+
+def assert_close(a, b, tol=1e-12):
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=tol, atol=tol, msg=k)
+
+
+def moved_share(got, ref, width):
+    """How far ``got`` is from ``ref`` as a share of how far training moved ``ref`` from the
+    script's initial weights (``torch.manual_seed(0); Classifier(width=width)``): untrained weights
+    score 1. Also the largest element move, to show the initial weights are the run's."""
+    torch.manual_seed(0)
+    init = Classifier(width=width).state_dict()
+    moved = torch.cat([(ref[k].float() - init[k]).reshape(-1) for k in ref])
+    err = torch.cat([(got[k].float() - ref[k].float()).reshape(-1) for k in ref])
+    return (err.norm() / moved.norm()).item(), moved.abs().max().item()

@@ -1,0 +1,130 @@
+"""Every code block in README.md and docs/ is executed (or, for shell lines that build a venv,
+shown to be what a named test or CI runs), and the docs site builds with mkdocs --strict.
+
+A block may be preceded by a marker comment, invisible in the rendered page:
+
+- ``<!-- docs-test: setup NAME -->``: run the python block after the preamble ``SETUPS[NAME]``
+  (data the prose leaves to the reader, e.g. ``train_dataset``);
+- ``<!-- docs-test: ci -->``: a shell block that must equal the command in ``.ci/run``;
+- ``<!-- docs-test: covered-by tests/FILE.py::TEST -->``: a shell block whose effect that test
+  checks (the test must exist);
+- ``<!-- docs-test: run -->``: a shell block executed as it is (in a temp dir, repo on PATH).
+
+A python block without a marker runs as it is. A shell block without a marker fails this test.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+BLOCK = re.compile(r"(?:<!-- docs-test: (?P<marker>[^>]*?) -->\s*\n)?```(?P<lang>\w*)\n(?P<code>.*?)```", re.S)
+
+SETUPS = {
+    # the README's one-screen program leaves its data to the reader: the example's teacher data
+    "readme-data": (
+        "import importlib.util, sys\n"
+        f"spec = importlib.util.spec_from_file_location('classifier_example', {str(ROOT / 'examples' / 'classifier.py')!r})\n"
+        "from torch.utils.data import Dataset\n"
+        "src = open(spec.origin).read().split('class Classifier')[0]\n"
+        "exec(src)\n"
+        "train_dataset, val_dataset = TeacherData(2048, seed=0), TeacherData(512, seed=1)\n"
+    ),
+}
+
+
+def blocks():
+    for page in PAGES:
+        for i, m in enumerate(BLOCK.finditer(page.read_text())):
+            if m.group("lang") in ("python", "bash", "sh", "console"):
+                yield pytest.param(page, m.group("lang"), (m.group("marker") or "").strip(), m.group("code"),
+                                   id=f"{page.relative_to(ROOT)}#{i}")
+
+
+@pytest.mark.parametrize("page,lang,marker,code", list(blocks()))
+def test_code_block(tmp_path, page, lang, marker, code):
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    if lang == "python":
+        preamble = ""
+        if marker.startswith("setup "):
+            preamble = SETUPS[marker.split(" ", 1)[1]]
+        elif marker:
+            pytest.fail(f"unknown marker {marker!r} on a python block of {page.name}")
+        script = tmp_path / "block.py"
+        script.write_text(preamble + code)
+        p = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
+                           timeout=300)
+        assert p.returncode == 0, f"{page.name}:\n{code}\n--- stderr\n{p.stderr[-3000:]}"
+        return
+    command = code.strip()
+    if marker == "ci":
+        ci = (ROOT / ".ci" / "run").read_text()
+        assert command in ci, f"{page.name}: {command!r} is not what .ci/run runs"
+    elif marker.startswith("covered-by "):
+        target = marker.split(" ", 1)[1]
+        file, _, test = target.partition("::")
+        assert (ROOT / file).is_file() and f"def {test}(" in (ROOT / file).read_text(), f"no test {target}"
+    elif marker == "run":
+        p = subprocess.run(["bash", "-c", command], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+        assert p.returncode == 0, f"{page.name}: {command}\n{p.stderr[-3000:]}"
+    else:
+        pytest.fail(f"{page.name}: shell block without a docs-test marker (ci, covered-by, run): {command[:80]}")
+
+
+def test_docs_site_builds(tmp_path):
+    """``mkdocs build --strict``: every page in the nav, no broken links, the API reference
+    generated from docstrings (mkdocstrings)."""
+    if importlib.util.find_spec("mkdocs") is None or importlib.util.find_spec("mkdocstrings") is None:
+        pytest.skip("mkdocs/mkdocstrings not installed (pip install -e '.[docs]')")
+    p = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-d", str(tmp_path / "site")], cwd=ROOT,
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-4000:]
+    api = (tmp_path / "site" / "api" / "index.html").read_text()
+    assert "init_module" in api and "save_checkpoint_state" in api  # docstrings made it in
+
+
+def config_table() -> str:
+    """The configuration reference, generated from ``FitConfig`` (names, defaults, help)."""
+    import dataclasses
+
+    from lightlike.config import FitConfig
+
+    rows = ["| field | default | what |", "|---|---|---|"]
+    for f in dataclasses.fields(FitConfig):
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+        rows.append(f"| `{f.name}` | `{default!r}` | {f.metadata.get('help', '').replace('|', '/')} |")
+    return "\n".join(rows) + "\n"
+
+
+def test_config_reference_is_generated_from_the_dataclass():
+    """docs/config.md holds the table generated from FitConfig, so the page cannot drift from the
+    code (regenerate: LIGHTLIKE_REGEN_DOCS=1 pytest tests/project/test_docs.py -k config_reference)."""
+    page = ROOT / "docs" / "config.md"
+    head = ("# Configuration reference\n\nEvery `Fitter` keyword is a field of `ll.FitConfig`; the same names are "
+            "the command line's flags and the config files' keys. Generated from the dataclass by "
+            "`tests/project/test_docs.py`.\n\n")
+    if os.environ.get("LIGHTLIKE_REGEN_DOCS"):
+        page.write_text(head + config_table())
+    assert page.read_text() == head + config_table()
+
+
+def test_every_test_a_page_cites_exists():
+    """`tests/<file>.py` and `tests/<file>.py::<test>` (a parametrized id or a `*` prefix
+    allowed) named in the docs point at a file and a test function that exist."""
+    missing = []
+    for page in PAGES:
+        for path, name in re.findall(r"`(tests/[\w/]+\.py)(?:::([\w*]+))?", page.read_text()):
+            source = ROOT / path
+            if not source.is_file():
+                missing.append(f"{page.name}: {path}")
+            elif name and not re.search(rf"^def {name.replace('*', '[A-Za-z0-9_]*')}\(", source.read_text(), re.M):
+                missing.append(f"{page.name}: {path}::{name}")
+    assert not missing, missing
