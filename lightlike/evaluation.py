@@ -297,6 +297,70 @@ def _metric_tensors(values: Any, device: torch.device, where: str) -> dict[str, 
     return out
 
 
+class _Tally:
+    """One rank's running sums and kept outputs for one evaluation set: item-weighted metric
+    sums and the item count on the device (float64), predictions and labels on the CPU."""
+
+    def __init__(self, device: torch.device, prefix: str):
+        self.device, self.prefix = device, prefix
+        self.sums: dict[str, torch.Tensor] = {}
+        self.items = torch.zeros((), dtype=torch.float64, device=device)
+        self.keys: set[str] | None = None
+        self.preds: list[Any] = []
+        self.labels: list[Any] = []
+        self.n_batches = 0
+        self.labelled: bool | None = None  # whether this rank's batches carry labels (all or none)
+
+    def note_labelled(self, has_label: bool, i: int) -> None:
+        if self.labelled is None:
+            self.labelled = has_label
+        elif self.labelled != has_label:
+            raise DataError(f"{self.prefix} batch {i} {'has' if has_label else 'has no'} labels but the batches "
+                            f"before it {'do not' if has_label else 'do'} (TaskModule.labels(batch)); "
+                            "predict on a set that is labelled throughout or not at all")
+
+    def add(self, loss: torch.Tensor, values: dict[str, torch.Tensor], n: Any, where: str) -> None:
+        """One batch's loss and metrics (per-batch means), weighted by its ``n`` items."""
+        if self.keys is None:
+            self.keys = set(values)
+        elif set(values) != self.keys:
+            raise ModuleContractError(f"metrics() returned keys {sorted(values)} {where} but {sorted(self.keys)} "
+                                      "before; return the same keys for every batch")
+        n_t = (n.to(torch.float64) if isinstance(n, torch.Tensor)
+               else torch.tensor(float(n), dtype=torch.float64, device=self.device))
+        self.items += n_t
+        for k, v in {"loss": loss.detach(), **values}.items():
+            contrib = v.to(torch.float64) * n_t
+            self.sums[k] = self.sums[k] + contrib if k in self.sums else contrib
+
+
+def _streams_for(module: Any, strategy: Strategy, streaming: bool) -> tuple[bool, Any, bool]:
+    """``(streaming, streams, wants_whole_set)`` for ``module``: whether its metrics stream, the
+    streaming metric objects (reset, wrapped to reduce across ranks), and whether it defines
+    ``compute_metrics``."""
+    base = _base_module()
+    wants_whole_set = type(module).compute_metrics is not base.compute_metrics
+    # a module with streaming metrics and no compute_metrics streams without being asked: its
+    # metrics are never dropped because eval_streaming was left off
+    streaming = streaming or (type(module).streaming_metrics is not base.streaming_metrics and not wants_whole_set)
+    streams = module.streaming_metrics() if streaming else None
+    if streaming and wants_whole_set and not streams:
+        # nothing streams compute_metrics' values: hold the outputs rather than drop them
+        _warn_once(type(module), f"eval_streaming=True but {type(module).__name__} has compute_metrics and no "
+                   "streaming_metrics(): its outputs are held for compute_metrics as without eval_streaming. "
+                   "Define streaming_metrics() to stream them, or drop eval_streaming=True")
+        streaming = False
+    if streams:  # torchmetrics objects are wrapped to reduce across ranks (lightlike/interop/metrics.py)
+        streams = adapt_streaming_metrics(streams, module)
+        if strategy.world_size > 1 and not all(getattr(s, "reduces_across_ranks", False) for s in streams.values()):
+            raise ConfigError("streaming metrics on several processes must reduce across ranks (torchmetrics "
+                              "objects do; set reduces_across_ranks = True on your own), or define compute_metrics "
+                              "instead (outputs are gathered in dataset order)")
+        for s in streams.values():
+            s.reset()
+    return streaming, streams, wants_whole_set
+
+
 @torch.no_grad()
 def run_evaluation(
     model: Any,
@@ -312,140 +376,109 @@ def run_evaluation(
     collected (on CPU, in dataset order) when ``keep_outputs`` (predict) or when the module
     defines ``compute_metrics`` and streaming is off. With ``keep_outputs``, batches whose
     ``labels(batch)`` is None are unlabelled: no loss, no metrics, only predictions."""
-    device = strategy.root_device
-    base = _base_module()
-    wants_whole_set = type(module).compute_metrics is not base.compute_metrics
-    # a module with streaming metrics and no compute_metrics streams without being asked: its
-    # metrics are never dropped because eval_streaming was left off
-    streaming = streaming or (type(module).streaming_metrics is not base.streaming_metrics and not wants_whole_set)
-    streams = module.streaming_metrics() if streaming else None
-    if streaming and wants_whole_set and not streams:
-        # nothing streams compute_metrics' values: hold the outputs rather than drop them
-        _warn_once(type(module), f"eval_streaming=True but {type(module).__name__} has compute_metrics and no "
-                   "streaming_metrics(): its outputs are held for compute_metrics as without eval_streaming. "
-                   "Define streaming_metrics() to stream them, or drop eval_streaming=True")
-        streaming = False
+    streaming, streams, wants_whole_set = _streams_for(module, strategy, streaming)
     collect = keep_outputs or (wants_whole_set and not streaming)
-    if streams:  # torchmetrics objects are wrapped to reduce across ranks (lightlike/interop/metrics.py)
-        streams = adapt_streaming_metrics(streams, module)
-    if streams and strategy.world_size > 1 and not all(getattr(s, "reduces_across_ranks", False) for s in streams.values()):
-        raise ConfigError("streaming metrics on several processes must reduce across ranks (torchmetrics "
-                          "objects do; set reduces_across_ranks = True on your own), or define compute_metrics "
-                          "instead (outputs are gathered in dataset order)")
-    if streams:
-        for s in streams.values():
-            s.reset()
-    sums: dict[str, torch.Tensor] = {}
-    items = torch.zeros((), dtype=torch.float64, device=device)
-    keys: set[str] | None = None
-    preds: list[Any] = []
-    pred_spec: Any = None
-    label_spec: Any = None
-    labels: list[Any] = []
-    n_batches = 0
-    labelled: bool | None = None  # whether this rank's batches carry labels (all or none)
-    default_labels = type(module).labels is _base_module().labels
+    tally = _Tally(strategy.root_device, prefix)
     # the mode comes back as it was: train(mode) of the user's module's (not a wrapper's) flag,
     # which runs a train() override, then each submodule that was in another mode than that
     # (a frozen BatchNorm in a training module) set back as it was
     was_training = module.training
     modes = [(m, m.training) for m in {*model.modules(), *module.modules()}]
-    lockstep = strategy.forward_is_collective
     with strategy.evaluating(model) as model:
         model.eval()
         try:
-            for i, (batch, real) in enumerate(_in_lockstep(loader, strategy) if lockstep
-                                              else ((b, True) for b in start_workers(loader))):
-                where = f"in {prefix} batch {i}"
-                batch = strategy.batch_to_device(batch)
-                if not real:  # this rank's share is done: a forward whose output is dropped keeps the
-                    with strategy.autocast():  # others' parameter gathers company
-                        call_module(model, batch, where)
-                    continue
-                label = call_hook(module.labels, "labels", batch, where, batch) if collect else None
-                # the default labels() reads mappings only: a tuple batch counts as labelled unless the
-                # module's own labels() says otherwise
-                has_label = label is not None or not keep_outputs or (default_labels and not isinstance(batch, Mapping))
-                if labelled is None:
-                    labelled = has_label
-                elif labelled != has_label:
-                    raise DataError(f"{prefix} batch {i} {'has' if has_label else 'has no'} labels but the batches "
-                                    f"before it {'do not' if has_label else 'do'} (TaskModule.labels(batch)); "
-                                    "predict on a set that is labelled throughout or not at all")
-                with strategy.autocast():
-                    outputs = call_module(model, batch, where)
-                    if has_label:
-                        loss = call_loss(module, outputs, batch, where)
-                        values = _metric_tensors(call_hook(module.metrics, "metrics", batch, where, outputs, batch),
-                                                 device, where)
-                if has_label:
-                    if keys is None:
-                        keys = set(values)
-                    elif set(values) != keys:
-                        raise ModuleContractError(
-                            f"metrics() returned keys {sorted(values)} {where} but {sorted(keys)} before; "
-                            "return the same keys for every batch"
-                        )
-                    n = call_hook(module.num_items, "num_items", batch, where, batch)
-                    n_t = n.to(torch.float64) if isinstance(n, torch.Tensor) else torch.tensor(float(n), dtype=torch.float64, device=device)
-                    items += n_t
-                    values = {"loss": loss.detach(), **values}
-                    for k, v in values.items():
-                        contrib = v.to(torch.float64) * n_t
-                        sums[k] = sums[k] + contrib if k in sums else contrib
-                    if streams:
-                        for s in streams.values():
-                            s.update(outputs, batch)
-                if collect:
-                    pred = call_hook(module.predictions, "predictions", batch, where, outputs, batch)
-                    preds.append(detach_cpu(rows_only(pred, where)))
-                    if label is not None:
-                        labels.append(detach_cpu(label))
-                n_batches += 1
+            batches = (_in_lockstep(loader, strategy) if strategy.forward_is_collective
+                       else ((b, True) for b in start_workers(loader)))
+            for i, (batch, real) in enumerate(batches):
+                _evaluate_batch(model, module, strategy, strategy.batch_to_device(batch), real, i, tally,
+                                streams, collect, keep_outputs)
         finally:
             model.train(was_training)  # the module's own train() runs, as eval() did
             for m, mode in modes:
                 if m.training != mode:  # a submodule in another mode than its parent (a frozen norm)
                     m.training = mode
-    names = sorted(sums)
+    metrics, predictions, label_set = _joined(tally, loader, strategy, collect)
+    if tally.labelled and wants_whole_set and not streaming:
+        extra = module.compute_metrics(predictions, label_set) or {}
+        metrics.update({f"{prefix}/{k}": _as_float(v, k) for k, v in extra.items()})
+    if streams and tally.labelled:
+        metrics.update({f"{prefix}/{k}": _as_float(s.compute(), k) for k, s in streams.items()})
+    return metrics, predictions, label_set
+
+
+def _evaluate_batch(model: Any, module: Any, strategy: Strategy, batch: Any, real: bool, i: int, tally: _Tally,
+                    streams: Any, collect: bool, keep_outputs: bool) -> None:
+    """One batch: forward; loss and metrics into ``tally`` when it is labelled; its predictions
+    and labels kept when ``collect``. A stand-in batch (``real=False``: this rank's share is
+    done) only runs a forward whose output is dropped, to keep the others' gathers company."""
+    where = f"in {tally.prefix} batch {i}"
+    if not real:
+        with strategy.autocast():
+            call_module(model, batch, where)
+        return
+    label = call_hook(module.labels, "labels", batch, where, batch) if collect else None
+    # the default labels() reads mappings only: a tuple batch counts as labelled unless the
+    # module's own labels() says otherwise
+    default_labels = type(module).labels is _base_module().labels
+    has_label = label is not None or not keep_outputs or (default_labels and not isinstance(batch, Mapping))
+    tally.note_labelled(has_label, i)
+    with strategy.autocast():
+        outputs = call_module(model, batch, where)
+        if has_label:
+            loss = call_loss(module, outputs, batch, where)
+            values = _metric_tensors(call_hook(module.metrics, "metrics", batch, where, outputs, batch),
+                                     tally.device, where)
+    if has_label:
+        tally.add(loss, values, call_hook(module.num_items, "num_items", batch, where, batch), where)
+        if streams:
+            for s in streams.values():
+                s.update(outputs, batch)
+    if collect:
+        pred = call_hook(module.predictions, "predictions", batch, where, outputs, batch)
+        tally.preds.append(detach_cpu(rows_only(pred, where)))
+        if label is not None:
+            tally.labels.append(detach_cpu(label))
+    tally.n_batches += 1
+
+
+def _joined(tally: _Tally, loader: Any, strategy: Strategy, collect: bool) -> tuple[dict[str, float], Any, Any]:
+    """The whole set's item-weighted means and its predictions and labels in dataset order,
+    from every rank's ``tally``. The ranks first agree on what each holds, so that a rank whose
+    share is empty (a set smaller than the world) joins the same collectives."""
+    prefix, names, labelled = tally.prefix, sorted(tally.sums), tally.labelled
     dealt = not getattr(getattr(loader, "dataset", None), "shards_itself", False)
     # a DataLoader with batch_size=None yields ready-made batches, dealt to ranks one per turn
     by_batch = dealt and strategy.world_size > 1 and isinstance(loader, DataLoader) and loader.batch_sampler is None
-    pred_local = concat(preds, "predictions") if collect else None
-    label_local = concat(labels, "labels")
+    pred_local = concat(tally.preds, "predictions") if collect else None
+    label_local = concat(tally.labels, "labels")
+    pred_spec = label_spec = infos = None
     if strategy.world_size > 1:
-        # the ranks agree on what each holds, so that a rank whose share is empty (a set smaller
-        # than the world) joins the same collectives, with zeros and empty parts
-        rows = ([leaf_rows(p) for p in preds], [leaf_rows(x) for x in labels]) if by_batch else None
-        infos = strategy.collectives.all_gather_object((n_batches, names, labelled, spec_of(pred_local), spec_of(label_local),
-                                            rows))
+        rows = ([leaf_rows(p) for p in tally.preds], [leaf_rows(x) for x in tally.labels]) if by_batch else None
+        infos = strategy.collectives.all_gather_object(
+            (tally.n_batches, names, labelled, spec_of(pred_local), spec_of(label_local), rows))
         try:  # every rank judges the same gathered values: it raises everywhere or nowhere
             names, labelled, pred_spec, label_spec = _agree(infos, prefix)
         except LightlikeError as error:
             raise on_every_rank(error)  # noqa: B904 (the same error, marked)
-        pred_local = conform(pred_local, pred_spec)
-        label_local = conform(label_local, label_spec)
-    elif n_batches == 0:
+        tally.labelled = labelled
+        pred_local, label_local = conform(pred_local, pred_spec), conform(label_local, label_spec)
+    elif tally.n_batches == 0:
         raise DataError(f"the {prefix} data produced no batches: pass a non-empty dataset")
     metrics: dict[str, float] = {}
     if labelled:
-        total = strategy.collectives.all_reduce(items)
-        zero = torch.zeros((), dtype=torch.float64, device=device)
-        stacked = strategy.collectives.all_reduce(torch.stack([sums.get(k, zero) for k in names])) / total
+        total = strategy.collectives.all_reduce(tally.items)
+        zero = torch.zeros((), dtype=torch.float64, device=tally.device)
+        stacked = strategy.collectives.all_reduce(torch.stack([tally.sums.get(k, zero) for k in names])) / total
         metrics = {f"{prefix}/{k}": float(v) for k, v in zip(names, stacked.tolist(), strict=True)}
     # a dataset that shards itself deals its own way: its ranks' outputs are joined rank by rank
-    predictions = strategy.collectives.gather_in_order(pred_local, dealt and not by_batch) if collect else None
-    label_set = strategy.collectives.gather_in_order(label_local, dealt and not by_batch) if label_local is not None else None
+    in_order = dealt and not by_batch
+    predictions = strategy.collectives.gather_in_order(pred_local, in_order) if collect else None
+    label_set = strategy.collectives.gather_in_order(label_local, in_order) if label_local is not None else None
     if by_batch:  # whole batches were dealt round-robin: the joined rows go back in batch order
         predictions = in_batch_order(predictions, [info[5][0] for info in infos]) if collect else None
         label_set = in_batch_order(label_set, [info[5][1] for info in infos]) if label_set is not None else None
     if strategy.world_size > 1:  # the module's own types, from the agreed specs (the same on every rank)
         predictions, label_set = restore(predictions, pred_spec), restore(label_set, label_spec)
-    if labelled and wants_whole_set and not streaming:
-        extra = module.compute_metrics(predictions, label_set) or {}
-        metrics.update({f"{prefix}/{k}": _as_float(v, k) for k, v in extra.items()})
-    if streams and labelled:
-        metrics.update({f"{prefix}/{k}": _as_float(s.compute(), k) for k, s in streams.items()})
     return metrics, predictions, label_set
 
 

@@ -93,78 +93,106 @@ def search(fitter: Fitter, module_factory: Callable[..., Any], space: Any, n_tri
     if not (callable(space) or isinstance(space, Mapping)):
         raise ConfigError(f"space must be a dict of optuna distributions or a callable(trial) -> dict, "
                           f"got {type(space).__name__}")
-    strategy = fitter.setup_strategy()
-    config_keys = {f.name for f in fields(FitConfig)}
-    _check_space_names(space, module_factory, config_keys)
-    between = PreemptionHandler(base.preemption_signals)  # a signal between trials (each fit has its own)
-    between.install()
+    trials = _Trials(fitter, module_factory, metric, train, val)
+    _check_space_names(space, module_factory, trials.config_keys)
+    trials.between.install()
     try:
-        def run_trial(number: int, params: Mapping[str, Any], trial: Any) -> tuple[float | None, Any]:
-            overrides = {k: v for k, v in params.items() if k in config_keys}
-            module_kwargs = {k: v for k, v in params.items() if k not in config_keys}
-            cfg = base.replace(**{**overrides, "output_dir": str(Path(base.output_dir) / f"trial-{number}")})
-            pruning = PruningCallback(trial, metric)
-            callbacks = [_fresh(cb) for cb in fitter.user_callbacks] + [pruning]
-            trial_fitter = type(fitter)(cfg, callbacks=callbacks)  # seeds: the module below starts the same
-            module = module_factory(**module_kwargs)
-            tr, va = _data(module, train, val)
-            if va is None:
-                raise ConfigError("search needs evaluation data for its metric: pass val=... (or define val_data())")
-            _stop_if_preempted(strategy, [between], f"before trial {number}")
-            try:
-                result = trial_fitter.fit(module, tr, va)
-            except OutputDirError:  # its resume hint does not apply: a trial is not resumed
-                raise OutputDirError(
-                    f"search: {cfg.output_dir!r} already holds a run (an earlier search's trial?); choose another "
-                    "output_dir, pass overwrite_output_dir=True to replace the trials, or, to continue an earlier "
-                    "search, pass study= its optuna study (with its storage): new trials get new numbers",
-                    offers=("overwrite_output_dir=True",)) from None
-            _stop_if_preempted(strategy, [between, trial_fitter.preemption], f"during trial {number}")
-            if metric not in result.metrics:
-                raise ConfigError(f"search metric {metric!r} is not among the fit's metrics {sorted(result.metrics)}; "
-                                  "pass val=... (and eval_every for pruning)")
-            return (None if pruning.pruned_at is not None else result.metrics[metric]), (result, pruning)
-
-        if strategy.is_global_zero:
+        if trials.strategy.is_global_zero:
             if study is None:
                 sampler = sampler if sampler is not None else optuna.samplers.TPESampler(seed=sampler_seed)
                 study = optuna.create_study(direction=direction, sampler=sampler, pruner=pruner)  # type: ignore[arg-type]
-
-            def objective(trial: Any) -> float:
-                params = space(trial) if callable(space) else _suggest(trial, space)
-                if not isinstance(params, Mapping):
-                    raise ConfigError(f"space(trial) must return a dict of overrides, got {type(params).__name__}")
-                params = dict(params)
-                _check_names(params, module_factory, config_keys)
-                if strategy.world_size > 1:
-                    strategy.collectives.broadcast_object((trial.number, params))
-                # set first: a trial that fails (or is killed) still names its folder and settings
-                trial.set_user_attr("output_dir", str(Path(base.output_dir) / f"trial-{trial.number}"))
-                trial.set_user_attr("overrides", _jsonable(params))
-                value, (result, pruning) = run_trial(trial.number, params, trial)
-                trial.set_user_attr("global_step", result.global_step)
-                if value is None:
-                    raise optuna.TrialPruned(f"pruned at step {pruning.pruned_at} ({metric})")
-                return value
-
-            study.optimize(objective, n_trials=n_trials, timeout=timeout)
-            if strategy.world_size > 1:
-                strategy.collectives.broadcast_object(None)  # no more trials
-                strategy.collectives.broadcast_object((study.direction.name.lower(), study.trials))
-            return study
-        # ranks other than 0: run the trials rank 0 announces, with its pruning decisions
-        while True:
-            announced = strategy.collectives.broadcast_object(None)
-            if announced is None:
-                break
-            number, params = announced
-            run_trial(number, params, None)
-        direction, trials = strategy.collectives.broadcast_object(None)
-        study = optuna.create_study(direction=direction)  # type: ignore[arg-type]
-        study.add_trials(trials)
-        return study
+            return _lead(trials, study, space, n_trials, timeout)
+        return _follow(trials)
     finally:
-        between.uninstall()
+        trials.between.uninstall()
+
+
+class _Trials:
+    """Runs one trial's fit on this rank: a fresh Fitter with the trial's overrides and its own
+    ``output_dir``, a fresh module from the factory, and the pruning callback."""
+
+    def __init__(self, fitter: Fitter, module_factory: Callable[..., Any], metric: str, train: Any, val: Any):
+        self.fitter, self.factory, self.metric, self.train, self.val = fitter, module_factory, metric, train, val
+        self.base = fitter.config
+        self.strategy = fitter.setup_strategy()
+        self.config_keys = {f.name for f in fields(FitConfig)}
+        self.between = PreemptionHandler(self.base.preemption_signals)  # a signal between trials (each fit has its own)
+
+    def output_dir(self, number: int) -> str:
+        return str(Path(self.base.output_dir) / f"trial-{number}")
+
+    def run(self, number: int, params: Mapping[str, Any], trial: Any) -> tuple[float | None, Any, PruningCallback]:
+        """The trial's value (None when it was pruned), its FitResult and its pruning callback."""
+        overrides = {k: v for k, v in params.items() if k in self.config_keys}
+        module_kwargs = {k: v for k, v in params.items() if k not in self.config_keys}
+        cfg = self.base.replace(**{**overrides, "output_dir": self.output_dir(number)})
+        pruning = PruningCallback(trial, self.metric)
+        callbacks = [_fresh(cb) for cb in self.fitter.user_callbacks] + [pruning]
+        trial_fitter = type(self.fitter)(cfg, callbacks=callbacks)  # seeds: the module below starts the same
+        module = self.factory(**module_kwargs)
+        tr, va = _data(module, self.train, self.val)
+        if va is None:
+            raise ConfigError("search needs evaluation data for its metric: pass val=... (or define val_data())")
+        _stop_if_preempted(self.strategy, [self.between], f"before trial {number}")
+        try:
+            result = trial_fitter.fit(module, tr, va)
+        except OutputDirError:  # its resume hint does not apply: a trial is not resumed
+            raise OutputDirError(
+                f"search: {cfg.output_dir!r} already holds a run (an earlier search's trial?); choose another "
+                "output_dir, pass overwrite_output_dir=True to replace the trials, or, to continue an earlier "
+                "search, pass study= its optuna study (with its storage): new trials get new numbers",
+                offers=("overwrite_output_dir=True",)) from None
+        _stop_if_preempted(self.strategy, [self.between, trial_fitter.preemption], f"during trial {number}")
+        if self.metric not in result.metrics:
+            raise ConfigError(f"search metric {self.metric!r} is not among the fit's metrics "
+                              f"{sorted(result.metrics)}; pass val=... (and eval_every for pruning)")
+        return (None if pruning.pruned_at is not None else result.metrics[self.metric]), result, pruning
+
+
+def _lead(trials: _Trials, study: Any, space: Any, n_trials: int, timeout: float | None) -> Any:
+    """Rank 0 runs the study; on several processes it announces each trial's number and
+    parameters, then the end and the finished trials."""
+    import optuna
+
+    strategy = trials.strategy
+
+    def objective(trial: Any) -> float:
+        params = space(trial) if callable(space) else _suggest(trial, space)
+        if not isinstance(params, Mapping):
+            raise ConfigError(f"space(trial) must return a dict of overrides, got {type(params).__name__}")
+        params = dict(params)
+        _check_names(params, trials.factory, trials.config_keys)
+        if strategy.world_size > 1:
+            strategy.collectives.broadcast_object((trial.number, params))
+        # set first: a trial that fails (or is killed) still names its folder and settings
+        trial.set_user_attr("output_dir", trials.output_dir(trial.number))
+        trial.set_user_attr("overrides", _jsonable(params))
+        value, result, pruning = trials.run(trial.number, params, trial)
+        trial.set_user_attr("global_step", result.global_step)
+        if value is None:
+            raise optuna.TrialPruned(f"pruned at step {pruning.pruned_at} ({trials.metric})")
+        return value
+
+    study.optimize(objective, n_trials=n_trials, timeout=timeout)
+    if strategy.world_size > 1:
+        strategy.collectives.broadcast_object(None)  # no more trials
+        strategy.collectives.broadcast_object((study.direction.name.lower(), study.trials))
+    return study
+
+
+def _follow(trials: _Trials) -> Any:
+    """Ranks other than 0: run the trials rank 0 announces, with its pruning decisions, and
+    return a study equal to rank 0's."""
+    import optuna
+
+    collectives = trials.strategy.collectives
+    while (announced := collectives.broadcast_object(None)) is not None:
+        number, params = announced
+        trials.run(number, params, None)
+    direction, finished = collectives.broadcast_object(None)
+    study = optuna.create_study(direction=direction)  # type: ignore[arg-type]
+    study.add_trials(finished)
+    return study
 
 
 def _stop_if_preempted(strategy: Any, handlers: list[Any], after: str) -> None:

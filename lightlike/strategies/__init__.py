@@ -39,8 +39,6 @@ STRATEGIES: dict[str, StrategyFactory] = {
        for name in ("deepspeed_zero1", "deepspeed_zero2", "deepspeed_zero2_offload", "deepspeed_zero3",
                     "deepspeed_zero3_offload")},
 }
-#: Names reserved for strategies not written yet, so the error for them is precise.
-PLANNED: tuple[str, ...] = ()
 
 
 def get_strategy(spec: str | Strategy, accelerator: str, precision: Precision | None) -> Strategy:
@@ -61,10 +59,7 @@ def get_strategy(spec: str | Strategy, accelerator: str, precision: Precision | 
     if name == "auto":
         name = "single" if detect_environment().world_size == 1 else "ddp"
     if name not in STRATEGIES:
-        if name in PLANNED:
-            raise ConfigError(f"strategy={spec!r} is not available in this version; available: "
-                              f"{', '.join(['auto', *STRATEGIES])}")
-        close = difflib.get_close_matches(name, [*STRATEGIES, *PLANNED], n=1)
+        close = difflib.get_close_matches(name, list(STRATEGIES), n=1)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
         raise ConfigError(f"unknown strategy {spec!r}{hint}; valid names: {', '.join(['auto', *STRATEGIES])}")
     return STRATEGIES[name](accelerator, precision)
