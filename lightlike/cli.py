@@ -241,21 +241,28 @@ def _parse(cmd: str, argv: list[str]) -> dict[str, Any]:
 
     # constructor arguments: signature defaults < checkpoint's hparams.json < config file < flags
     checkpoint = _resolve_checkpoint(given["cli_checkpoint"], config) if given.get("cli_checkpoint") else None
-    model: dict[str, Any] | None = None
-    if cls is not None or file_model:
-        model = {o.key.split(".", 1)[1]: o.default for o in model_list if o.default is not REQUIRED}
-        if checkpoint is not None and (checkpoint / "hparams.json").is_file():
-            model.update(_saved_hparams(checkpoint / "hparams.json", model_opts, var_kw))
-        model.update(file_model)
-        model.update({k.split(".", 1)[1]: v for k, v in given.items() if k.startswith(f"{MODEL}.")})
-        missing = [o.key.split(".", 1)[1] for o in model_list if o.key.split(".", 1)[1] not in model]
-        if missing and cls is not None:
-            raise ConfigError(f"{cls.__name__} needs constructor argument(s) {', '.join(missing)}: pass "
-                              f"--{MODEL}.{missing[0]} VALUE or set it in the config file's [{MODEL}] table")
+    model = (_constructor_args(cls, model_list, model_opts, var_kw, checkpoint, file_model, given)
+             if cls is not None or file_model else None)
     return {"config": config, "cls": cls, "model": model, "checkpoint": checkpoint, "args": given,
             "fit_help": {k: o.help for k, o in fit_opts.items()},
             "model_help": {k: o.help for k, o in model_opts.items()},
             "defaults": {**{k: o.default for k, o in fit_opts.items()}, **{k: o.default for k, o in model_opts.items()}}}
+
+
+def _constructor_args(cls: Any, model_list: list[Any], model_opts: dict[str, Any], var_kw: bool,
+                      checkpoint: Path | None, file_model: dict[str, Any], given: dict[str, Any]) -> dict[str, Any]:
+    """The module's constructor arguments: signature defaults < the checkpoint's hparams.json <
+    the config file's [model] table < ``--model.*`` flags. A required one still missing is an error."""
+    model = {o.key.split(".", 1)[1]: o.default for o in model_list if o.default is not REQUIRED}
+    if checkpoint is not None and (checkpoint / "hparams.json").is_file():
+        model.update(_saved_hparams(checkpoint / "hparams.json", model_opts, var_kw))
+    model.update(file_model)
+    model.update({k.split(".", 1)[1]: v for k, v in given.items() if k.startswith(f"{MODEL}.")})
+    missing = [o.key.split(".", 1)[1] for o in model_list if o.key.split(".", 1)[1] not in model]
+    if missing and cls is not None:
+        raise ConfigError(f"{cls.__name__} needs constructor argument(s) {', '.join(missing)}: pass "
+                          f"--{MODEL}.{missing[0]} VALUE or set it in the config file's [{MODEL}] table")
+    return model
 
 
 def _saved_hparams(path: Path, model_opts: dict[str, Any], var_kw: bool) -> dict[str, Any]:

@@ -43,27 +43,7 @@ def export_weights(checkpoint_dir: str | Path, out_dir: str | Path, hashes: bool
     Sharded checkpoints (FSDP's DCP shards, DeepSpeed's ZeRO partitions) are consolidated into
     the same single file by the consolidator their ``state_format`` names."""
     src = Path(checkpoint_dir)
-    # a missing path, a file, or a run's output_dir is named as such, not as a torn checkpoint
-    # ("manifest.json is missing")
-    if not src.exists():
-        raise CheckpointError(f"export: no such checkpoint directory: {str(src)!r}")
-    if not src.is_dir():
-        raise CheckpointError(f"export: {str(src)!r} is a file, not a checkpoint directory")
-    if not (src / MANIFEST).exists():
-        if any(p.is_dir() and CHECKPOINT_DIR_NAME.match(p.name) for p in src.iterdir()):
-            newest = None
-            for p in reversed(list_checkpoints(src)):  # sizes only: the export verifies the one passed in full
-                try:
-                    verify_checkpoint(p, hashes=False)
-                except (CheckpointError, OSError):
-                    continue
-                newest = p
-                break
-            if newest is None:
-                raise CheckpointError(f"export: {str(src)!r} is a run's output_dir, not one checkpoint, and holds "
-                                      "no valid checkpoint to export")
-            raise CheckpointError(f"export: {str(src)!r} is a run's output_dir, not one checkpoint: pass one of "
-                                  f"its checkpoints, e.g. its newest valid one, {str(newest)!r}")
+    _check_source(src)
     manifest = verify_checkpoint(src, hashes=hashes)
     fmt = (manifest.get("meta") or {}).get("state_format", "full")
     out = Path(out_dir)
@@ -111,6 +91,30 @@ def export_weights(checkpoint_dir: str | Path, out_dir: str | Path, hashes: bool
     if replaced:
         log.warning("export into %s replaced %s of an earlier export", out, ", ".join(replaced))
     return out / "model.safetensors"
+
+
+def _check_source(src: Path) -> None:
+    """A missing path, a file, or a run's output_dir is named as such, not as a torn checkpoint
+    ("manifest.json is missing"); a run's output_dir is answered with its newest valid checkpoint."""
+    if not src.exists():
+        raise CheckpointError(f"export: no such checkpoint directory: {str(src)!r}")
+    if not src.is_dir():
+        raise CheckpointError(f"export: {str(src)!r} is a file, not a checkpoint directory")
+    if not (src / MANIFEST).exists():
+        if any(p.is_dir() and CHECKPOINT_DIR_NAME.match(p.name) for p in src.iterdir()):
+            newest = None
+            for p in reversed(list_checkpoints(src)):  # sizes only: the export verifies the one passed in full
+                try:
+                    verify_checkpoint(p, hashes=False)
+                except (CheckpointError, OSError):
+                    continue
+                newest = p
+                break
+            if newest is None:
+                raise CheckpointError(f"export: {str(src)!r} is a run's output_dir, not one checkpoint, and holds "
+                                      "no valid checkpoint to export")
+            raise CheckpointError(f"export: {str(src)!r} is a run's output_dir, not one checkpoint: pass one of "
+                                  f"its checkpoints, e.g. its newest valid one, {str(newest)!r}")
 
 
 def _check_out_dir(out: Path) -> None:
