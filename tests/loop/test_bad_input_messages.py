@@ -263,6 +263,15 @@ def test_lazy_modules_without_a_first_item_to_read_are_refused_by_name(tmp_path)
         "module(batch)), or give the layers their input sizes (nn.Linear(in_features, ...) for nn.LazyLinear)")
 
 
+def test_lazy_modules_with_auto_find_batch_size_are_refused_by_name(tmp_path):
+    """A retry starts from the module's first weights, which a lazy module does not have yet
+    (torch raised "Attempted to use an uninitialized parameter" from the copy)."""
+    with pytest.raises(ll.ModuleContractError, match=re.escape(
+            "auto_find_batch_size=True keeps the module's first weights for a retry, but ['net.0'] have parameters "
+            "that are not initialised yet (lazy modules): run one forward pass before fit()")):
+        fitter(tmp_path, auto_find_batch_size=True).fit(Lazy(), DictDataset(n=16))
+
+
 # -- 7: a loss that reaches no parameter --------------------------------------------------------------
 class Unregistered(Classifier):
     """Its layers sit in a plain list (not registered); the registered ``net`` is never used."""
