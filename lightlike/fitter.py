@@ -408,8 +408,7 @@ class Fitter:
         losses = LossBuffer(strategy.root_device, raise_nonfinite=cfg.nonfinite_loss == "raise")
         return Run(module=module, model=None, optimizer=None, scheduler=None, train_data=train_data,
                    eval_sets=eval_sets, best=BestMetric(cfg, eval_sets), max_steps=max_steps, epoch_limit=epoch_limit,
-                   losses=losses,
-                   count_items=module.num_items, uniform_counts=train_data.deals_evenly and default_counts,
+                   losses=losses, count_items=module.num_items, uniform_counts=train_data.deals_evenly and default_counts,
                    agree_on_data=agree_on_data, resume_from=resume_from)
 
     def _set_up_model(self, run: Run) -> None:
