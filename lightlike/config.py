@@ -31,9 +31,11 @@ OPTIMIZERS = ("adamw", "sgd")
 NONFINITE_POLICIES = ("raise", "skip")
 SAVE_STRATEGIES = ("steps", "epoch", "best", "no")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
-#: The seeds taken: a signed 64-bit int (torch.manual_seed takes -2**63 to 2**64 - 1; the sampler adds
-#: the epoch to the seed and the collators pack it as an int64).
-SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
+#: The seeds taken: those whose random streams differ from every other's. torch's CPU generator
+#: (Mersenne Twister) and numpy's keep the low 32 bits of a seed, so torch.manual_seed(2**32) and
+#: manual_seed(-(2**63)) give manual_seed(0)'s stream, and Python's random.seed(-n) is
+#: random.seed(n): distinct seeds give distinct streams in [0, 2**32 - 1] only (Lightning's range).
+SEED_MIN, SEED_MAX = 0, 2**32 - 1
 
 
 def _f(default: Any, help: str, **kw: Any) -> Any:
@@ -67,7 +69,8 @@ class FitConfig:
     drop_last: bool = _f(False, "Drop the last incomplete training batch of each epoch.")
     shuffle: bool = _f(True, "Shuffle the training data every epoch (permutation of seed, epoch).")
     pin_memory: bool = _f(False, "Pin host memory in DataLoaders (useful with CUDA).")
-    seed: int = _f(0, "Seed for python, numpy, torch and DataLoader workers.")
+    seed: int = _f(0, "Seed for python, numpy, torch and DataLoader workers: 0 to 2**32 - 1 (the seeds whose "
+                      "random streams all differ).")
     deterministic: bool = _f(False, "Use torch's deterministic algorithms during fit/validate/test/predict (as before them after).")
     # -- optimisation --------------------------------------------------------------------------
     optimizer: str = _f("adamw", "Built-in optimizer: 'adamw' or 'sgd' (configure_optimizers wins).")
@@ -120,8 +123,12 @@ class FitConfig:
                           "shards written in the background (FSDP), or fsync/hash/manifest in a thread; "
                           "committed at the next save or the end of the fit, invisible until then "
                           "(a fit that fails commits one whose files were all written, except FSDP's).")
-    metric_for_best: str | None = _f(None, "Metric key that decides the best checkpoint.")
-    greater_is_better: bool | None = _f(None, "Whether larger metric_for_best is better.")
+    metric_for_best: str | None = _f(None, "Metric key that decides the best checkpoint: '<set>/<name>', e.g. "
+                                           "'val/loss' or 'val/accuracy' (checked against the sets at set-up and "
+                                           "the metrics at the first evaluation, after that step's checkpoint).")
+    greater_is_better: bool | None = _f(None, "Whether larger metric_for_best is better. None: from the name: lower "
+                                              "for a name ending in 'loss' or with the word error, err, perplexity, "
+                                              "ppl, wer, cer, mse, rmse, mae, nll (or errors); higher otherwise.")
     load_best_at_end: bool = _f(
         False, "Load the best checkpoint's weights when fit ends. Every evaluation must have a checkpoint: "
         "save_strategy='best'; 'steps' with eval_every a multiple of save_every; or 'epoch' with "
@@ -196,8 +203,10 @@ class FitConfig:
             v = getattr(self, name)
             need(math.isfinite(v), f"{name} must be finite, got {v!r}", name)
         need(SEED_MIN <= self.seed <= SEED_MAX,
-             f"seed must be in [-2**63, 2**63 - 1] (a signed 64-bit int: torch.manual_seed takes -2**63 to "
-             f"2**64 - 1, and the epoch and step are added to the seed), got {self.seed!r}", "seed")
+             f"seed must be in [0, 2**32 - 1]: torch's and numpy's generators keep only the low 32 bits of a seed "
+             f"and Python's ignores its sign, so a seed outside that range gives the random streams of one inside "
+             f"it (seed={self.seed!r} draws torch's and numpy's streams of seed={self.seed % 2**32}); got {self.seed!r}",
+             "seed")
         need(0.0 <= self.warmup_ratio < 1.0, f"warmup_ratio must be in [0, 1), got {self.warmup_ratio!r}", "warmup_ratio")
         need(self.warmup_steps >= 0, f"warmup_steps must be >= 0, got {self.warmup_steps!r}", "warmup_steps")
         _choice("lr_scheduler", self.lr_scheduler, SCHEDULERS)

@@ -23,7 +23,6 @@ import ast
 import inspect
 import linecache
 import logging
-import math
 import numbers
 from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
@@ -31,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.utils.data import DataLoader
 
+from lightlike.best import greater_is_better, is_improvement  # noqa: F401  (also lightlike.evaluation's)
 from lightlike.data.workers import start_workers
 from lightlike.errors import ConfigError, DataError, LightlikeError, ModuleContractError, on_every_rank
 from lightlike.interop.metrics import adapt_streaming_metrics
@@ -94,30 +94,46 @@ def call_loss(module: Any, outputs: Any, batch: Any, where: str, *where_args: An
     key the loss reads and the batch lacks raises a ``DataError`` naming it."""
     try:
         loss = module.loss(outputs, batch)
-    except (KeyError, TypeError) as e:
-        if (error := _batch_error(e, batch, "loss()", where, where_args)) is None:
+    except Exception as e:
+        if (error := _loss_error(e, outputs, batch, "loss()", where, where_args)) is None:
             raise
         raise error from e
     if type(loss) is torch.Tensor and loss.ndim == 0 and loss.requires_grad:  # the usual loss, checked in place
         return loss
     return check_loss(loss, where, *where_args)
+
+
+_NOT_YET = object()  # forward has not returned
 
 
 def forward_loss(model: Any, module: Any, batch: Any, where: str, *where_args: Any) -> torch.Tensor:
     """``module.loss(model(batch), batch)`` for a training micro-batch, with ``call_module``'s and
     ``call_loss``'s errors and checks, in one call (the loop makes it once per micro-batch)."""
-    who = "the module"
+    who, outputs = "the module", _NOT_YET
     try:
         outputs = model(batch)
         who = "loss()"
         loss = module.loss(outputs, batch)
-    except (KeyError, TypeError) as e:
-        if (error := _batch_error(e, batch, who, where, where_args)) is None:
+    except Exception as e:
+        if (error := _loss_error(e, outputs, batch, who, where, where_args)) is None:
             raise
         raise error from e
     if type(loss) is torch.Tensor and loss.ndim == 0 and loss.requires_grad:  # the usual loss, checked in place
         return loss
     return check_loss(loss, where, *where_args)
+
+
+def _loss_error(e: Exception, outputs: Any, batch: Any, who: str, where: str, where_args: tuple) -> Exception | None:
+    """The error to raise for ``e``, raised by ``who`` (the module's forward or ``loss()``): a
+    forward that returned None, when the loss then failed (the loss reads outputs it has not
+    got), or a batch read (``_batch_error``); None where ``e`` is the module's own error."""
+    if outputs is None and who == "loss()":
+        return ModuleContractError(f"forward() returned None {where.format(*where_args)}, and loss() failed on it "
+                                   f"({type(e).__name__}: {e}): return the outputs loss() reads (e.g. the logits, "
+                                   "or the model's output object) from forward()")
+    if isinstance(e, (KeyError, TypeError)):
+        return _batch_error(e, batch, who, where, where_args)
+    return None
 
 
 def _batch_error(e: KeyError | TypeError, batch: Any, who: str, where: str, where_args: tuple) -> Exception | None:
@@ -504,17 +520,3 @@ def _warn_once(key: type, message: str) -> None:
 
 def _base_module() -> Any:
     return TaskModule
-
-
-def greater_is_better(metric: str, setting: bool | None) -> bool:
-    """The direction of ``metric_for_best``: the ``greater_is_better`` setting, or by default
-    lower for a name ending in 'loss', higher otherwise (as the HF Trainer decides)."""
-    return setting if setting is not None else not metric.endswith("loss")
-
-
-def is_improvement(value: float, best: float | None, greater_is_better: bool, min_delta: float = 0.0) -> bool:
-    if math.isnan(value):
-        return False
-    if best is None:
-        return True
-    return value > best + min_delta if greater_is_better else value < best - min_delta

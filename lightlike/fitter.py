@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from lightlike import optim
+from lightlike.best import BestMetric
 from lightlike.callbacks.base import Callback, CallbackList
 from lightlike.callbacks.checks import built_in_callbacks
 from lightlike.callbacks.progress import ProgressBar
@@ -30,11 +31,12 @@ from lightlike.config import FitConfig, check_keys
 from lightlike.data.eval_loading import build_eval_loader, normalise_eval_sets
 from lightlike.data.loading import build_train_data
 from lightlike.errors import ConfigError, DataError
-from lightlike.evaluation import forward_loss, greater_is_better, is_improvement, run_evaluation
+from lightlike.evaluation import forward_loss, run_evaluation
+from lightlike.lazy import materialise_lazy_modules
 from lightlike.loggers import build_loggers
 from lightlike.loggers.console import setup_logging
 from lightlike.loggers.summary import model_summary
-from lightlike.loop import Due, Run, save_due
+from lightlike.loop import Due, Run, save_due, warn_eval_every_past_the_end
 from lightlike.module import TaskModule, check_task_module
 from lightlike.pending import LossBuffer, item_weight
 from lightlike.precision import get_precision
@@ -251,6 +253,7 @@ class Fitter:
             self._finish_step(run)
         if save_due(self.config, state, control, epoch_ended, final=stop):
             self._save(wait=False)
+        run.best.raise_unknown(state, self._commit)  # a metric_for_best the evaluation lacks: after the save
         if self.preemption.stop_requested(self.strategy, state.global_step):
             self._preempted(stop or control.should_training_stop)
         return epoch_ended or control.should_training_stop
@@ -266,6 +269,7 @@ class Fitter:
             self._finish_step(run)
         if save_due(self.config, self.state, self.control, epoch_ended=True, final=stop):
             self._save(wait=False)
+        run.best.raise_unknown(self.state, self._commit)
 
     def _preempted(self, ending: bool) -> None:
         """A preemption signal, agreed by every rank: save a full checkpoint (once), ask SLURM to
@@ -321,6 +325,7 @@ class Fitter:
         if save_due(self.config, state, self.control, epoch_ended=False, final=True):
             self._save()
         self._commit()  # an asynchronous write still in flight
+        run.best.raise_unknown(state, self._commit)
         self.phase = "end of fit"
         if self.config.load_best_at_end and state.best_checkpoint:
             self.checkpointer.load_weights(Path(state.best_checkpoint))  # type: ignore[union-attr]
@@ -390,8 +395,6 @@ class Fitter:
         for option in ("eval_every", "eval_on_epoch_end"):
             if getattr(cfg, option) and not eval_sets:
                 raise ConfigError(f"{option} is set but fit() got no evaluation data: pass val=..., or drop {option}")
-        if cfg.metric_for_best and not eval_sets:
-            raise ConfigError(f"metric_for_best={cfg.metric_for_best!r} needs evaluation data: pass val=...")
         # lightlike's sampler gives every rank the same batches, and with the default num_items
         # the same counts; otherwise the ranks agree on the epoch's length where it is known (the
         # shortest share's) and on each step that all still have data, and sum their item counts
@@ -400,11 +403,12 @@ class Fitter:
             train_data.agree_on_length(strategy)
         resumed = FitState.saved_in(resume_from) if resume_from is not None else None
         max_steps, epoch_limit = train_data.step_budget(cfg.max_steps, cfg.max_epochs, cfg.grad_accum_steps, resumed)
+        warn_eval_every_past_the_end(cfg, max_steps)
         default_counts = type(module).num_items is TaskModule.num_items and "num_items" not in vars(module)
         losses = LossBuffer(strategy.root_device, raise_nonfinite=cfg.nonfinite_loss == "raise")
         return Run(module=module, model=None, optimizer=None, scheduler=None, train_data=train_data,
-                   eval_sets=eval_sets, max_steps=max_steps, epoch_limit=epoch_limit, losses=losses,
-                   count_items=module.num_items, uniform_counts=train_data.deals_evenly and default_counts,
+                   eval_sets=eval_sets, best=BestMetric(cfg, eval_sets), max_steps=max_steps, epoch_limit=epoch_limit,
+                   losses=losses, count_items=module.num_items, uniform_counts=train_data.deals_evenly and default_counts,
                    agree_on_data=agree_on_data, resume_from=resume_from)
 
     def _set_up_model(self, run: Run) -> None:
@@ -417,6 +421,7 @@ class Fitter:
         else:
             module.gradient_checkpointing_disable()
         self.module = module
+        materialise_lazy_modules(module, run.train_data.loader)  # nn.LazyLinear & co.: shaped before wrapping
         module.zero_grad(set_to_none=True)  # gradients left by an earlier fit that failed, or by the user
         model = strategy.setup_module(module)
         custom = optim.call_configure_optimizers(module, cfg)
@@ -508,14 +513,9 @@ class Fitter:
                 m, _, _ = run_evaluation(run.model, run.module, loader, self.strategy, name,
                                          streaming=self.config.eval_streaming)
                 metrics.update(m)
-        state, cfg = self.state, self.config
+        state = self.state
         state.last_eval_step = state.global_step
-        key = cfg.metric_for_best
-        if key is not None:
-            if key not in metrics:
-                raise ConfigError(f"metric_for_best={key!r} is not among the evaluation metrics {sorted(metrics)}")
-            if is_improvement(metrics[key], state.best_metric, greater_is_better(key, cfg.greater_is_better)):
-                state.best_metric, state.best_step = metrics[key], state.global_step
+        run.best.update(metrics, state)
         self._emit(run, "on_evaluate", metrics)
         run.last_metrics = metrics
         if self.control.should_log:

@@ -6,16 +6,20 @@ is due at a step boundary (``Due``), and when a checkpoint is due (``save_due``)
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from lightlike.best import BestMetric
 from lightlike.config import FitConfig
 from lightlike.data.loading import TrainData
 from lightlike.pending import LossBuffer
 from lightlike.state import Control, FitState
+
+log = logging.getLogger("lightlike")
 
 
 @dataclass
@@ -29,6 +33,7 @@ class Run:
     scheduler: Any
     train_data: TrainData
     eval_sets: dict[str, Any]
+    best: BestMetric  # metric_for_best: the best evaluation so far, and a key the evaluation lacks
     max_steps: int
     epoch_limit: float  # epochs to run (inf when only max_steps bounds the fit)
     losses: LossBuffer
@@ -94,3 +99,17 @@ def save_due(config: FitConfig, state: FitState, control: Control, epoch_ended: 
             or (config.save_strategy == "best" and state.best_step == step)
             or (final and every is not None)
             or (final and config.load_best_at_end and state.best_step == step))  # the best must be loadable
+
+
+def warn_eval_every_past_the_end(config: FitConfig, max_steps: int) -> None:
+    """``eval_every`` larger than the run's steps makes no step an evaluation step: the run is
+    evaluated at its last step only (and at epoch ends with ``eval_on_epoch_end``). Said once at
+    set-up, as the HF Trainer does not (it never evaluates then)."""
+    every = config.eval_every
+    if every is None or every <= max_steps:
+        return
+    when = (f"at epoch ends and at the last step ({max_steps})" if config.eval_on_epoch_end
+            else f"once, at the last step ({max_steps})")
+    log.warning("eval_every=%d is larger than this run's %d optimizer steps: no evaluation falls on an eval_every "
+                "step, so the run is evaluated only %s. Set eval_every to at most %d to evaluate during training",
+                every, max_steps, when, max_steps)

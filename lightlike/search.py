@@ -28,6 +28,7 @@ from dataclasses import fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from lightlike.best import greater_is_better
 from lightlike.callbacks.base import Callback
 from lightlike.config import FitConfig
 from lightlike.errors import ConfigError, OutputDirError
@@ -72,8 +73,8 @@ def search(fitter: Fitter, module_factory: Callable[..., Any], space: Any, n_tri
 
     ``train``/``val``: the data of every trial (default: the module's ``train_data()`` /
     ``val_data()``). ``metric`` (default: ``metric_for_best`` or ``"val/loss"``) is the trial's
-    value; ``direction`` (default: from ``greater_is_better``, else ``"minimize"`` for a metric
-    ending in ``loss`` and ``"maximize"`` otherwise). ``sampler`` (default:
+    value; ``direction`` (default: from ``greater_is_better``, else from the metric's name as for
+    ``metric_for_best``: ``lightlike.best.greater_is_better``). ``sampler`` (default:
     ``TPESampler(seed=sampler_seed)``) and ``pruner`` (default: optuna's ``MedianPruner``) go
     to ``optuna.create_study``; an existing ``study`` (e.g. with storage, to continue it) is used
     as it is, with its own direction, sampler and pruner. ``timeout`` (seconds) as in
@@ -83,9 +84,8 @@ def search(fitter: Fitter, module_factory: Callable[..., Any], space: Any, n_tri
     base = fitter.config
     metric = metric or base.metric_for_best or "val/loss"
     if direction is None:
-        greater = base.greater_is_better if metric == base.metric_for_best else None
-        direction = ("maximize" if greater else "minimize") if greater is not None else \
-            ("minimize" if metric.endswith("loss") else "maximize")
+        greater = greater_is_better(metric, base.greater_is_better if metric == base.metric_for_best else None)
+        direction = "maximize" if greater else "minimize"
     if direction not in ("minimize", "maximize"):
         raise ConfigError(f"direction must be 'minimize' or 'maximize', got {direction!r}")
     if not isinstance(n_trials, int) or n_trials < 1:

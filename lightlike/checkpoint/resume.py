@@ -26,10 +26,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from lightlike.best import greater_is_better, is_improvement
 from lightlike.checkpoint.atomic import cleanup_stale_temps, fsync_path
 from lightlike.checkpoint.manifest import CHECKPOINT_DIR_NAME, MANIFEST, checkpoint_step, find_latest_valid
 from lightlike.errors import CheckpointError, ConfigError
-from lightlike.evaluation import greater_is_better, is_improvement
 from lightlike.module import TaskModule
 
 if TYPE_CHECKING:

@@ -17,6 +17,7 @@ from torch.utils.data import (
     SequentialSampler,
 )
 
+from lightlike.data.checked import CheckedDataset, DefaultCollate
 from lightlike.data.iterable import ShardedIterable
 from lightlike.data.loader_info import (
     already_split,
@@ -70,9 +71,9 @@ def build_eval_loader(
     n = check_nonempty(data, name)
     assert n is not None
     sampler = ResumableSampler(n, shuffle=False, rank=rank, world_size=world_size)
-    return DataLoader(data, batch_size=batch_size, sampler=sampler, num_workers=num_workers,
-                      pin_memory=pin_memory, collate_fn=collate_fn, generator=torch.Generator(),
-                      worker_init_fn=end_with_parent(None, num_workers))
+    return DataLoader(CheckedDataset(data, name), batch_size=batch_size, sampler=sampler, num_workers=num_workers,
+                      pin_memory=pin_memory, collate_fn=collate_fn or DefaultCollate(name),
+                      generator=torch.Generator(), worker_init_fn=end_with_parent(None, num_workers))
 
 
 def normalise_eval_sets(data: Any, default_name: str = "val") -> dict[str, Any]:

@@ -18,6 +18,7 @@ from torch.utils.data import (
     SequentialSampler,
 )
 
+from lightlike.data.checked import CheckedDataset, DefaultCollate
 from lightlike.data.iterable import ShardedIterable
 from lightlike.data.loader_info import (
     already_split,
@@ -255,9 +256,11 @@ def build_train_data(
         log.warning("%d training items do not split evenly over %d processes: %d item(s) of each epoch's "
                     "shuffled order are left out so every process takes the same number of steps",
                     n, world_size, n % world_size)
-    loader = DataLoader(data, batch_size=batch_size, sampler=sampler, num_workers=num_workers,
-                        drop_last=drop_last, pin_memory=pin_memory, collate_fn=collate_fn,
-                        generator=generator, worker_init_fn=end_with_parent(None, num_workers))
+    # read through CheckedDataset/DefaultCollate: a bad item or __len__ is named (lightlike/data/checked.py)
+    loader = DataLoader(CheckedDataset(data, "training"), batch_size=batch_size, sampler=sampler,
+                        num_workers=num_workers, drop_last=drop_last, pin_memory=pin_memory,
+                        collate_fn=collate_fn or DefaultCollate("training"), generator=generator,
+                        worker_init_fn=end_with_parent(None, num_workers))
     return TrainData(loader, sampler, n, seed, generator, world_size)
 
 # -- a DataLoader of the user's, on several processes ----------------------------------------------

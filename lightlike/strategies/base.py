@@ -38,6 +38,9 @@ class Strategy(ABC):
     #: True once ``setup_module`` checkpoints the module's blocks itself (FSDP's shard units with
     #: ``activation_checkpointing``): the Fitter's check that ``gradient_checkpointing`` acts reads it
     checkpoints_activations: bool = False
+    #: whether the backward pass leaves the gradients in the parameters' ``.grad`` (not ZeRO's
+    #: buffers): the Fitter's check that the loss reaches the parameters reads it
+    gradients_on_parameters: bool = True
     #: how ``save_checkpoint_state`` lays out weights and optimizer state; recorded in the
     #: manifest's meta as ``state_format`` ("full": ``model.safetensors`` + ``optimizer.pt``)
     checkpoint_format: str = "full"

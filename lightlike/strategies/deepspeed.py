@@ -69,6 +69,7 @@ class DeepSpeedStrategy(ParallelStrategy):
 
     checkpoint_format = "deepspeed"
     resumes_from = ("deepspeed",)
+    gradients_on_parameters = False  # ZeRO reduces them into its own partitioned buffers
 
     def __init__(
         self,

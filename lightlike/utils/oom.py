@@ -8,7 +8,8 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
-from lightlike.errors import ConfigError
+from lightlike.errors import ConfigError, ModuleContractError
+from lightlike.lazy import lazy_modules
 
 log = logging.getLogger("lightlike")
 
@@ -38,6 +39,11 @@ class OutOfMemoryRetry:
             raise ConfigError("auto_find_batch_size=True needs the training Dataset, not a DataLoader (the Fitter "
                               "cannot change a DataLoader's batch size): pass the Dataset, or drop "
                               "auto_find_batch_size")
+        if lazy := lazy_modules(module):  # no first weights to start a retry from
+            raise ModuleContractError(f"auto_find_batch_size=True keeps the module's first weights for a retry, but "
+                                      f"{lazy} have parameters that are not initialised yet (lazy modules): run one "
+                                      "forward pass before fit() (with torch.no_grad(): module(batch)), or drop "
+                                      "auto_find_batch_size")
         self.module = module
         self.snapshot = {k: v.detach().clone() for k, v in module.state_dict().items()}
 

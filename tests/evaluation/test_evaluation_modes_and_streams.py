@@ -157,7 +157,8 @@ def test_greater_is_better_false_is_kept_for_any_name():
 
     assert greater_is_better("val/error_rate", False) is False
     assert greater_is_better("val/loss", True) is True
-    assert greater_is_better("val/error_rate", None) is True and greater_is_better("val/loss", None) is False
+    # unset, the name decides: an error rate is lower-is-better too (tests/loop/test_bad_input_messages.py)
+    assert greater_is_better("val/error_rate", None) is False and greater_is_better("val/loss", None) is False
 
 
 class ListIndexed(DictDataset):
