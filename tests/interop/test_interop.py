@@ -660,7 +660,7 @@ def test_export_hf_of_a_sharded_module_says_to_export_its_checkpoint(tmp_path):
     pytest.importorskip("transformers")
     code = f"""
 import sys
-sys.path.insert(0, {str(Path(__file__).parents[1])!r})
+sys.path[:0] = [{str(Path(__file__).parent)!r}, {str(Path(__file__).parents[1])!r}]
 import pytest, torch, transformers
 import lightlike as ll
 from lightlike.data.keys import remove_unused_keys
