@@ -59,10 +59,10 @@ class NonFiniteGradientError(NonFiniteLossError):
     def __init__(self, step: int, value: float | None = None):
         self.step = step
         self.micro_batch = None  # type: ignore[assignment]
-        v = f" ({value})" if value is not None else ""
         LightlikeError.__init__(
             self,
-            f"non-finite gradient at optimizer step {step}: the global gradient norm was{v or ' not finite'} "
+            f"non-finite gradient at optimizer step {step}: the global gradient norm was "
+            f"{value if value is not None else 'not finite'} "
             "while this process's training loss was finite (on several processes, one rank's NaN/inf reaches "
             "every rank's reduced gradient). An operation whose derivative is infinite at the values it saw (sqrt "
             "or a fractional power at 0, log at 0, a division by 0, the norm of a zero vector) gives a finite "
@@ -89,7 +89,8 @@ class AllStepsSkippedError(NonFiniteLossError):
         if causes.get("overflow"):
             hints.append("under float16 the loss scaler skips a step whose gradients hold inf/NaN and lowers "
                          "its scale; one that is NaN at any scale (sqrt or log at 0 in the loss) is skipped on "
-                         "every step: check the loss, lower MixedPrecision(init_scale=...), or use 'bf16-mixed'")
+                         "every step: check the loss, lower the initial scale (MixedPrecision(init_scale=...); DeepSpeed: "
+                         "fp16.initial_scale_power), or use 'bf16-mixed'")
         advice = "; ".join(hints)
         LightlikeError.__init__(
             self,

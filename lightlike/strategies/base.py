@@ -166,7 +166,8 @@ class Strategy(ABC):
 
     @abstractmethod
     def optimizer_step(self, optimizer: torch.optim.Optimizer, module: nn.Module) -> bool:
-        """Step; False when the update was skipped (fp16 overflow)."""
+        """Step; False when the update was skipped (a loss-scale overflow; with
+        ``checks_gradients_in_step``, a global gradient norm that is not finite)."""
 
     def item_normaliser(self, counts: list[int | torch.Tensor], uniform: bool = False) -> StepNormaliser:
         """The denominator of exact accumulation (``.total``).

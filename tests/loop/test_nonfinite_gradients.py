@@ -140,7 +140,7 @@ def test_clipping_by_value_does_not_hide_an_infinite_gradient(tmp_path):
     """max_grad_value clamps an inf gradient to a finite value: the norm taken after it was
     finite and the fit succeeded with a gradient that had been inf. The norm before the clamp is
     the one checked."""
-    with pytest.raises(ll.NonFiniteGradientError, match="step 1: the global gradient norm was \\(inf\\)"):
+    with pytest.raises(ll.NonFiniteGradientError, match="step 1: the global gradient norm was inf "):
         fitter(tmp_path, max_steps=2, max_grad_value=1.0, learning_rate=0.0).fit(InfiniteGradient(), DictDataset(n=8))
 
 
