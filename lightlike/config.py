@@ -93,8 +93,9 @@ class FitConfig:
     max_grad_value: float | None = _f(None, "Clip each gradient element to [-v, v] (unscaled).")
     nonfinite_loss: str = _f(
         "raise",
-        "'raise': a NaN/inf loss raises an error naming the step and micro-batch; "
-        "'skip': the step is skipped and counted.",
+        "'raise': a NaN/inf loss or gradient norm raises an error naming the step (read at log steps, "
+        "saves and the end: no checkpoint after it); 'skip': the step is skipped, counted and warned "
+        "about. A fit whose every step was skipped raises.",
     )
     # -- evaluation ----------------------------------------------------------------------------
     eval_every: int | None = _f(None, "Evaluate every this many optimizer steps.")
