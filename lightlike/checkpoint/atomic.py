@@ -97,7 +97,12 @@ def _fsynced(path: Path, digest: str | None) -> str:
 
 
 class CheckpointWriter:
-    """``with CheckpointWriter(output_dir, step) as w: w.save_torch("optimizer.pt", obj)``."""
+    """``with CheckpointWriter(output_dir, step) as w: w.save_torch("optimizer.pt", obj)``.
+
+    A ``checkpoint-{step}`` already there when it commits: a complete one is refused, or replaced
+    with ``overwrite=True``; anything lightlike did not write (no lightlike manifest: another
+    tool's folder, a copy cut short) is never deleted but moved into ``output_dir/set-aside-<time>/``
+    with a warning. Every file gets the mode ``open()`` gives a new file (0o666 less the umask)."""
 
     def __init__(self, output_dir: str | Path, step: int, meta: dict[str, Any] | None = None,
                  overwrite: bool = False, tmp_name: str | None = None) -> None:
@@ -226,7 +231,7 @@ class CheckpointWriter:
                 raise CheckpointError(f"{self.final_path} already exists; refusing to overwrite it")
             if not (ours and self.overwrite):  # never deleted: lightlike did not write it, or was not asked to
                 set_aside_in_the_way(self.output_dir, [self.final_path])
-            else:
+            else:  # lightlike's, and to be replaced
                 if not valid:
                     log.warning("replacing %s, which is not a complete checkpoint", self.final_path)
                 swapped = _exchange(self.tmp, self.final_path)  # one atomic swap: checkpoint-N exists throughout
@@ -259,9 +264,7 @@ def set_aside_in_the_way(output_dir: str | Path, paths: list[Path]) -> Path:
     checkpoints and are not to be deleted (lightlike did not write them, or another run did):
     move them into a new ``output_dir/set-aside-<UTC time>/``, with a warning naming where each
     went, or raise saying what to do. Returns the new directory."""
-    whys = [("a complete checkpoint that this fit did not write" if _verifies(p) else "an incomplete or damaged "
-             "lightlike checkpoint") if written_by_lightlike(p) else "lightlike did not write it: no lightlike "
-            "manifest" for p in paths]
+    whys = [_what_it_is(p) for p in paths]
     try:
         dest = move_into_new_dir(output_dir, paths, SET_ASIDE)
     except OSError as e:
@@ -270,6 +273,13 @@ def set_aside_in_the_way(output_dir: str | Path, paths: list[Path]) -> Path:
     for p, why in zip(paths, whys, strict=True):
         log.warning("%s is in the way of this run's checkpoints (%s); moved it to %s", p, why, dest / p.name)
     return dest
+
+
+def _what_it_is(path: Path) -> str:
+    if not written_by_lightlike(path):
+        return "lightlike did not write it: no lightlike manifest"
+    return "a complete checkpoint that this fit did not write" if _verifies(path) else \
+        "an incomplete or damaged lightlike checkpoint"
 
 
 def move_into_new_dir(output_dir: str | Path, paths: list[Path], prefix: str) -> Path:
@@ -330,7 +340,7 @@ def not_saved_error(error: BaseException, output_dir: str | Path, step: int, nee
         what = (f"{_FULL[code]} at {out} ({need}); free some space (or lower save_total_limit), or choose an "
                 "output_dir with more room")
     return CheckpointError(f"checkpoint-{step} not saved: {_FULL[code] + ': ' if code == errno.EFBIG else ''}{what}. "
-                           "The earlier checkpoints are untouched and the partial one was removed")
+                           "The earlier checkpoints are untouched; the partial one was not committed")
 
 
 def _size(n: float) -> str:

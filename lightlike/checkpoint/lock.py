@@ -21,6 +21,7 @@ import datetime
 import errno
 import fcntl
 import json
+import logging
 import os
 import socket
 import tempfile
@@ -31,6 +32,7 @@ from typing import Any
 from lightlike.errors import ConfigError, OutputDirError
 from lightlike.utils.failfast import decided_on_main
 
+log = logging.getLogger("lightlike")
 #: The lock file in ``output_dir`` (hidden; removed when the fit ends).
 LOCK_NAME = ".lightlike.lock"
 _HELD: set[int] = set()  # descriptors of the locks this process holds (closed in forked children)
@@ -63,24 +65,21 @@ class OutputDirLock:
             raise OutputDirError(f"output_dir {str(out)!r} is a file, not a directory: choose another output_dir")
         try:
             out.mkdir(parents=True, exist_ok=True)
-            fd = self._lock()
-        except OSError as e:
-            raise _unwritable(out, e) from e
-        try:
+            self.fd = self._lock()
             _probe(out)
-            os.ftruncate(fd, 0)
-            holder = {"pid": os.getpid(), "host": socket.gethostname(),
-                      "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
-            os.pwrite(fd, (json.dumps(holder) + "\n").encode(), 0)
+            if self.fd is not None:  # who holds it, for the error a second run gets
+                holder = {"pid": os.getpid(), "host": socket.gethostname(),
+                          "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+                os.ftruncate(self.fd, 0)
+                os.pwrite(self.fd, (json.dumps(holder) + "\n").encode(), 0)
         except OSError as e:
-            self.fd = fd
             self.release()
             raise _unwritable(out, e) from e
-        self.fd = fd
 
-    def _lock(self) -> int:
-        """The locked descriptor of the lock file. The file a holder removes as it releases may
-        be locked here in between: locked, it must still be the file under the name, else again."""
+    def _lock(self) -> int | None:
+        """The locked descriptor of the lock file (None, with a warning, on a file system without
+        locks). The file a holder removes as it releases may be locked here in between: locked, it
+        must still be the file under the name, else again."""
         for _ in range(100):
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
             try:
@@ -89,6 +88,13 @@ class OutputDirLock:
                 holder = _read_holder(fd)
                 os.close(fd)
                 raise ConfigError(self._in_use(holder), settings=("output_dir",)) from None
+            except OSError as e:
+                os.close(fd)
+                if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+                    raise
+                log.warning("output_dir %s cannot be locked (%s: its file system has no locks): nothing stops "
+                            "another run from writing into it meanwhile", self.output_dir, e.strerror)
+                return None
             except BaseException:
                 os.close(fd)
                 raise
