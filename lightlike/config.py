@@ -51,7 +51,8 @@ class FitConfig:
     # -- where things go -------------------------------------------------------------------
     output_dir: str = _f("runs/lightlike", "Directory for checkpoints, logs and metrics files.")
     overwrite_output_dir: bool = _f(
-        False, "Allow writing into an output_dir that already holds checkpoints or logs."
+        False, "Allow writing into an output_dir that already holds checkpoints or logs: lightlike's own "
+        "checkpoints and log files there are removed, nothing else."
     )
     # -- hardware ----------------------------------------------------------------------------
     strategy: Any = _f("auto", "Strategy name ('auto', 'single', 'ddp', 'fsdp', ...), a preset file "

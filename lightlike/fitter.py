@@ -24,6 +24,7 @@ from lightlike.callbacks.base import Callback, CallbackList
 from lightlike.callbacks.checks import built_in_callbacks
 from lightlike.callbacks.progress import ProgressBar
 from lightlike.checkpoint.checkpointer import Checkpointer
+from lightlike.checkpoint.lock import output_dir_locked
 from lightlike.checkpoint.resume import resolve_resume
 from lightlike.checkpoint.rotation import prepare_output_dir
 from lightlike.checkpoint.training import LoopState
@@ -101,7 +102,7 @@ class Fitter:
         self.preemption = PreemptionHandler(self.config.preemption_signals)  # one per fit(): kept over retries
         self._resume_choice = None
         try:
-            with guarded(self):
+            with output_dir_locked(self.setup_strategy(), self.config.output_dir), guarded(self):
                 retry = OutOfMemoryRetry(module, train) if self.config.auto_find_batch_size else None
                 while True:
                     try:

@@ -139,8 +139,20 @@ def checkpoint_step(path: str | Path) -> int:
 
 
 def is_checkpoint_dir(path: str | Path) -> bool:
+    """A ``checkpoint-N`` directory with lightlike's manifest (``written_by_lightlike``): what
+    lightlike counts, rotates and may remove. Another tool's ``checkpoint-N`` is none of these."""
     p = Path(path)
-    return p.is_dir() and CHECKPOINT_DIR_NAME.match(p.name) is not None and (p / MANIFEST).is_file()
+    return p.is_dir() and CHECKPOINT_DIR_NAME.match(p.name) is not None and written_by_lightlike(p)
+
+
+def written_by_lightlike(path: str | Path) -> bool:
+    """Whether the directory holds a ``manifest.json`` that lightlike wrote (it parses and names
+    lightlike's format), whether or not the files it lists are intact."""
+    try:
+        manifest = json.loads((Path(path) / MANIFEST).read_bytes())
+    except (OSError, ValueError):
+        return False
+    return isinstance(manifest, dict) and manifest.get("format") == FORMAT
 
 
 def verify_checkpoint(path: str | Path, hashes: bool = True) -> dict[str, Any]:
@@ -202,7 +214,7 @@ def _check_structure(manifest: dict[str, Any], files: Any) -> None:
 
 
 def list_checkpoints(output_dir: str | Path) -> list[Path]:
-    """Committed checkpoint directories (with a manifest), oldest step first."""
+    """Committed checkpoint directories (with lightlike's manifest), oldest step first."""
     out = Path(output_dir)
     if not out.is_dir():
         return []
