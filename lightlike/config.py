@@ -29,6 +29,7 @@ SCHEDULERS = (
 )
 OPTIMIZERS = ("adamw", "sgd")
 NONFINITE_POLICIES = ("raise", "skip")
+RESUME_DATA_CHANGED = ("error", "restart_epoch")
 SAVE_STRATEGIES = ("steps", "epoch", "best", "no")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 #: The seeds taken: a signed 64-bit int (torch.manual_seed takes -2**63 to 2**64 - 1; the sampler adds
@@ -116,6 +117,10 @@ class FitConfig:
     save_total_limit: int | None = _f(None, "Keep at most this many checkpoints (best is kept).")
     save_only_model: bool = _f(False, "Save weights only (no optimizer/scheduler/RNG: no resume).")
     verify_hashes: bool = _f(True, "Verify file hashes when loading a checkpoint (sizes always).")
+    resume_data_changed: str = _f(
+        "error", "A mid-epoch resume whose training data has another length than the checkpoint's: 'error' "
+        "refuses it (the rest of the epoch would repeat and skip samples); 'restart_epoch' starts that epoch "
+        "again from its start over the new data (its order: a function of seed and epoch), with a warning.")
     async_save: bool = _f(False, "Let training go on while a periodic checkpoint is made durable: "
                           "shards written in the background (FSDP), or fsync/hash/manifest in a thread; "
                           "committed at the next save or the end of the fit, invisible until then "
@@ -203,6 +208,7 @@ class FitConfig:
         _choice("lr_scheduler", self.lr_scheduler, SCHEDULERS)
         _choice("optimizer", self.optimizer, OPTIMIZERS)
         _choice("nonfinite_loss", self.nonfinite_loss, NONFINITE_POLICIES)
+        _choice("resume_data_changed", self.resume_data_changed, RESUME_DATA_CHANGED)
         _choice("save_strategy", self.save_strategy, SAVE_STRATEGIES)
         for name in ("log_level", "log_level_other_ranks"):
             _choice(name, getattr(self, name).strip().lower(), LOG_LEVELS, shown=getattr(self, name))

@@ -25,7 +25,7 @@ from lightlike.callbacks.progress import ProgressBar
 from lightlike.checkpoint.checkpointer import Checkpointer
 from lightlike.checkpoint.resume import resolve_resume
 from lightlike.checkpoint.rotation import prepare_output_dir
-from lightlike.checkpoint.training import LoopState
+from lightlike.checkpoint.training import LoopState, saved_fit_state
 from lightlike.config import FitConfig, check_keys
 from lightlike.data.eval_loading import build_eval_loader, normalise_eval_sets
 from lightlike.data.loading import build_train_data
@@ -398,7 +398,7 @@ class Fitter:
         agree_on_data = strategy.world_size > 1 and not train_data.deals_evenly
         if agree_on_data:
             train_data.agree_on_length(strategy)
-        resumed = FitState.saved_in(resume_from) if resume_from is not None else None
+        resumed = saved_fit_state(resume_from, train_data, cfg.resume_data_changed, strategy.global_rank)
         max_steps, epoch_limit = train_data.step_budget(cfg.max_steps, cfg.max_epochs, cfg.grad_accum_steps, resumed)
         default_counts = type(module).num_items is TaskModule.num_items and "num_items" not in vars(module)
         losses = LossBuffer(strategy.root_device, raise_nonfinite=cfg.nonfinite_loss == "raise")
