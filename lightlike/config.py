@@ -138,6 +138,10 @@ class FitConfig:
         "Signals that ask for a checkpoint and exit (code 75) at the next step boundary; [] disables.",
     )
     requeue_on_preemption: bool = _f(True, "Under SLURM, 'scontrol requeue' the job after a preemption save.")
+    preemption_grace: float | None = _f(
+        30.0, "Seconds a fit that got a preemption signal may wait for a DataLoader's next batch (a worker hung "
+        "in __getitem__ never delivers it): past them it exits with code 75 without a new checkpoint (the last "
+        "one stays valid). None: wait for ever.")
     # -- performance switches ------------------------------------------------------------------
     gradient_checkpointing: bool = _f(False, "Ask the module to checkpoint activations.")
     compile: bool = _f(False, "torch.compile the module.")
@@ -215,6 +219,9 @@ class FitConfig:
         for name in ("max_grad_norm", "max_grad_value"):
             v = getattr(self, name)
             need(v is None or (math.isfinite(v) and v > 0), f"{name} must be a finite number > 0 or None, got {v!r}", name)
+        grace = self.preemption_grace
+        need(grace is None or (math.isfinite(grace) and grace > 0),
+             f"preemption_grace must be a number of seconds > 0 or None, got {grace!r}", "preemption_grace")
         from lightlike.preemption import _signal  # light: signal, os, subprocess
 
         for name in self.preemption_signals:  # named and catchable, checked before any fit

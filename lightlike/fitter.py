@@ -38,7 +38,7 @@ from lightlike.loop import Due, Run, save_due
 from lightlike.module import TaskModule, check_task_module
 from lightlike.pending import LossBuffer, item_weight
 from lightlike.precision import get_precision
-from lightlike.preemption import Preempted, PreemptionHandler, requeue_slurm_job
+from lightlike.preemption import PreemptionHandler, requeue_slurm_job, waiting_for
 from lightlike.state import Control, FitResult, FitState, PredictionResult
 from lightlike.strategies import Strategy, get_strategy
 from lightlike.utils.buffers import restore_buffers, snapshot_buffers
@@ -140,7 +140,7 @@ class Fitter:
             batches = run.train_data.epoch_iterator(state.epoch_index, state.samples_in_epoch, state.batches_in_epoch)
             position = run.train_data.position(state.samples_in_epoch, state.batches_in_epoch,
                                                self.strategy.world_size)
-            batches = position.watch(batches)  # reads one batch ahead where the epoch's length is unknown
+            batches = waiting_for(position.watch(batches), "the training DataLoader's next batch")
             if state.batches_in_epoch == 0:
                 self.callbacks.call("on_epoch_start", self, state, control)
             while state.global_step < run.max_steps:
@@ -283,7 +283,7 @@ class Fitter:
         self._commit()  # this step's save may still be in flight
         if self.config.requeue_on_preemption and self.strategy.is_global_zero:
             requeue_slurm_job()
-        raise Preempted(name, str(path) if path else f"{self.config.output_dir}/checkpoint-{step}")
+        raise self.preemption.preempted(name, str(path) if path else f"{self.config.output_dir}/checkpoint-{step}")
 
     def _end_epoch(self, run: Run) -> None:
         """End the epoch at this step boundary: callbacks (their flags are acted on here), the
@@ -350,7 +350,7 @@ class Fitter:
         strategy = self.setup_strategy()
         # from here a signal (during a checkpoint load, say) waits for the first step boundary; not
         # before: a rank meeting a peer that failed to start must end at the launcher's SIGTERM
-        self.preemption.install()
+        self.preemption.install(cfg.preemption_grace)
         # this fit's callbacks, state and control first: on_exception gets them for any error from
         # here on (set-up errors included), never an earlier fit's
         self.state, self.control = FitState(), Control()
