@@ -105,8 +105,10 @@ def restarts_epoch(saved: dict[str, Any], path: Path, length: int | None, rank: 
     before = lengths[rank] if len(lengths) == world_size else lengths[0] if len(set(lengths)) == 1 else None
     if before == length or (before is None and position <= length):
         return None
-    was = f"of {before} items" if before is not None else "whose length it does not record (written by an earlier lightlike)"
-    change = f"{path.name} was taken {position} samples into epoch {epoch} of training data {was}, and this run's has {length}"
+    was = f"of {before} items" if before is not None else \
+        "whose length it does not record (written by an earlier lightlike)"
+    change = (f"{path.name} was taken {position} samples into epoch {epoch} of training data {was}, "
+              f"and this run's has {length}")
     if policy == "restart_epoch":
         return change
     raise CheckpointError(
