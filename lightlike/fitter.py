@@ -27,7 +27,7 @@ from lightlike.checkpoint.checkpointer import Checkpointer
 from lightlike.checkpoint.lock import output_dir_locked
 from lightlike.checkpoint.resume import resolve_resume
 from lightlike.checkpoint.rotation import prepare_output_dir
-from lightlike.checkpoint.training import LoopState
+from lightlike.checkpoint.training import LoopState, saved_fit_state
 from lightlike.config import FitConfig, check_keys
 from lightlike.data.eval_loading import build_eval_loader, normalise_eval_sets
 from lightlike.data.loading import build_train_data
@@ -42,7 +42,7 @@ from lightlike.module import TaskModule, check_task_module
 from lightlike.nonfinite import NonFiniteCheck
 from lightlike.pending import LossBuffer, item_weight
 from lightlike.precision import get_precision
-from lightlike.preemption import Preempted, PreemptionHandler, requeue_slurm_job
+from lightlike.preemption import PreemptionHandler, requeue_slurm_job, waiting_for
 from lightlike.state import Control, FitResult, FitState, PredictionResult
 from lightlike.strategies import Strategy, get_strategy
 from lightlike.utils.failfast import decided_on_main, failing_fast, guarded
@@ -144,7 +144,7 @@ class Fitter:
             batches = run.train_data.epoch_iterator(state.epoch_index, state.samples_in_epoch, state.batches_in_epoch)
             position = run.train_data.position(state.samples_in_epoch, state.batches_in_epoch,
                                                self.strategy.world_size)
-            batches = position.watch(batches)  # reads one batch ahead where the epoch's length is unknown
+            batches = waiting_for(position.watch(batches), "the training DataLoader's next batch")
             if state.batches_in_epoch == 0:
                 self.callbacks.call("on_epoch_start", self, state, control)
             while state.global_step < run.max_steps:
@@ -272,7 +272,7 @@ class Fitter:
         self._commit()  # this step's save may still be in flight
         if self.config.requeue_on_preemption and self.strategy.is_global_zero:
             requeue_slurm_job()
-        raise Preempted(name, str(path) if path else f"{self.config.output_dir}/checkpoint-{step}")
+        raise self.preemption.preempted(name, str(path) if path else f"{self.config.output_dir}/checkpoint-{step}")
 
     def _end_epoch(self, run: Run) -> None:
         """End the epoch at this step boundary: callbacks (their flags are acted on here), the
@@ -340,7 +340,7 @@ class Fitter:
         strategy = self.setup_strategy()
         # from here a signal (during a checkpoint load, say) waits for the first step boundary; not
         # before: a rank meeting a peer that failed to start must end at the launcher's SIGTERM
-        self.preemption.install()
+        self.preemption.install(cfg.preemption_grace)
         # this fit's callbacks, state and control first: on_exception gets them for any error from
         # here on (set-up errors included), never an earlier fit's
         self.state, self.control = FitState(), Control()
@@ -386,7 +386,7 @@ class Fitter:
         agree_on_data = strategy.world_size > 1 and not train_data.deals_evenly
         if agree_on_data:
             train_data.agree_on_length(strategy)
-        resumed = FitState.saved_in(resume_from) if resume_from is not None else None
+        resumed = saved_fit_state(resume_from, train_data, cfg.resume_data_changed, strategy.global_rank)
         max_steps, epoch_limit = train_data.step_budget(cfg.max_steps, cfg.max_epochs, cfg.grad_accum_steps, resumed)
         warn_eval_every_past_the_end(cfg, max_steps)
         default_counts = type(module).num_items is TaskModule.num_items and "num_items" not in vars(module)

@@ -274,7 +274,8 @@ class Checkpointer:
         strategy.precision.load_state_dict(torch_load(path / "precision.pt"))
         self.callbacks.load_state_dict(torch_load(path / "callbacks.pt"))
         saved = json.loads((path / "trainer_state.json").read_text())
-        order = self.loop.load_state_dict(saved, path, strategy.global_rank, strategy.world_size)
+        order = self.loop.load_state_dict(saved, path, strategy.global_rank, strategy.world_size,
+                                          cfg.resume_data_changed)
         state = self.loop.state
         state.best_checkpoint = resolve_best(cfg.output_dir, state.best_checkpoint, state.best_step)
         choose_best_again(cfg, state, path)  # metric_for_best or greater_is_better changed
