@@ -233,11 +233,11 @@ class FitConfig:
         grace = self.preemption_grace
         need(grace is None or (math.isfinite(grace) and grace > 0),
              f"preemption_grace must be a number of seconds > 0 or None, got {grace!r}", "preemption_grace")
-        from lightlike.preemption import _signal  # light: signal, os, subprocess
+        from lightlike.preemption import signal_number  # light: signal, os, subprocess
 
         for name in self.preemption_signals:  # named and catchable, checked before any fit
             try:
-                _signal(name)
+                signal_number(name)
             except ConfigError as e:
                 raise ConfigError(str(e), settings=("preemption_signals",)) from None
         if self.save_strategy == "best" or self.load_best_at_end:

@@ -68,7 +68,7 @@ class PreemptionHandler:
     ends a process whose loop waits for a batch longer than ``grace`` seconds after a signal."""
 
     def __init__(self, signals: list[str] | tuple[str, ...]):
-        self.signals = list(dict.fromkeys(_signal(name) for name in signals))  # "TERM" and "SIGTERM" once
+        self.signals = list(dict.fromkeys(signal_number(name) for name in signals))  # "TERM" and "SIGTERM" once
         self.received: int | None = None  # kept over an out-of-memory retry (auto_find_batch_size)
         self.vote: Any = None  # the every-10-steps vote in flight (several processes, equal shares)
         self.grace: float | None = None  # seconds a wait for data may last after a signal (None: no limit)
@@ -220,7 +220,9 @@ def waiting_for(batches: Iterator[Any], what: str) -> Iterator[Any]:
     return handler.watch(batches, what)
 
 
-def _signal(name: str) -> int:
+def signal_number(name: str) -> int:
+    """The number of the signal ``name`` ("TERM", "SIGTERM", "usr1"); a ConfigError for one that is
+    unknown or that no process can catch."""
     from lightlike.errors import ConfigError
 
     try:
