@@ -262,8 +262,18 @@ def clip_gradients(precision: Precision, optimizer: torch.optim.Optimizer, max_n
 
 
 def global_norm(params: list[torch.Tensor]) -> torch.Tensor:
-    """The 2-norm of the gradients of ``params`` over every rank (a device tensor)."""
-    norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)  # type: ignore[misc]
+    """The 2-norm of the gradients of ``params`` over every rank (a device tensor).
+
+    Plain tensors on one device (every step of a usual fit computes this norm, for the
+    non-finite check): one ``_foreach_norm`` and the norm of the norms, the arithmetic of torch's
+    ``get_total_norm`` without its regrouping and no-grad wrappers. Others (FSDP's DTensor
+    shards, several devices) go through ``get_total_norm``."""
+    grads = [p.grad for p in params]
+    if grads and type(grads[0]) is torch.Tensor and not grads[0].requires_grad:
+        device = grads[0].device
+        if all(type(g) is torch.Tensor and g.device == device for g in grads):
+            return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
+    norm = torch.nn.utils.get_total_norm(grads, foreach=True)  # type: ignore[misc]
     if hasattr(norm, "full_tensor"):
         norm = norm.full_tensor()  # the partial norms of the shards, reduced over the mesh
     return norm
