@@ -96,12 +96,14 @@ class DefaultCollate:
             if (problem := _key_difference(items, _namer(items), "")) is not None:
                 raise self._error(problem)
         try:
-            return default_collate(items)
+            batch = default_collate(items)
         except (RuntimeError, TypeError, KeyError, ValueError, IndexError) as e:
             problem = _difference(items, _namer(items), "")
             if problem is None:
                 raise
             raise self._error(problem) from e
+        # a batch of strings (or other items torch leaves as a list) is the items' list itself
+        return list(batch) if type(batch) is IndexedItems else batch
 
     def _error(self, problem: str) -> DataError:
         return DataError(f"the {self.what} items of one batch cannot be collated: {problem}. torch's default collate "
