@@ -107,6 +107,11 @@ def call_loss(module: Any, outputs: Any, batch: Any, where: str, *where_args: An
 _NOT_YET = object()  # forward has not returned
 
 
+def defines_loss(module: Any) -> bool:
+    """Whether ``module`` has a ``loss``: every module but one with ``training_step`` that defines none."""
+    return type(module).loss is not _base_module().loss or not callable(getattr(module, "training_step", None))
+
+
 def forward_loss(model: Any, module: Any, batch: Any, where: str, *where_args: Any) -> torch.Tensor:
     """``module.loss(model(batch), batch)`` for a training micro-batch, with ``call_module``'s and
     ``call_loss``'s errors and checks, in one call (the loop makes it once per micro-batch)."""
@@ -335,7 +340,7 @@ class _Tally:
                             f"before it {'do not' if has_label else 'do'} (TaskModule.labels(batch)); "
                             "predict on a set that is labelled throughout or not at all")
 
-    def add(self, loss: torch.Tensor, values: dict[str, torch.Tensor], n: Any, where: str) -> None:
+    def add(self, loss: torch.Tensor | None, values: dict[str, torch.Tensor], n: Any, where: str) -> None:
         """One batch's loss and metrics (per-batch means), weighted by its ``n`` items."""
         if self.keys is None:
             self.keys = set(values)
@@ -345,7 +350,7 @@ class _Tally:
         n_t = (n.to(torch.float64) if isinstance(n, torch.Tensor)
                else torch.tensor(float(n), dtype=torch.float64, device=self.device))
         self.items += n_t
-        for k, v in {"loss": loss.detach(), **values}.items():
+        for k, v in ({"loss": loss.detach(), **values} if loss is not None else values).items():
             contrib = v.to(torch.float64) * n_t
             self.sums[k] = self.sums[k] + contrib if k in self.sums else contrib
 
@@ -441,7 +446,8 @@ def _evaluate_batch(model: Any, module: Any, strategy: Strategy, batch: Any, rea
     with strategy.autocast():
         outputs = call_module(model, batch, where)
         if has_label:
-            loss = call_loss(module, outputs, batch, where)
+            # a module with training_step (manual optimization) may define no loss: metrics only
+            loss = call_loss(module, outputs, batch, where) if defines_loss(module) else None
             values = _metric_tensors(call_hook(module.metrics, "metrics", batch, where, outputs, batch),
                                      tally.device, where)
     if has_label:

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from lightlike import optim
+from lightlike import manual, optim
 from lightlike.best import BestMetric
 from lightlike.callbacks.base import Callback, CallbackList
 from lightlike.callbacks.checks import built_in_callbacks
@@ -174,7 +174,9 @@ class Fitter:
     def _training_step(self, run: Run, window: list[Any]) -> None:
         """One optimizer step over ``window``; the scheduler steps when the update was applied."""
         step = self.state.global_step + 1
-        if self._accumulate_and_step(run, window, step) and run.scheduler is not None:
+        if run.manual is not None:  # the module's own training_step (lightlike/manual.py)
+            run.manual.run_step(run, window, step)
+        elif self._accumulate_and_step(run, window, step) and run.scheduler is not None:
             run.scheduler.step()
         self.state.global_step = step
         self.phase = "step end"
@@ -409,14 +411,18 @@ class Fitter:
         self.module = module
         materialise_lazy_modules(module, run.train_data.loader)  # nn.LazyLinear & co.: shaped before wrapping
         module.zero_grad(set_to_none=True)  # gradients left by an earlier fit that failed, or by the user
-        model = strategy.setup_module(module)
-        custom = optim.call_configure_optimizers(module, cfg)
-        if custom is not None:
-            optimizer, scheduler = optim.unwrap_configure_optimizers(custom)
+        if manual.is_manual(module):  # several optimizers, stepped by the module (lightlike/manual.py)
+            model, run.manual = manual.set_up(self, module, strategy)
+            optimizer, scheduler = run.manual.optimizers, run.manual.schedulers
         else:
-            optimizer = optim.build_optimizer(module, cfg, strategy.precision)
-            scheduler = optim.build_scheduler(optimizer, cfg, run.max_steps)
-        model, optimizer = strategy.setup_optimizer(model, optimizer)
+            model = strategy.setup_module(module)
+            custom = optim.call_configure_optimizers(module, cfg)
+            if custom is not None:
+                optimizer, scheduler = optim.unwrap_configure_optimizers(custom)
+            else:
+                optimizer = optim.build_optimizer(module, cfg, strategy.precision)
+                scheduler = optim.build_scheduler(optimizer, cfg, run.max_steps)
+            model, optimizer = strategy.setup_optimizer(model, optimizer)
         if cfg.compile:
             model = torch.compile(model)
         self.model = run.model = model
@@ -464,6 +470,7 @@ class Fitter:
         }
         lr = run.scheduler.get_last_lr()[0] if run.scheduler is not None else run.optimizer.param_groups[0]["lr"]
         metrics["train/lr"] = float(lr)
+        metrics.update(run.manual.take_logged(self.strategy) if run.manual is not None else {})  # train/<key>
         if run.grad_norm is not None:
             metrics["train/grad_norm"] = float(run.grad_norm)
             run.grad_norm = None

@@ -43,6 +43,7 @@ class Run:
     uniform_counts: bool  # every rank holds the same integer counts each step (no count reduction)
     agree_on_data: bool  # several ranks whose shares may run out at different steps
     resume_from: Any = None  # the checkpoint this fit resumed from (a Path), or None
+    manual: Any = None  # a module's own training_step (lightlike.manual.ManualTraining), or None
     grad_norm: torch.Tensor | None = None  # the last step's norm (None: skipped), read at the next log row
     last_metrics: dict[str, float] = field(default_factory=dict)  # the last evaluation's
     bar_active: bool = False  # a progress bar replaces the log lines

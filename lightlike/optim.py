@@ -286,7 +286,7 @@ def call_configure_optimizers(module: Any, config: Any) -> Any:
     result = module.configure_optimizers()
     if result is not None:  # None: the built-in ones, which read them
         defaults = {f.name: f.default for f in dataclasses.fields(config)}
-        unread = [f"{name}={getattr(config, name)!r}" for name in _OPTIMIZER_FIELDS
+        unread = [f"{name}={getattr(config, name)!r}" for name in OPTIMIZER_FIELDS
                   if getattr(config, name) != defaults[name]]
         if unread:
             log.warning("%s.configure_optimizers() takes no config, so %s set for this fit %s not used: its "
@@ -296,7 +296,7 @@ def call_configure_optimizers(module: Any, config: Any) -> Any:
 
 
 #: the fields only the built-in optimizer and scheduler read
-_OPTIMIZER_FIELDS = ("optimizer", "learning_rate", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon",
+OPTIMIZER_FIELDS = ("optimizer", "learning_rate", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon",
                      "momentum", "fused", "lr_scheduler", "warmup_steps", "warmup_ratio", "num_cycles", "lr_end",
                      "power")
 

@@ -134,3 +134,80 @@ def stacked_batches(n, bs):
     data = DictDataset(n=n)
     for s in range(0, n, bs):
         yield {k: torch.stack([data[i][k] for i in range(s, s + bs)]) for k in ("x", "y", "w")}
+
+
+class MixtureDataset(Dataset):
+    """Real points ``x`` from a mixture of 2-D Gaussians and noise ``z`` for a generator."""
+
+    def __init__(self, n: int = 64, noise: int = 4, seed: int = 0, dtype: torch.dtype = torch.float32):
+        g = torch.Generator().manual_seed(seed)
+        centres = torch.tensor([[2.0, 0.0], [-2.0, 0.0], [0.0, 2.0]], dtype=dtype)
+        self.x = centres[torch.randint(0, 3, (n,), generator=g)] + 0.2 * torch.randn(n, 2, generator=g, dtype=dtype)
+        self.z = torch.randn(n, noise, generator=g, dtype=dtype)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"x": self.x[i], "z": self.z[i]}
+
+
+def gan_losses(D, fake, real):
+    """The discriminator's loss on ``real`` and detached ``fake`` points, and the generator's."""
+    bce = nn.functional.binary_cross_entropy_with_logits
+    real_logits, fake_logits = D(real), D(fake.detach())
+    loss_d = bce(real_logits, torch.ones_like(real_logits)) + bce(fake_logits, torch.zeros_like(fake_logits))
+    return loss_d, lambda: bce(D(fake), torch.ones_like(fake_logits))
+
+
+class GAN(ll.TaskModule):
+    """The issue's manual optimization example: D steps, then G steps with D frozen."""
+
+    def __init__(self, noise: int = 4, width: int = 16, lr: float = 1e-2):
+        super().__init__()
+        self.lr = lr
+        self.G = nn.Sequential(nn.Linear(noise, width), nn.Tanh(), nn.Linear(width, 2))
+        self.D = nn.Sequential(nn.Linear(2, width), nn.Tanh(), nn.Linear(width, 1))
+
+    def forward(self, batch):
+        return self.G(batch["z"])
+
+    def configure_optimizers(self, config):
+        return [torch.optim.Adam(self.G.parameters(), self.lr), torch.optim.Adam(self.D.parameters(), self.lr)]
+
+    def training_step(self, batch, ctx):
+        opt_g, opt_d = ctx.optimizers
+        fake = self(batch)
+        loss_d, generator_loss = gan_losses(self.D, fake, batch["x"])
+        ctx.backward(loss_d)
+        ctx.step(opt_d)
+        self.D.requires_grad_(False)
+        loss_g = generator_loss()
+        ctx.backward(loss_g)
+        ctx.step(opt_g)
+        self.D.requires_grad_(True)
+        return {"loss": loss_g.detach(), "loss_d": loss_d.detach()}
+
+
+def hand_written_gan(model: GAN, data: Dataset, *, steps: int, batch_size: int) -> list[torch.optim.Optimizer]:
+    """The same GAN steps written by hand in plain PyTorch, batches in dataset order."""
+    from torch.utils.data import DataLoader
+
+    opt_g, opt_d = model.configure_optimizers(None)
+    done = 0
+    while done < steps:
+        for batch in DataLoader(data, batch_size=batch_size):
+            fake = model.G(batch["z"])
+            loss_d, generator_loss = gan_losses(model.D, fake, batch["x"])
+            loss_d.backward()
+            opt_d.step()
+            opt_d.zero_grad(set_to_none=True)
+            model.D.requires_grad_(False)
+            generator_loss().backward()
+            opt_g.step()
+            opt_g.zero_grad(set_to_none=True)
+            model.D.requires_grad_(True)
+            done += 1
+            if done == steps:
+                break
+    return [opt_g, opt_d]

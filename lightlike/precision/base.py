@@ -74,6 +74,15 @@ class Precision:
         optimizer.step()
         return True
 
+    def step_without_update(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Step one of several optimizers of a training step (manual optimization): as
+        ``optimizer_step``, leaving the loss scale's update to ``update_scale`` at the step's end."""
+        optimizer.step()
+        return True
+
+    def update_scale(self) -> None:
+        """The end of a training step whose optimizers ``step_without_update`` stepped."""
+
     def abandon_step(self, optimizer: torch.optim.Optimizer) -> None:
         """The loop skips this step after ``unscale_gradients`` (``nonfinite_loss="skip"``, a
         non-finite loss): forget the step, so the next one unscales afresh."""

@@ -59,6 +59,12 @@ class MixedPrecision(Precision):
             self.scaler.unscale_(optimizer)
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer) -> bool:
+        stepped = self.step_without_update(optimizer)
+        self.update_scale()
+        return stepped
+
+    def step_without_update(self, optimizer: torch.optim.Optimizer) -> bool:
+        # torch's multi-optimizer recipe: scaler.step per optimizer, one scaler.update per step
         if self.scaler is None:
             optimizer.step()
             return True
@@ -68,9 +74,11 @@ class MixedPrecision(Precision):
         # reaches 0.0 after ~166 overflows in a row: halving 0.0 lowers nothing, and every later
         # skip would have been counted as a step taken (and advanced the scheduler).
         found = self.scaler._found_inf_per_device(optimizer)
-        skipped = bool(sum(float(v.item()) for v in found.values()))
-        self.scaler.update()
-        return not skipped
+        return not bool(sum(float(v.item()) for v in found.values()))
+
+    def update_scale(self) -> None:
+        if self.scaler is not None:
+            self.scaler.update()
 
     def abandon_step(self, optimizer: torch.optim.Optimizer) -> None:
         # update() with the current scale clears the scaler's record of this step's unscaled

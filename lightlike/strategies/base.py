@@ -101,6 +101,15 @@ class Strategy(ABC):
         loop calls and the optimizer it steps: an engine that owns both (DeepSpeed) may replace
         the module here too."""
 
+    def setup_manual_module(self, module: nn.Module) -> nn.Module:
+        """``setup_module`` for a module that optimizes itself (``training_step``: manual
+        optimization, ``lightlike/manual.py``), whose gradients the loop averages over the ranks at
+        each ``ctx.step``. A strategy that cannot run one says so here."""
+        from lightlike.errors import ConfigError
+
+        raise ConfigError(f"strategy={self.name!r} does not support manual optimization (a module with "
+                          "training_step): use strategy='single' or 'ddp'")
+
     def module_init_context(self) -> contextlib.AbstractContextManager:
         """Where ``Fitter.init_module()`` builds the module: as usual, unless a sharded strategy
         can build it without materialising it whole on one device."""

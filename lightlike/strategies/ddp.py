@@ -64,6 +64,18 @@ class DDPStrategy(ParallelStrategy):
         ids = [self.root_device.index] if self.root_device.type == "cuda" else None
         return DistributedDataParallel(module, device_ids=ids, **self.ddp_kwargs)  # type: ignore[arg-type]
 
+    def setup_manual_module(self, module: nn.Module) -> nn.Module:
+        """Manual optimization: the module is not wrapped in DDP, whose reducer expects one
+        backward over every parameter per step (two backward passes over parts of the module
+        fail or hang there). Parameters and buffers start as rank 0's; each optimizer's gradients
+        are averaged over the ranks at ``ctx.step`` (``lightlike.manual.average_gradients``).
+        Buffers (BatchNorm statistics) are not broadcast at each forward as DDP does: evaluation
+        and checkpoints take rank 0's."""
+        module = self.precision.convert_module(module).to(self.root_device)
+        for tensor in [*module.parameters(), *module.buffers()]:
+            torch.distributed.broadcast(tensor.data, src=0)
+        return module
+
     def setup_optimizer(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[nn.Module, torch.optim.Optimizer]:
         return model, optimizer
 

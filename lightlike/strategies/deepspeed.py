@@ -192,6 +192,11 @@ class DeepSpeedStrategy(ParallelStrategy):
         """DeepSpeed's fp16 mode (``16-true``) has its own loss scaler: a skipped step is its overflow."""
         return bool(self.ds_config and self.ds_config.get("fp16", {}).get("enabled"))
 
+    def setup_manual_module(self, module: nn.Module) -> nn.Module:
+        raise ConfigError("strategy='deepspeed' does not support manual optimization (a module with training_step): "
+                          "DeepSpeed's engine owns one optimizer and its own backward and step. Use strategy='ddp' "
+                          "(or 'single'), or write the module for automatic optimization (forward + loss)")
+
     def setup_module(self, module: nn.Module) -> nn.Module:
         # no wrapper yet: the engine wraps module and optimizer together in setup_optimizer
         if any(hasattr(p, "ds_id") for p in module.parameters()):

@@ -49,6 +49,9 @@ class SingleDeviceStrategy(Strategy):
     def setup_module(self, module: nn.Module) -> nn.Module:
         return self.precision.convert_module(module).to(self.root_device)
 
+    def setup_manual_module(self, module: nn.Module) -> nn.Module:
+        return self.setup_module(module)
+
     def setup_optimizer(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[nn.Module, torch.optim.Optimizer]:
         return model, optimizer
 
