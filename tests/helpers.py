@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 from torch.utils.data import Dataset
@@ -189,25 +191,53 @@ class GAN(ll.TaskModule):
         return {"loss": loss_g.detach(), "loss_d": loss_d.detach()}
 
 
-def hand_written_gan(model: GAN, data: Dataset, *, steps: int, batch_size: int) -> list[torch.optim.Optimizer]:
-    """The same GAN steps written by hand in plain PyTorch, batches in dataset order."""
+def hand_written_gan(model: GAN, data: Dataset, *, steps: int, batch_size: int, autocast: torch.dtype | None = None,
+                     scaler: torch.amp.GradScaler | None = None, dtype: torch.dtype | None = None,
+                     schedulers: bool = False) -> tuple[list[torch.optim.Optimizer], list[Any]]:
+    """The same GAN steps written by hand in plain PyTorch, batches in dataset order: under CPU
+    autocast in ``autocast``, with torch's multi-optimizer AMP recipe when given a ``scaler``
+    (``scaler.step`` per optimizer, one ``scaler.update`` per iteration), in true ``dtype``."""
+    import contextlib
+
     from torch.utils.data import DataLoader
 
-    opt_g, opt_d = model.configure_optimizers(None)
+    if dtype is not None:
+        model.to(dtype)
+    pairs = model.configure_optimizers(None)
+    pairs = [(p["optimizer"], p["lr_scheduler"]) if isinstance(p, dict) else p for p in pairs]
+    opts = [p[0] if isinstance(p, tuple) else p for p in pairs]
+    scheds = [p[1] if isinstance(p, tuple) else None for p in pairs]
+    opt_g, opt_d = opts
+
+    def backward(loss):
+        (scaler.scale(loss) if scaler is not None else loss).backward()
+
+    def step(i):
+        if scaler is not None:
+            scaler.step(opts[i])
+        else:
+            opts[i].step()
+        opts[i].zero_grad(set_to_none=True)
+        if scheds[i] is not None:
+            scheds[i].step()
+
     done = 0
     while done < steps:
         for batch in DataLoader(data, batch_size=batch_size):
-            fake = model.G(batch["z"])
-            loss_d, generator_loss = gan_losses(model.D, fake, batch["x"])
-            loss_d.backward()
-            opt_d.step()
-            opt_d.zero_grad(set_to_none=True)
-            model.D.requires_grad_(False)
-            generator_loss().backward()
-            opt_g.step()
-            opt_g.zero_grad(set_to_none=True)
-            model.D.requires_grad_(True)
+            if dtype is not None:
+                batch = {k: v.to(dtype) for k, v in batch.items()}
+            with torch.autocast("cpu", dtype=autocast) if autocast is not None else contextlib.nullcontext():
+                fake = model.G(batch["z"])
+                loss_d, generator_loss = gan_losses(model.D, fake, batch["x"])
+                backward(loss_d)
+                step(1)
+                model.D.requires_grad_(False)
+                backward(generator_loss())
+                step(0)
+                model.D.requires_grad_(True)
+            if scaler is not None:
+                scaler.update()
             done += 1
             if done == steps:
                 break
-    return [opt_g, opt_d]
+    return opts, scheds

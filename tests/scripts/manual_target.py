@@ -1,0 +1,42 @@
+"""Manual optimization on several processes: the GAN of tests/helpers.py in float64.
+
+    torchrun --nproc_per_node 2 manual_target.py OUT --batch 4 [--steps N] [--strategy S]
+
+Writes ``final-rank<r>.pt``: the weights and both optimizers' states.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from helpers import GAN, MixtureDataset  # noqa: E402
+
+import lightlike as ll  # noqa: E402
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("out")
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--strategy", default="auto")
+    args = p.parse_args()
+    out, rank = Path(args.out), int(os.environ.get("RANK", "0"))
+    torch.manual_seed(0)
+    module = GAN().double()
+    fitter = ll.Fitter(max_steps=args.steps, batch_size=args.batch, output_dir=str(out / "run"), loggers=["jsonl"], log_every=1,
+                       log_level="warning", strategy=args.strategy, max_grad_norm=0.5, model_summary=False,
+                       progress_bar=False)
+    fitter.fit(module, MixtureDataset(n=44, dtype=torch.float64))
+    optimizers = [o.state_dict() for o in fitter.optimizer.optimizers]
+    torch.save({"weights": module.state_dict(), "optimizers": optimizers}, out / f"final-rank{rank}.pt")
+
+
+if __name__ == "__main__":
+    main()
