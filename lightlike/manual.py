@@ -156,7 +156,7 @@ class ManualTraining:
         self.fitter, self.pairs = fitter, pairs
         self.optimizers = ManualOptimizers([o for o, _ in pairs])
         self.schedulers = ManualSchedulers(pairs) if any(s is not None for _, s in pairs) else None
-        self.extra: dict[str, list[torch.Tensor]] = {}  # values other than "loss" since the last log row
+        self.extra: dict[str, torch.Tensor] = {}  # the last step's values other than "loss"
 
     def run_step(self, run: Any, window: list[Any], step: int) -> None:
         """Training step ``step`` on ``window``'s one batch."""
@@ -169,19 +169,20 @@ class ManualTraining:
         ctx.finish()
         loss, extra = _read_output(out, step)
         run.losses.add(loss, run.count_items(batch), step, 0)
-        for key, value in extra.items():
-            self.extra.setdefault(key, []).append(value)
+        self.extra = extra
         if ctx.skipped and not ctx.applied:  # every update this step tried was skipped: the step was
             run.nonfinite.causes[ctx.skipped[0]] += 1
             fitter.state.skipped_steps += 1
 
     def take_logged(self, strategy: Any) -> dict[str, float]:
-        """``train/<key>``: the mean over the steps since the last row (and over the ranks) of each
-        value ``training_step`` returned besides ``loss``; read at a log row."""
+        """``train/<key>``: each value the last ``training_step`` returned besides ``loss``, its mean
+        over the ranks; read at a log row. (``train/loss`` is the item-weighted mean since the last
+        row, as in automatic optimization.) Only the last step's values are kept, so a checkpoint
+        needs none of them: a resumed run logs the same rows."""
         if not self.extra:
             return {}
         keys = sorted(self.extra)
-        means = torch.stack([torch.stack(self.extra[k]).double().mean() for k in keys])
+        means = torch.stack([self.extra[k].double() for k in keys])
         means = strategy.collectives.all_reduce(means) / strategy.world_size
         self.extra = {}
         return {f"train/{k}": float(v) for k, v in zip(keys, means.tolist(), strict=True)}

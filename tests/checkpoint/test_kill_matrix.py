@@ -35,7 +35,7 @@ AGAIN = {"micro": (1, 3), "eval": (1, 2), "save": (1, 1), "step": (11, 12)}
 FILES_PER_SAVE = 9
 
 
-def run(out, precision, workers, kill="", async_save=False, start_method=None):
+def run(out, precision, workers, kill="", async_save=False, start_method=None, manual=False):
     """Run the script to its end (or its kill) and return its exit code and output.
 
     Waits for the script's own process only, then kills what it left: a DataLoader worker forked
@@ -51,6 +51,8 @@ def run(out, precision, workers, kill="", async_save=False, start_method=None):
         cmd += ["--async-save"]
     if start_method:
         cmd += ["--start-method", start_method]
+    if manual:
+        cmd += ["--manual"]
     with tempfile.TemporaryFile("w+") as stdout, tempfile.TemporaryFile("w+") as stderr:
         proc = subprocess.Popen(cmd, stdout=stdout, stderr=stderr, text=True, start_new_session=True)
         try:
@@ -123,6 +125,29 @@ def test_kill_anywhere_resume_is_bit_identical(tmp_path, tmp_path_factory, kill_
     assert proc.returncode == 0, proc.stderr
     weights, metrics = outcome(out)
     ref_weights, ref_metrics = reference(tmp_path_factory, precision, workers)
+    assert metrics == ref_metrics
+    assert weights == ref_weights
+
+
+@pytest.mark.parametrize("kills", [["micro:9"], ["step:7"], ["save:3:4", "micro:2"], ["eval:3"]])
+def test_kill_anywhere_resume_is_bit_identical_with_manual_optimization(tmp_path, kills):
+    """A module with training_step (two optimizers, one with a scheduler, two backward passes a
+    step): killed between a step's two forwards (micro:9 is step 5's first), after a step, during
+    a save (then again while resuming), during evaluation; the resumed run ends with the
+    uninterrupted run's weights and logs (every optimizer's and scheduler's state restored)."""
+    ref = tmp_path / "ref"
+    proc = run(ref, "32-true", 0, manual=True)
+    assert proc.returncode == 0, proc.stderr
+    out = tmp_path / "run"
+    for kill in kills:
+        proc = run(out, "32-true", 0, kill, manual=True)
+        assert proc.returncode == -signal.SIGKILL, f"the kill at {kill} never fired: {proc.stderr}"
+        assert f"kill fired: {kill}" in proc.stdout
+    proc = run(out, "32-true", 0, manual=True)
+    assert proc.returncode == 0, proc.stderr
+    weights, metrics = outcome(out)
+    ref_weights, ref_metrics = outcome(ref)
+    assert any("train/loss_again" in row for row in ref_metrics)
     assert metrics == ref_metrics
     assert weights == ref_weights
 

@@ -13,6 +13,8 @@
 ``term2:N``  SIGTERM after step N and again in the middle of the preemption save
 ``termload``  SIGTERM while the resumed checkpoint is being loaded (set-up, before the loop)
 ``--no-requeue`` sets requeue_on_preemption=False (no ``scontrol requeue`` under SLURM).
+``--manual`` trains ``ManualNet`` (manual optimization: two optimizers, two backward passes a step,
+one batch a step: 24 training forwards in 12 steps).
 ``--step-sleep S`` makes each step take S seconds longer (a kill from outside then lands mid-run).
 Without --kill it runs (or resumes) to the end and writes OUT_DIR/final.safetensors.
 """
@@ -60,6 +62,29 @@ class Net(Classifier):
         if KILL and KILL[0] == "termmicro" and kind == "micro" and COUNTS[kind] == int(KILL[1]):
             os.kill(os.getpid(), signal.SIGTERM)  # preemption in the middle of a window
         return self.net(self.drop(batch["x"]))
+
+
+class ManualNet(Net):
+    """Manual optimization (``--manual``): the last layer steps on the loss (SGD with momentum),
+    then the first on a second forward and backward with the last layer frozen (AdamW with a
+    warmup schedule): two forwards, two backward passes and two optimizers per step."""
+
+    def configure_optimizers(self, config):
+        first = torch.optim.AdamW(self.net[0].parameters(), lr=1e-2)
+        last = torch.optim.SGD(self.net[2].parameters(), lr=1e-2, momentum=0.9)
+        return [(first, torch.optim.lr_scheduler.LambdaLR(first, lambda s: min(1.0, (s + 1) / 3))), last]
+
+    def training_step(self, batch, ctx):
+        first, last = ctx.optimizers
+        loss = self.loss(self(batch), batch)
+        ctx.backward(loss)
+        ctx.step(last)
+        self.net[2].requires_grad_(False)
+        again = self.loss(self(batch), batch)
+        ctx.backward(again)
+        ctx.step(first)
+        self.net[2].requires_grad_(True)
+        return {"loss": loss.detach(), "loss_again": again.detach()}
 
 
 class KillAfterStep(ll.Callback):
@@ -117,6 +142,7 @@ def main() -> None:
     p.add_argument("--start-method", help="multiprocessing start method of the DataLoader workers")
     p.add_argument("--step-sleep", type=float, default=0.0, help="seconds each step end waits (no effect on numbers)")
     p.add_argument("--no-requeue", action="store_true", help="requeue_on_preemption=False")
+    p.add_argument("--manual", action="store_true", help="a module with training_step (manual optimization)")
     args = p.parse_args()
     KillAfterStep.step_sleep = args.step_sleep
     if args.start_method:
@@ -145,9 +171,10 @@ def main() -> None:
 
         Checkpointer.load = signalled_load
     torch.manual_seed(0)
-    model = Net()
+    model = ManualNet() if args.manual else Net()
     resume = find_latest_valid(args.out) is not None
-    fitter = ll.Fitter(max_steps=args.steps, batch_size=4, grad_accum_steps=2, learning_rate=1e-2, warmup_steps=2,
+    optimizer = {} if args.manual else {"grad_accum_steps": 2, "learning_rate": 1e-2, "warmup_steps": 2}
+    fitter = ll.Fitter(max_steps=args.steps, batch_size=4, **optimizer,
                        save_every=2, eval_every=3, log_every=1, loggers=["jsonl", "csv"], output_dir=args.out,
                        precision=args.precision, num_workers=args.workers, seed=3,
                        overwrite_output_dir=not resume, model_summary=False, log_level="warning",
