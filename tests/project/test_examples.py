@@ -165,3 +165,19 @@ def test_char_gpt_overfits_repeated_text(char_gpt, tmp_path):
     losses = [e["train/loss"] for e in result.state.log_history if "train/loss" in e]
     assert losses[0] == pytest.approx(math.log(len(vocab)), abs=0.2)
     assert losses[-1] < 0.5 * losses[0], losses
+
+
+def test_gan_example(tmp_path):
+    """examples/gan.py (manual optimization), shortened: both losses logged, the evaluation's
+    metrics reported without a loss(), the picture written to TensorBoard when it is installed."""
+    out = tmp_path / "gan"
+    proc = _run([str(EXAMPLES / "gan.py"), "--steps", "30", "--output-dir", str(out)], cwd=tmp_path)
+    rows = (out / "logs" / "metrics.csv").read_text()
+    assert "train/loss_d" in rows and "val/distance_to_mode" in rows and "val/loss" not in rows
+    m = re.search(r"step 30: distance_to_mode (\S+), near_a_mode (\S+)", proc.stdout)
+    assert m and math.isfinite(float(m.group(1))), proc.stdout
+    if importlib.util.find_spec("tensorboard") is not None:
+        events = b"".join(p.read_bytes() for p in (out / "logs").rglob("events.out.tfevents*"))
+        assert b"samples/real_red_generated_green" in events
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert (out / "samples.png").is_file()
