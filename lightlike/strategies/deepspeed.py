@@ -193,8 +193,8 @@ class DeepSpeedStrategy(ParallelStrategy):
         return bool(self.ds_config and self.ds_config.get("fp16", {}).get("enabled"))
 
     def setup_manual_module(self, module: nn.Module) -> nn.Module:
-        raise ConfigError("strategy='deepspeed' does not support manual optimization (a module with training_step): "
-                          "DeepSpeed's engine owns one optimizer and its own backward and step. Use strategy='ddp' "
+        raise ConfigError(f"strategy={self.name!r} does not support manual optimization (a module with "
+                          "training_step): DeepSpeed's engine owns one optimizer and its own backward and step. Use strategy='ddp' "
                           "(or 'single'), or write the module for automatic optimization (forward + loss)")
 
     def setup_module(self, module: nn.Module) -> nn.Module:

@@ -261,3 +261,24 @@ def test_nonfinite_gradient_skip_and_raise(tmp_path):
     # the loss returned at step 2 comes after D's NaN update: either error names step 2
     with pytest.raises((NonFiniteGradientError, NonFiniteLossError), match="step 2"):
         fitter(tmp_path, "raise", max_steps=3).fit(module, MixtureDataset(n=40))
+
+
+@pytest.mark.parametrize(("strategy", "message"), [("fsdp", "strategy='fsdp' does not support manual"),
+                                                   ("deepspeed_zero2", "DeepSpeed's engine owns one optimizer")])
+def test_sharding_strategies_refuse_manual_optimization_by_name(strategy, message):
+    from lightlike.strategies import get_strategy
+
+    with pytest.raises(ConfigError, match=message):
+        get_strategy(strategy, "cpu", None).setup_manual_module(GAN())
+
+
+def test_progress_bar_and_fitter_attributes(tmp_path, capsys):
+    """The progress bar runs over a manual fit; fitter.optimizer holds the optimizers in order."""
+    pytest.importorskip("tqdm")
+    torch.manual_seed(3)
+    module = GAN()
+    f = fitter(tmp_path, max_steps=3, progress_bar=True)
+    f.fit(module, MixtureDataset(n=24))
+    assert [list(o.param_groups[0]["params"]) for o in f.optimizer.optimizers] == \
+        [list(module.G.parameters()), list(module.D.parameters())]
+    assert "3/3" in capsys.readouterr().err
