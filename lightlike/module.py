@@ -30,6 +30,9 @@ class TaskModule(nn.Module):
       items; the Fitter reduces them item-weighted into exact whole-set means.
     * ``compute_metrics(predictions, labels)`` (optional) computes non-additive metrics (F1, AUC)
       on the whole evaluation set; ``streaming_metrics()`` (optional) is its streaming twin.
+    * ``training_step(batch, ctx)`` (optional) switches the module to manual optimization: it
+      runs its own backward passes and steps the optimizers ``configure_optimizers`` returns;
+      ``loss`` is then optional (``lightlike/manual.py``, docs/manual_optimization.md).
     """
 
     _checkpointing_on = False  # switched by gradient_checkpointing_enable/disable
@@ -85,7 +88,8 @@ class TaskModule(nn.Module):
 
     def configure_optimizers(self, config: Any) -> Any:
         """Return an optimizer, or ``(optimizer, scheduler)``, to take over from the built-in
-        ones. A scheduler returned here is stepped once per optimizer step. Default: None."""
+        ones. A scheduler returned here is stepped once per optimizer step. Default: None. A
+        module with ``training_step`` returns a list of optimizers (or of such pairs)."""
         return None
 
     def gradient_checkpointing_enable(self) -> None:
