@@ -1,6 +1,6 @@
 """Manual optimization on several processes: the GAN of tests/helpers.py in float64.
 
-    torchrun --nproc_per_node 2 manual_target.py OUT --batch 4 [--steps N] [--strategy S]
+    torchrun --nproc_per_node 2 manual_target.py OUT --batch 4 [--steps N] [--strategy S] [--stop K] [--resume]
 
 Writes ``final-rank<r>.pt``: the weights and both optimizers' states.
 """
@@ -20,20 +20,31 @@ from helpers import GAN, MixtureDataset  # noqa: E402
 import lightlike as ll  # noqa: E402
 
 
+class StopAt(ll.Callback):
+    def __init__(self, step):
+        self.step = step
+
+    def on_step_end(self, fitter, state, control):
+        if state.global_step == self.step:
+            control.should_training_stop = True
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("out")
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--strategy", default="auto")
+    p.add_argument("--stop", type=int, default=0, help="stop after this step (its checkpoint is saved)")
+    p.add_argument("--resume", action="store_true")
     args = p.parse_args()
     out, rank = Path(args.out), int(os.environ.get("RANK", "0"))
     torch.manual_seed(0)
     module = GAN().double()
     fitter = ll.Fitter(max_steps=args.steps, batch_size=args.batch, output_dir=str(out / "run"), loggers=["jsonl"], log_every=1,
                        log_level="warning", strategy=args.strategy, max_grad_norm=0.5, model_summary=False,
-                       progress_bar=False)
-    fitter.fit(module, MixtureDataset(n=44, dtype=torch.float64))
+                       progress_bar=False, save_every=2, callbacks=[StopAt(args.stop)] if args.stop else [])
+    fitter.fit(module, MixtureDataset(n=44, dtype=torch.float64), resume=args.resume or None)
     optimizers = [o.state_dict() for o in fitter.optimizer.optimizers]
     torch.save({"weights": module.state_dict(), "optimizers": optimizers}, out / f"final-rank{rank}.pt")
 
