@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -35,6 +36,8 @@ from lightlike import optim
 from lightlike.errors import ConfigError, ModuleContractError
 from lightlike.precision import Precision
 from lightlike.strategies.base import clip_gradients
+
+log = logging.getLogger("lightlike")
 
 _NO_UNSCALE = Precision()  # clip_gradients' unscale step is done once per optimizer by StepContext
 
@@ -170,7 +173,7 @@ class ManualTraining:
         loss, extra = _read_output(out, step)
         run.losses.add(loss, run.count_items(batch), step, 0)
         self.extra = extra
-        if ctx.skipped and not ctx.applied:  # every update this step tried was skipped: the step was
+        if ctx.skipped and not ctx.applied:  # every update this step tried was skipped: so was the step
             run.nonfinite.causes[ctx.skipped[0]] += 1
             fitter.state.skipped_steps += 1
 
@@ -272,6 +275,8 @@ class StepContext:
         if check.skip and check.checks_norm and not bool(torch.isfinite(norm)):  # "skip": one read per ctx.step
             optimizer.zero_grad(set_to_none=True)
             self.skipped.append("gradient")
+            log.warning("non-finite gradient at step %d: the update of optimizer %d (of ctx.optimizers) skipped",
+                        self.global_step, i)
             return False
         fitter.callbacks.call("on_before_optimizer_step", fitter, fitter.state, fitter.control, optimizer)
         stepped = precision.step_without_update(optimizer)

@@ -214,7 +214,7 @@ def test_module_mistakes_are_named(tmp_path, module, message):
         fitter(tmp_path).fit(module(), MixtureDataset(n=16))
 
 
-def test_nonfinite_gradient_skip_and_raise(tmp_path):
+def test_nonfinite_gradient_skip_and_raise(tmp_path, caplog):
     """A NaN gradient of D at step 2: under "skip" ctx.step returns False, D's update is skipped
     (G's is applied) and the step is not counted as skipped; under "raise" the fit raises naming
     step 2."""
@@ -255,6 +255,7 @@ def test_nonfinite_gradient_skip_and_raise(tmp_path):
     f.fit(module, MixtureDataset(n=40))
     assert module.results == [True, True, False, True, True, True]
     assert f.state.skipped_steps == 0 and torch.isfinite(flat_params(module)).all()
+    assert "non-finite gradient at step 2: the update of optimizer 1" in caplog.text
     torch.manual_seed(3)
     module = NanAtTwo()
     module.results = []
