@@ -322,3 +322,26 @@ def test_no_host_read_of_a_tensor_between_log_steps(tmp_path, monkeypatch):
     watching[0] = True  # the counter sees a read: a log step of a manual fit makes some
     fitter(tmp_path, "b", max_steps=2, log_every=1).fit(GAN(), MixtureDataset(n=64))
     assert reads
+
+
+class AlwaysNan(GAN):
+    """Every update's gradient is NaN (a finite loss: sqrt at 0)."""
+
+    def training_step(self, batch, ctx):
+        loss = (self(batch) ** 2).mean() + torch.sqrt(self.G[0].weight[0, 0] * 0.0)
+        ctx.backward(loss)
+        self.stepped.append(ctx.step(ctx.optimizers[0]))
+        return loss.detach()
+
+
+def test_a_fit_whose_every_update_was_skipped_raises(tmp_path):
+    """Under "skip", a training step whose every update was skipped counts as a skipped step,
+    and a fit that skipped all of them raises (it trained nothing)."""
+    module = AlwaysNan()
+    module.stepped = []
+    start = flat_params(module).clone()
+    f = fitter(tmp_path, max_steps=3, nonfinite_loss="skip")
+    with pytest.raises(ll.errors.AllStepsSkippedError):
+        f.fit(module, MixtureDataset(n=24))
+    assert module.stepped == [False, False, False] and f.state.skipped_steps == 3
+    assert torch.equal(flat_params(module), start)
