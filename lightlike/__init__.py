@@ -14,6 +14,7 @@ from lightlike.errors import (
     OutputDirError,
 )
 from lightlike.fitter import Fitter
+from lightlike.manual import StepContext
 from lightlike.module import TaskModule
 from lightlike.precision import Precision, get_precision
 from lightlike.state import Control, FitResult, FitState, PredictionResult
@@ -42,6 +43,7 @@ __all__ = [
     "Precision",
     "PredictionResult",
     "SingleDeviceStrategy",
+    "StepContext",
     "Strategy",
     "TaskModule",
     "get_precision",
