@@ -152,6 +152,19 @@ def test_kill_anywhere_resume_is_bit_identical_with_manual_optimization(tmp_path
     assert weights == ref_weights
 
 
+def test_preemption_saves_exits_and_resumes_with_manual_optimization(tmp_path):
+    """SIGTERM after step 5 of a manual module's fit: saved at step 5, exit 75; the resumed run
+    ends with the uninterrupted run's weights and logs."""
+    ref, out = tmp_path / "ref", tmp_path / "run"
+    assert run(ref, "32-true", 0, manual=True).returncode == 0
+    proc = run(out, "32-true", 0, "term:5", manual=True)
+    assert proc.returncode == EXIT_PREEMPTED, proc.stderr
+    assert [p.name for p in list_checkpoints(out)][-1] == "checkpoint-5"
+    proc = run(out, "32-true", 0, manual=True)
+    assert proc.returncode == 0, proc.stderr
+    assert outcome(out) == outcome(ref)
+
+
 def newest_step(out):
     return max((int(p.name.split("-")[1]) for p in list_checkpoints(out)), default=0) if out.is_dir() else 0
 
