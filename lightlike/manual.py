@@ -4,12 +4,13 @@ data, logging, evaluation, checkpoints and resume around it.
 
 What ``ctx`` (a ``StepContext``) does, and why:
 
-- ``ctx.backward(loss)``: the precision plugin's backward (``16-mixed`` scales the loss). No
-  gradient is synchronised here: on several processes each optimizer's gradients are averaged
-  over the ranks when ``ctx.step`` (or ``ctx.clip_gradients``) first reads them, in one
-  all-reduce per dtype. Averaging is linear, so gradients summed from several backward passes
-  are averaged exactly once, whichever parameters each pass touched (DDP's reducer, made for one
-  backward over every parameter per step, is not used: no hang, no ``find_unused_parameters``).
+- ``ctx.backward(loss)``: the precision plugin's backward (``16-mixed`` scales the loss). Under
+  DDP no gradient is synchronised here: each optimizer's gradients are averaged over the ranks
+  when ``ctx.step`` (or ``ctx.clip_gradients``) first reads them
+  (``Strategy.average_manual_gradients``, one all-reduce per dtype). Averaging is linear, so
+  gradients summed from several backward passes are averaged exactly once, whichever parameters
+  each pass touched (DDP's reducer, made for one backward over every parameter per step, is not
+  used: no hang, no ``find_unused_parameters``). FSDP reduce-scatters in each backward, as usual.
 - ``ctx.step(optimizer)``: average over ranks, unscale, clip (``max_grad_norm``,
   ``max_grad_value``), check the global gradient norm (``nonfinite_loss``), call the callbacks'
   ``on_before_optimizer_step``, step, zero that optimizer's gradients, and step its scheduler when
@@ -110,6 +111,10 @@ class ManualOptimizers:
     @property
     def param_groups(self) -> list[dict[str, Any]]:
         return [g for o in self.optimizers for g in o.param_groups]
+
+    def __iter__(self) -> Iterator[torch.optim.Optimizer]:
+        """The optimizers: torch's distributed checkpoint (FSDP) takes them as an iterable."""
+        return iter(self.optimizers)
 
     @property
     def state(self) -> dict[Any, Any]:
@@ -249,7 +254,7 @@ class StepContext:
         params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
         if i not in self._prepared:
             self._prepared.add(i)
-            average_gradients(self._strategy, params)
+            self._strategy.average_manual_gradients(params)
             self._strategy.precision.unscale_gradients(optimizer)
         return params
 
@@ -296,18 +301,3 @@ class StepContext:
         """The end of the training step: the loss scale is updated once (torch's recipe)."""
         if self._prepared:
             self._strategy.precision.update_scale()
-
-
-def average_gradients(strategy: Any, params: list[torch.Tensor]) -> None:
-    """Average the gradients of ``params`` over the ranks: one all-reduce per dtype and device.
-    Every rank must hold gradients for the same parameters (as for any collective)."""
-    if strategy.world_size == 1 or not params:
-        return
-    groups: dict[tuple[Any, Any], list[torch.Tensor]] = {}
-    for p in params:
-        groups.setdefault((p.grad.dtype, p.grad.device), []).append(p.grad)
-    for grads in groups.values():
-        flat = strategy.collectives.all_reduce(torch.cat([g.reshape(-1) for g in grads]))
-        flat /= strategy.world_size
-        for g, part in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
-            g.copy_(part.view_as(g))

@@ -108,7 +108,12 @@ class Strategy(ABC):
         from lightlike.errors import ConfigError
 
         raise ConfigError(f"strategy={self.name!r} does not support manual optimization (a module with "
-                          "training_step): use strategy='single' or 'ddp'")
+                          "training_step): use strategy='single', 'ddp' or 'fsdp'")
+
+    def average_manual_gradients(self, params: list[torch.Tensor]) -> None:
+        """Manual optimization: average the gradients of ``params`` (one optimizer's, before its
+        step) over the ranks, where the backward passes did not. One process: nothing to do."""
+        return None  # (none here)
 
     def module_init_context(self) -> contextlib.AbstractContextManager:
         """Where ``Fitter.init_module()`` builds the module: as usual, unless a sharded strategy

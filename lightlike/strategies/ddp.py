@@ -68,13 +68,28 @@ class DDPStrategy(ParallelStrategy):
         """Manual optimization: the module is not wrapped in DDP, whose reducer expects one
         backward over every parameter per step (two backward passes over parts of the module
         fail or hang there). Parameters and buffers start as rank 0's; each optimizer's gradients
-        are averaged over the ranks at ``ctx.step`` (``lightlike.manual.average_gradients``).
+        are averaged over the ranks at ``ctx.step`` (``average_manual_gradients``).
         Buffers (BatchNorm statistics) are not broadcast at each forward as DDP does: evaluation
         and checkpoints take rank 0's."""
         module = self.precision.convert_module(module).to(self.root_device)
         for tensor in [*module.parameters(), *module.buffers()]:
             torch.distributed.broadcast(tensor.data, src=0)
         return module
+
+    def average_manual_gradients(self, params: list[torch.Tensor]) -> None:
+        """One all-reduce per dtype and device over the flattened gradients, divided by the world
+        size. Every rank must hold gradients for the same parameters (as for any collective)."""
+        if self.world_size == 1 or not params:
+            return
+        groups: dict[tuple[Any, Any], list[torch.Tensor]] = {}
+        for p in params:
+            groups.setdefault((p.grad.dtype, p.grad.device), []).append(p.grad)  # type: ignore[union-attr]
+        for grads in groups.values():
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            torch.distributed.all_reduce(flat)
+            flat /= self.world_size
+            for g, part in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
+                g.copy_(part.view_as(g))
 
     def setup_optimizer(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[nn.Module, torch.optim.Optimizer]:
         return model, optimizer

@@ -242,6 +242,16 @@ class FSDPStrategy(ParallelStrategy):
             self._materialise(module)
         return module
 
+    def setup_manual_module(self, module: nn.Module) -> nn.Module:
+        """Manual optimization: sharded as usual. A submodule that ``training_step`` calls on its
+        own (a GAN's discriminator) must be a shard unit (``shard_units``, or the module's
+        ``fsdp_units()``), so that FSDP's hooks gather its parameters when it runs; gradients are
+        reduce-scattered (averaged) in each backward, as usual."""
+        return self.setup_module(module)
+
+    def average_manual_gradients(self, params: list[torch.Tensor]) -> None:
+        return None  # averaged by the reduce-scatter of each backward
+
     def module_init_context(self) -> contextlib.AbstractContextManager:
         """On the meta device: no memory until ``setup_module`` allocates each rank's shards."""
         return torch.device("meta")

@@ -20,6 +20,13 @@ from helpers import GAN, MixtureDataset  # noqa: E402
 import lightlike as ll  # noqa: E402
 
 
+class ShardedGAN(GAN):
+    """G and D are FSDP shard units: training_step calls D on its own."""
+
+    def fsdp_units(self):
+        return [self.G, self.D]
+
+
 class StopAt(ll.Callback):
     def __init__(self, step):
         self.step = step
@@ -40,13 +47,14 @@ def main() -> None:
     args = p.parse_args()
     out, rank = Path(args.out), int(os.environ.get("RANK", "0"))
     torch.manual_seed(0)
-    module = GAN().double()
+    module = (ShardedGAN if args.strategy == "fsdp" else GAN)().double()
     fitter = ll.Fitter(max_steps=args.steps, batch_size=args.batch, output_dir=str(out / "run"), loggers=["jsonl"], log_every=1,
                        log_level="warning", strategy=args.strategy, max_grad_norm=0.5, model_summary=False,
                        progress_bar=False, save_every=2, callbacks=[StopAt(args.stop)] if args.stop else [])
     fitter.fit(module, MixtureDataset(n=44, dtype=torch.float64), resume=args.resume or None)
-    optimizers = [o.state_dict() for o in fitter.optimizer.optimizers]
-    torch.save({"weights": module.state_dict(), "optimizers": optimizers}, out / f"final-rank{rank}.pt")
+    weights = fitter.strategy.module_state_dict(fitter.model)  # full weights (gathered under FSDP)
+    optimizers = [] if args.strategy == "fsdp" else [o.state_dict() for o in fitter.optimizer.optimizers]
+    torch.save({"weights": weights, "optimizers": optimizers}, out / f"final-rank{rank}.pt")
 
 
 if __name__ == "__main__":
