@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from helpers import GAN, MixtureDataset  # noqa: E402
+from helpers import GAN, MixtureDataset, gan_losses  # noqa: E402
 
 import lightlike as ll  # noqa: E402
 
@@ -25,6 +25,27 @@ class ShardedGAN(GAN):
 
     def fsdp_units(self):
         return [self.G, self.D]
+
+
+class AccumulatingGAN(ShardedGAN):
+    """D's loss over the batch's two halves: the first half's backward under ctx.no_sync(), each
+    half's loss weighted 1/2 (the halves are equal): the same gradient as the whole batch's."""
+
+    def training_step(self, batch, ctx):
+        opt_g, opt_d = ctx.optimizers
+        fake = self(batch)
+        half = len(fake) // 2
+        with ctx.no_sync():
+            ctx.backward(0.5 * gan_losses(self.D, fake[:half], batch["x"][:half])[0])
+        loss_d, generator_loss = gan_losses(self.D, fake[half:], batch["x"][half:])
+        ctx.backward(0.5 * loss_d)
+        ctx.step(opt_d)
+        self.D.requires_grad_(False)
+        loss_g = gan_losses(self.D, fake, batch["x"])[1]()
+        ctx.backward(loss_g)
+        ctx.step(opt_g)
+        self.D.requires_grad_(True)
+        return loss_g.detach()
 
 
 class StopAt(ll.Callback):
@@ -44,10 +65,11 @@ def main() -> None:
     p.add_argument("--strategy", default="auto")
     p.add_argument("--stop", type=int, default=0, help="stop after this step (its checkpoint is saved)")
     p.add_argument("--resume", action="store_true")
+    p.add_argument("--accumulate", action="store_true", help="AccumulatingGAN: ctx.no_sync() over half batches")
     args = p.parse_args()
     out, rank = Path(args.out), int(os.environ.get("RANK", "0"))
     torch.manual_seed(0)
-    module = (ShardedGAN if args.strategy == "fsdp" else GAN)().double()
+    module = (AccumulatingGAN if args.accumulate else ShardedGAN if args.strategy == "fsdp" else GAN)().double()
     fitter = ll.Fitter(max_steps=args.steps, batch_size=args.batch, output_dir=str(out / "run"), loggers=["jsonl"], log_every=1,
                        log_level="warning", strategy=args.strategy, max_grad_norm=0.5, model_summary=False,
                        progress_bar=False, save_every=2, callbacks=[StopAt(args.stop)] if args.stop else [])

@@ -60,3 +60,18 @@ def _initial():
 
     torch.manual_seed(0)
     return GAN().double().state_dict()
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_accumulation_under_no_sync_equals_the_whole_batch(tmp_path, strategy):
+    """ctx.no_sync() around the first of two half-batch backward passes before one ctx.step, on
+    2 ranks: the weights of 1 process stepping on the whole (double) batch, to 1e-12 in float64.
+    Under FSDP the first backward skips its reduce-scatter and the second one does it."""
+    p2 = launch(2, tmp_path / "acc", "--batch", "4", "--strategy", strategy, "--accumulate", "--steps", "4",
+                script=MANUAL_TARGET)
+    assert p2.returncode == 0, p2.stderr[-3000:]
+    p1 = launch(1, tmp_path / "one", "--batch", "8", "--steps", "4", script=MANUAL_TARGET)
+    assert p1.returncode == 0, p1.stderr[-3000:]
+    acc, one = (torch.load(tmp_path / d / "final-rank0.pt", weights_only=True)["weights"] for d in ("acc", "one"))
+    for k in one:
+        torch.testing.assert_close(acc[k], one[k], rtol=1e-12, atol=1e-12, msg=k)
