@@ -19,8 +19,8 @@ What ``ctx`` (a ``StepContext``) does, and why:
 - ``16-mixed`` follows torch's multi-optimizer AMP recipe: ONE ``GradScaler`` for all optimizers,
   ``scaler.step(optimizer)`` per optimizer, one ``scaler.update()`` at the end of the training step.
   So each optimizer steps at most once per training step under ``16-mixed``.
-- ``ctx.no_sync()``: kept for the accumulation idiom (several backward passes before one
-  ``ctx.step``); since gradients are synchronised at ``ctx.step`` only, it costs nothing.
+- ``ctx.no_sync()``: around a backward that is not the last before ``ctx.step`` (accumulation):
+  nothing to do under DDP (gradients are averaged at ``ctx.step``); under FSDP no reduce-scatter.
 """
 
 from __future__ import annotations
@@ -233,9 +233,15 @@ class StepContext:
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
-        """Around a backward that is not the last before ``step``: gradients are synchronised at
-        ``step`` only, so this does nothing, and code written with it runs anywhere."""
-        yield
+        """Around a backward that is not the last before ``step``. Under DDP gradients are
+        averaged at ``step`` only, so this does nothing; under FSDP the backward passes inside it
+        neither reduce-scatter nor reshard (the strategy's ``no_sync``), the next one outside does."""
+        strategy, model = self._strategy, self._run.model
+        try:
+            with strategy.no_sync(model, enabled=True):
+                yield
+        finally:
+            strategy.no_sync(model, enabled=False)  # the next backward synchronises again
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of ``loss`` through the precision plugin (scaled under ``16-mixed``)."""
