@@ -8,7 +8,7 @@ import copy
 
 import pytest
 import torch
-from helpers import GAN, MixtureDataset, StopAt, flat_params, hand_written_gan
+from helpers import GAN, MixtureDataset, StopAt, flat_params, gan_losses, hand_written_gan
 from torch import nn
 
 import lightlike as ll
@@ -344,3 +344,21 @@ def test_a_fit_whose_every_update_was_skipped_raises(tmp_path):
         f.fit(module, MixtureDataset(n=24))
     assert module.stepped == [False, False, False] and f.state.skipped_steps == 3
     assert torch.equal(flat_params(module), start)
+
+
+class TwiceD(GAN):
+    def training_step(self, batch, ctx):
+        opt_g, opt_d = ctx.optimizers
+        for _ in range(2):
+            loss_d, _ = gan_losses(self.D, self(batch), batch["x"])
+            ctx.backward(loss_d)
+            ctx.step(opt_d)
+        return loss_d.detach()
+
+
+def test_one_step_per_optimizer_under_16_mixed(tmp_path):
+    """torch's multi-optimizer AMP recipe updates the scale once per step, after each optimizer
+    stepped once: a second ctx.step of one optimizer is named; in 32-true it is allowed."""
+    with pytest.raises(ModuleContractError, match=r"ctx.step\(optimizer 1\) was called twice.*16-mixed"):
+        fitter(tmp_path, max_steps=2, precision="16-mixed").fit(TwiceD(), MixtureDataset(n=16))
+    fitter(tmp_path, "b", max_steps=2).fit(TwiceD(), MixtureDataset(n=16))
