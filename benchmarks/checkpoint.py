@@ -32,6 +32,7 @@ import tempfile
 import time
 import zlib
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -74,7 +75,7 @@ class FirstStep(ll.Callback):
             control.should_training_stop = True
 
 
-def prepared_fitter(out: str, args: argparse.Namespace, **kw) -> ll.Fitter:
+def prepared_fitter(out: str, args: argparse.Namespace, data: Any = None, **kw) -> ll.Fitter:
     torch.manual_seed(0)
     module = MLP(args.width, args.layers)
     kw = {"max_steps": 1, **kw}
@@ -82,7 +83,8 @@ def prepared_fitter(out: str, args: argparse.Namespace, **kw) -> ll.Fitter:
                        log_level="warning", overwrite_output_dir=True, **kw)
     stop = FirstStep()
     fitter.user_callbacks.append(stop)
-    fitter.fit(module, Data(16, args.width))  # one step: AdamW state exists
+    # one step: AdamW state exists; on the data a resume will read (its length is checked)
+    fitter.fit(module, data if data is not None else Data(16, args.width))
     return fitter
 
 
@@ -251,8 +253,8 @@ def bench_time_to_first_step(args: argparse.Namespace) -> None:
     for at in (10, 10_000):
         root = tempfile.mkdtemp(dir=args.dir)
         try:
-            fitter = prepared_fitter(os.path.join(root, "run"), small, max_steps=20_000)
             data = Data(100_000, 64)
+            fitter = prepared_fitter(os.path.join(root, "run"), small, data, max_steps=20_000)
             fitter.state.global_step = at
             fitter.state.epoch_index = at * 4 // len(data)
             fitter.state.batches_in_epoch = (at * 4 % len(data)) // 4
