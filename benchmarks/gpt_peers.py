@@ -234,12 +234,18 @@ def main() -> None:
     if args.driver:
         print("RESULT " + json.dumps(run_driver(args)), flush=True)
         return
-    rows = []
-    for driver in args.drivers.split(","):
-        if driver not in DRIVERS:
-            raise SystemExit(f"unknown driver {driver!r}; drivers: {', '.join(DRIVERS)}")
-        rows.append(_launch(driver, sys.argv[1:], args.timeout))
-    _print_table(args, [r for r in rows if r is not None])
+    drivers = args.drivers.split(",")
+    unknown = [d for d in drivers if d not in DRIVERS]
+    if unknown:
+        raise SystemExit(f"unknown driver(s) {unknown}; drivers: {', '.join(DRIVERS)}")
+    rows = 0
+    for driver in drivers:  # each row printed as its driver ends: a run cut short keeps the rows it has
+        row = _launch(driver, sys.argv[1:], args.timeout)
+        if row is not None:
+            _print_row(args, row, header=rows == 0)
+            rows += 1
+    if not rows:
+        print("no driver ran")
 
 
 def _launch(driver: str, argv: list[str], timeout: float) -> dict[str, Any] | None:
@@ -263,22 +269,19 @@ def _launch(driver: str, argv: list[str], timeout: float) -> dict[str, Any] | No
     return result
 
 
-def _print_table(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
-    if not rows:
-        print("no driver ran")
-        return
-    first = rows[0]
-    print(f"{first['device']}, {first['params'] / 1e6:.1f} M parameters, batch {args.batch_size} x {args.block} "
-          f"tokens, {args.steps - args.warmup} timed steps after {args.warmup}, "
-          f"{'compiled' if first['compiled'] else 'not compiled'}")
-    memory = "peak memory" if first["device"] != "CPU" else "peak RSS"
-    print(f"| driver | ms/step | tokens/s | MFU | {memory} | process s |")
-    print("|---|---|---|---|---|---|")
-    for r in rows:
-        mfu = f"{100 * r['mfu']:.1f} %" if "mfu" in r else "-"
-        name = r["driver"] + (f" (compile {r['compile_seconds']:.1f} s)" if r.get("compile_seconds") else "")
-        print(f"| {name} | {r['ms_per_step']:.2f} | {r['tokens_per_s']:,.0f} | {mfu} | "
-              f"{r['peak_bytes'] / 2**30:.2f} GiB | {r['process_seconds']:.0f} |")
+def _print_row(args: argparse.Namespace, r: dict[str, Any], header: bool) -> None:
+    """One driver's row of the markdown table (after the table's header, for the first)."""
+    if header:
+        print(f"{r['device']}, {r['params'] / 1e6:.1f} M parameters, batch {args.batch_size} x {args.block} "
+              f"tokens, {args.steps - args.warmup} timed steps after {args.warmup}, "
+              f"{'compiled' if r['compiled'] else 'not compiled'}")
+        memory = "peak memory" if r["device"] != "CPU" else "peak RSS"
+        print(f"| driver | ms/step | tokens/s | MFU | {memory} | process s |")
+        print("|---|---|---|---|---|---|")
+    mfu = f"{100 * r['mfu']:.1f} %" if "mfu" in r else "-"
+    name = r["driver"] + (f" (compile {r['compile_seconds']:.1f} s)" if r.get("compile_seconds") else "")
+    print(f"| {name} | {r['ms_per_step']:.2f} | {r['tokens_per_s']:,.0f} | {mfu} | "
+          f"{r['peak_bytes'] / 2**30:.2f} GiB | {r['process_seconds']:.0f} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -3,10 +3,12 @@
 #   1. tests/gpu/test_cuda.py: each precision against a hand-written CUDA loop, a real fp16 overflow,
 #      DDP with nccl, FSDP2 and (carried) DeepSpeed ZeRO against one device, resume bit for bit
 #      with CUDA's random state;
-#   2. benchmarks/gpt_throughput.py: tokens/s, MFU and the Fitter against a hand-written compiled
-#      bf16 loop, one device; then FSDP2 under torchrun against a hand-written FSDP2 loop;
+#   2. benchmarks/gpt_peers.py: the same GPT (124 M, bf16-mixed, compiled) through a hand-written
+#      loop, lightlike (compile=True, and compile_regions=True), the Lightning Trainer and the HF
+#      Trainer, one process each: ms/step, tokens/s, MFU, peak memory side by side (issue 33);
 #   3. benchmarks/overhead.py --device cuda: the per-step overhead on a tiny model on the GPU;
-#   4. the whole suite with the GPU visible, for what time is left of BUDGET seconds.
+#   4. benchmarks/gpt_throughput.py: FSDP2 under torchrun against a hand-written FSDP2 loop;
+#   5. the whole suite with the GPU visible, for what time is left of BUDGET seconds.
 # Results go to $OUT (the device tool's folder) or ./gpu-out.
 #
 #   bash benchmarks/gpu_session.sh            # BUDGET=480 s by default
@@ -32,7 +34,7 @@ fi
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
   python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name())"
   python3 -c "import deepspeed; print('deepspeed', deepspeed.__version__)" 2>&1 | tail -1
-  python3 -m pip list 2>/dev/null | grep -i -E '^(torch|tensorboard|tqdm|safetensors|deepspeed|numpy|pytest|pytest-xdist|transformers) '
+  python3 -m pip list 2>/dev/null | grep -i -E '^(torch|tensorboard|tqdm|safetensors|deepspeed|numpy|pytest|pytest-xdist|transformers|lightning|accelerate) '
   nproc
 } >"$OUT/env.txt" 2>&1
 cat "$OUT/env.txt"
@@ -45,18 +47,25 @@ timeout 180 python3 -m pytest tests/gpu/test_cuda.py -n 14 --maxprocesses 14 --d
   -v -o console_output_style=classic --durations=0 --junitxml="$OUT/cuda.xml" >"$OUT/cuda.log" 2>&1
 grep -E ' (PASSED|FAILED|ERROR) |passed|failed' "$OUT/cuda.log" | sed 's/^\[gw[0-9]*\] *//' | tail -20
 
-echo "== gpt_throughput.py, one device"
-timeout 200 python3 benchmarks/gpt_throughput.py >"$OUT/gpt_single.txt" 2>&1
-tail -8 "$OUT/gpt_single.txt"
+echo "== gpt_peers.py: hand loop, lightlike, Lightning, HF Trainer (one process each)"
+python3 -c "import lightning, transformers, accelerate; print('lightning', lightning.__version__, 'transformers', \
+  transformers.__version__, 'accelerate', accelerate.__version__)" 2>&1 | tail -1
+# 20 timed steps after 10, each driver in its own process (a missing one is skipped with a note)
+timeout 260 python3 benchmarks/gpt_peers.py --drivers hand,lightlike,lightlike-regions,lightning,hf --steps 30 \
+  --warmup 10 --timeout 90 >"$OUT/gpt_peers.txt" 2>&1
+tail -12 "$OUT/gpt_peers.txt"
 
 echo "== overhead.py --device cuda"
-timeout 90 python3 benchmarks/overhead.py --device cuda --steps 2000 --repeats 9 >"$OUT/overhead_cuda.txt" 2>&1
+timeout 60 python3 benchmarks/overhead.py --device cuda --steps 2000 --repeats 5 >"$OUT/overhead_cuda.txt" 2>&1
 tail -8 "$OUT/overhead_cuda.txt"
 
-echo "== gpt_throughput.py, FSDP2 under torchrun (1 process)"
-timeout 150 python3 -m torch.distributed.run --nproc_per_node 1 benchmarks/gpt_throughput.py --strategy fsdp \
-  >"$OUT/gpt_fsdp.txt" 2>&1
-tail -8 "$OUT/gpt_fsdp.txt"
+rest=$(left)
+if [ "$rest" -gt 100 ]; then
+  echo "== gpt_throughput.py, FSDP2 under torchrun (1 process)"
+  timeout 90 python3 -m torch.distributed.run --nproc_per_node 1 benchmarks/gpt_throughput.py --strategy fsdp \
+    --steps 30 --warmup 10 >"$OUT/gpt_fsdp.txt" 2>&1
+  tail -8 "$OUT/gpt_fsdp.txt"
+fi
 
 rest=$(left)
 echo "== the whole suite with the GPU visible (a probe: tests that compare with CPU tensors or start two ranks fail), $rest s"
