@@ -3,11 +3,13 @@
 from lightlike.callbacks import Callback, EarlyStopping
 from lightlike.config import FitConfig
 from lightlike.errors import (
+    AllStepsSkippedError,
     CheckpointError,
     ConfigError,
     DataError,
     LightlikeError,
     ModuleContractError,
+    NonFiniteGradientError,
     NonFiniteLossError,
     OutputDirError,
 )
@@ -21,6 +23,7 @@ from lightlike.utils.seed import seed_everything
 __version__ = "0.1.0"
 
 __all__ = [
+    "AllStepsSkippedError",
     "Callback",
     "CheckpointError",
     "ConfigError",
@@ -33,6 +36,7 @@ __all__ = [
     "Fitter",
     "LightlikeError",
     "ModuleContractError",
+    "NonFiniteGradientError",
     "NonFiniteLossError",
     "OutputDirError",
     "Precision",

@@ -20,6 +20,7 @@ import os
 import sys
 import tempfile
 import textwrap
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -294,10 +295,16 @@ def _resolve_checkpoint(spec: str, config: Any) -> Path:
         return p
     if (p / "model.safetensors").is_file():
         return p  # a `lightlike export` folder
-    latest = find_latest_valid(p, hashes=config.verify_hashes)
+    skipped: list[tuple[Path, str]] = []
+    with warnings.catch_warnings():  # each skipped one is named below, with the one used
+        warnings.simplefilter("ignore")
+        latest = find_latest_valid(p, hashes=config.verify_hashes, skipped=skipped)
     if latest is None:
         raise ConfigError(f"--checkpoint {spec!r} is neither a checkpoint, an export folder, nor an "
                           "output_dir holding a valid checkpoint")
+    if skipped:  # which weights are loaded must not be a guess
+        print(f"lightlike: --checkpoint {spec}: using {latest.name}, the newest valid checkpoint; skipped the newer "
+              + "; ".join(f"{s.name} ({why})" for s, why in skipped), file=sys.stderr)
     return Path(latest)
 
 

@@ -31,6 +31,7 @@ OPTIMIZERS = ("adamw", "sgd")
 NONFINITE_POLICIES = ("raise", "skip")
 #: torch.compile's modes (None is "default")
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+RESUME_DATA_CHANGED = ("error", "restart_epoch")
 SAVE_STRATEGIES = ("steps", "epoch", "best", "no")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 #: The seeds taken: those whose random streams differ from every other's. torch's CPU generator
@@ -53,7 +54,8 @@ class FitConfig:
     # -- where things go -------------------------------------------------------------------
     output_dir: str = _f("runs/lightlike", "Directory for checkpoints, logs and metrics files.")
     overwrite_output_dir: bool = _f(
-        False, "Allow writing into an output_dir that already holds checkpoints or logs."
+        False, "Allow writing into an output_dir that already holds checkpoints or logs: lightlike's own "
+        "checkpoints and log files there are removed, nothing else."
     )
     # -- hardware ----------------------------------------------------------------------------
     strategy: Any = _f("auto", "Strategy name ('auto', 'single', 'ddp', 'fsdp', ...), a preset file "
@@ -95,8 +97,9 @@ class FitConfig:
     max_grad_value: float | None = _f(None, "Clip each gradient element to [-v, v] (unscaled).")
     nonfinite_loss: str = _f(
         "raise",
-        "'raise': a NaN/inf loss raises an error naming the step and micro-batch; "
-        "'skip': the step is skipped and counted.",
+        "'raise': a NaN/inf loss or gradient norm raises an error naming the step (read at log steps, "
+        "saves and the end: no checkpoint after it); 'skip': the step is skipped, counted and warned "
+        "about. A fit whose every step was skipped raises.",
     )
     # -- evaluation ----------------------------------------------------------------------------
     eval_every: int | None = _f(None, "Evaluate every this many optimizer steps.")
@@ -121,6 +124,10 @@ class FitConfig:
     save_total_limit: int | None = _f(None, "Keep at most this many checkpoints (best is kept).")
     save_only_model: bool = _f(False, "Save weights only (no optimizer/scheduler/RNG: no resume).")
     verify_hashes: bool = _f(True, "Verify file hashes when loading a checkpoint (sizes always).")
+    resume_data_changed: str = _f(
+        "error", "A mid-epoch resume whose training data has another length than the checkpoint's: 'error' "
+        "refuses it (the rest of the epoch would repeat and skip samples); 'restart_epoch' starts that epoch "
+        "again from its start over the new data (its order: a function of seed and epoch), with a warning.")
     async_save: bool = _f(False, "Let training go on while a periodic checkpoint is made durable: "
                           "shards written in the background (FSDP), or fsync/hash/manifest in a thread; "
                           "committed at the next save or the end of the fit, invisible until then "
@@ -142,6 +149,10 @@ class FitConfig:
         "Signals that ask for a checkpoint and exit (code 75) at the next step boundary; [] disables.",
     )
     requeue_on_preemption: bool = _f(True, "Under SLURM, 'scontrol requeue' the job after a preemption save.")
+    preemption_grace: float | None = _f(
+        30.0, "Seconds a fit that got a preemption signal may wait for a DataLoader's next batch (a worker hung "
+        "in __getitem__ never delivers it): past them it exits with code 75 without a new checkpoint (the last "
+        "one stays valid). None: wait for ever.")
     # -- performance switches ------------------------------------------------------------------
     gradient_checkpointing: bool = _f(False, "Ask the module to checkpoint activations.")
     compile: bool = _f(False, "torch.compile each micro-batch's forward and loss as one function (evaluation: "
@@ -225,6 +236,7 @@ class FitConfig:
         _choice("lr_scheduler", self.lr_scheduler, SCHEDULERS)
         _choice("optimizer", self.optimizer, OPTIMIZERS)
         _choice("nonfinite_loss", self.nonfinite_loss, NONFINITE_POLICIES)
+        _choice("resume_data_changed", self.resume_data_changed, RESUME_DATA_CHANGED)
         _choice("save_strategy", self.save_strategy, SAVE_STRATEGIES)
         if self.compile_mode is not None:
             _choice("compile_mode", self.compile_mode, COMPILE_MODES)
@@ -234,11 +246,14 @@ class FitConfig:
         for name in ("max_grad_norm", "max_grad_value"):
             v = getattr(self, name)
             need(v is None or (math.isfinite(v) and v > 0), f"{name} must be a finite number > 0 or None, got {v!r}", name)
-        from lightlike.preemption import _signal  # light: signal, os, subprocess
+        grace = self.preemption_grace
+        need(grace is None or (math.isfinite(grace) and grace > 0),
+             f"preemption_grace must be a number of seconds > 0 or None, got {grace!r}", "preemption_grace")
+        from lightlike.preemption import signal_number  # light: signal, os, subprocess
 
         for name in self.preemption_signals:  # named and catchable, checked before any fit
             try:
-                _signal(name)
+                signal_number(name)
             except ConfigError as e:
                 raise ConfigError(str(e), settings=("preemption_signals",)) from None
         if self.save_strategy == "best" or self.load_best_at_end:

@@ -47,6 +47,7 @@ from lightlike.outputs import (  # noqa: F401  (PAD_VALUE: also lightlike.evalua
     rows_only,
     spec_of,
 )
+from lightlike.preemption import waiting_for
 
 if TYPE_CHECKING:
     from lightlike.strategies import Strategy
@@ -275,13 +276,12 @@ def _agree(infos: list[Any], prefix: str) -> tuple[list[str], bool, Any, Any]:
             merge_specs([info[4] for info in infos], "labels"))
 
 
-def _in_lockstep(loader: Any, strategy: Strategy) -> Iterator[tuple[Any, bool]]:
+def _in_lockstep(batches: Iterator[Any], strategy: Strategy) -> Iterator[tuple[Any, bool]]:
     """``(batch, True)`` for each of this rank's batches, then ``(stand_in, False)`` until every
     rank's share is done: all ranks run the same number of forwards. The stand-in is this rank's
     last batch, or, for a rank whose share is empty, the first batch of the lowest rank that has
     one (sent once). One small all-gather per batch: only for strategies whose forward is
     collective, where each forward gathers parameters anyway."""
-    batches = start_workers(loader)
     stand_in: Any = _END
     while True:
         batch = next(batches, _END)
@@ -413,9 +413,9 @@ def run_evaluation(
     with strategy.evaluating(model) as model:
         model.eval()
         try:
-            batches = (_in_lockstep(loader, strategy) if strategy.forward_is_collective
-                       else ((b, True) for b in start_workers(loader)))
-            for i, (batch, real) in enumerate(batches):
+            batches = waiting_for(start_workers(loader), f"the {prefix!r} evaluation DataLoader's next batch")
+            for i, (batch, real) in enumerate(_in_lockstep(batches, strategy) if strategy.forward_is_collective
+                                              else ((b, True) for b in batches)):
                 _evaluate_batch(model, module, strategy, strategy.batch_to_device(batch), real, i, tally,
                                 streams, collect, keep_outputs, compiled)
         finally:

@@ -24,9 +24,10 @@ from lightlike.callbacks.base import Callback, CallbackList
 from lightlike.callbacks.checks import built_in_callbacks
 from lightlike.callbacks.progress import ProgressBar
 from lightlike.checkpoint.checkpointer import Checkpointer
+from lightlike.checkpoint.lock import output_dir_locked
 from lightlike.checkpoint.resume import resolve_resume
 from lightlike.checkpoint.rotation import prepare_output_dir
-from lightlike.checkpoint.training import LoopState
+from lightlike.checkpoint.training import LoopState, saved_fit_state
 from lightlike.compiled import compile_run
 from lightlike.config import FitConfig, check_keys
 from lightlike.data.eval_loading import build_eval_loader, normalise_eval_sets
@@ -39,12 +40,12 @@ from lightlike.loggers.console import setup_logging
 from lightlike.loggers.summary import model_summary
 from lightlike.loop import Due, Run, save_due, warn_eval_every_past_the_end
 from lightlike.module import TaskModule, check_task_module
+from lightlike.nonfinite import NonFiniteCheck
 from lightlike.pending import LossBuffer, item_weight
 from lightlike.precision import get_precision
-from lightlike.preemption import Preempted, PreemptionHandler, requeue_slurm_job
+from lightlike.preemption import PreemptionHandler, requeue_slurm_job, waiting_for
 from lightlike.state import Control, FitResult, FitState, PredictionResult
 from lightlike.strategies import Strategy, get_strategy
-from lightlike.utils.buffers import restore_buffers, snapshot_buffers
 from lightlike.utils.failfast import decided_on_main, failing_fast, guarded
 from lightlike.utils.memory import peak_memory_bytes
 from lightlike.utils.oom import OutOfMemoryRetry
@@ -102,7 +103,7 @@ class Fitter:
         self.preemption = PreemptionHandler(self.config.preemption_signals)  # one per fit(): kept over retries
         self._resume_choice = None
         try:
-            with guarded(self):
+            with output_dir_locked(self.setup_strategy(), self.config.output_dir), guarded(self):
                 retry = OutOfMemoryRetry(module, train) if self.config.auto_find_batch_size else None
                 while True:
                     try:
@@ -128,6 +129,7 @@ class Fitter:
             run.start = (time.perf_counter(), state.global_step, state.samples_seen)
             self._train(run)
             self._end_fit(run)
+            run.nonfinite.check_trained()  # a fit whose every step was skipped raises
             self.callbacks.call("on_fit_end", self, state, control)
         finally:
             for lg in self.loggers:
@@ -143,7 +145,7 @@ class Fitter:
             batches = run.train_data.epoch_iterator(state.epoch_index, state.samples_in_epoch, state.batches_in_epoch)
             position = run.train_data.position(state.samples_in_epoch, state.batches_in_epoch,
                                                self.strategy.world_size)
-            batches = position.watch(batches)  # reads one batch ahead where the epoch's length is unknown
+            batches = waiting_for(position.watch(batches), "the training DataLoader's next batch")
             if state.batches_in_epoch == 0:
                 self.callbacks.call("on_epoch_start", self, state, control)
             while state.global_step < run.max_steps:
@@ -172,56 +174,39 @@ class Fitter:
 
     def _training_step(self, run: Run, window: list[Any]) -> None:
         """One optimizer step over ``window``; the scheduler steps when the update was applied."""
-        step = self.state.global_step + 1  # the norm is logged at log steps and the last one
-        want_norm = step % self.config.log_every == 0 or step >= run.max_steps
-        if self._accumulate_and_step(run, window, step, want_norm) and run.scheduler is not None:
+        step = self.state.global_step + 1
+        if self._accumulate_and_step(run, window, step) and run.scheduler is not None:
             run.scheduler.step()
         self.state.global_step = step
         self.phase = "step end"
 
-    def _accumulate_and_step(self, run: Run, window: list[Any], step: int, want_norm: bool) -> bool:
+    def _accumulate_and_step(self, run: Run, window: list[Any], step: int) -> bool:
         """Forward/backward every micro-batch of one optimizer step, then clip and step.
 
         Micro-batch i is weighted by ``items_i / items_in_step``, so the step's gradient is the
         gradient of the mean loss over every item in the step, whatever each micro-batch holds.
-        Returns whether the optimizer update was applied."""
+        The losses and the global gradient norm go through the non-finite check
+        (``lightlike/nonfinite.py``). Returns whether the optimizer update was applied."""
         strategy, model, state = self.strategy, run.model, self.state
         batches = [strategy.batch_to_device(b) for b in window]
         counts = [run.count_items(b) for b in batches]
         normaliser = strategy.item_normaliser(counts, uniform=run.uniform_counts)
-        skip_nonfinite = self.config.nonfinite_loss == "skip"
-        buffers = snapshot_buffers(run.module) if skip_nonfinite else None  # BatchNorm statistics
+        run.nonfinite.begin_step(run.module)
         for i, batch in enumerate(batches):
             with strategy.no_sync(model, enabled=i < len(batches) - 1):
                 with strategy.autocast():
                     loss = run.forward_loss(model, run.module, batch, "at step {}, micro-batch {}", step, i)
                 strategy.backward(loss * item_weight(counts[i], normaliser.total, loss.dtype), model)
             run.losses.add(loss, counts[i], step, i)
-        if skip_nonfinite and self._skipped_nonfinite(run, len(batches), buffers, step):
+        norm = strategy.clip_gradients(model, run.optimizer, self.config.max_grad_norm, self.config.max_grad_value,
+                                       want_norm=True)  # every step: logged, and checked for NaN/inf
+        if run.nonfinite.skipped(run, norm, len(batches), step):
             return False
-        # this step's norm, or None (a step that logs no norm shows none)
-        run.grad_norm = strategy.clip_gradients(model, run.optimizer, self.config.max_grad_norm,
-                                                self.config.max_grad_value, want_norm)
+        run.grad_norm = norm  # this step's, read at the next log row
         self.callbacks.call("on_before_optimizer_step", self, state, self.control, run.optimizer)
         stepped = strategy.optimizer_step(run.optimizer, model)
         run.optimizer.zero_grad(set_to_none=True)
-        if not stepped:
-            state.skipped_steps += 1
-        return stepped
-
-    def _skipped_nonfinite(self, run: Run, micro_batches: int, buffers: Any, step: int) -> bool:
-        """``nonfinite_loss="skip"``: whether any rank saw a non-finite loss this step (one host
-        read per step, by choice); if so the step is undone: no update, buffers restored."""
-        losses = run.losses.last_losses(micro_batches)
-        if not self.strategy.collectives.reduce_flag(not bool(torch.isfinite(losses).all())):
-            return False
-        run.optimizer.zero_grad(set_to_none=True)
-        restore_buffers(buffers)
-        run.grad_norm = None
-        run.losses.drop_last(micro_batches)
-        self.state.skipped_steps += 1
-        log.warning("non-finite loss at step %d: step skipped (%d skipped so far)", step, self.state.skipped_steps)
-        return True
+        return run.nonfinite.applied(run, stepped, norm, len(batches), step)
 
     def _advance(self, position: Any, micro_batches: int) -> bool:
         """Move the data position past this step's batches; whether the epoch's data is used up."""
@@ -288,7 +273,7 @@ class Fitter:
         self._commit()  # this step's save may still be in flight
         if self.config.requeue_on_preemption and self.strategy.is_global_zero:
             requeue_slurm_job()
-        raise Preempted(name, str(path) if path else f"{self.config.output_dir}/checkpoint-{step}")
+        raise self.preemption.preempted(name, str(path) if path else f"{self.config.output_dir}/checkpoint-{step}")
 
     def _end_epoch(self, run: Run) -> None:
         """End the epoch at this step boundary: callbacks (their flags are acted on here), the
@@ -357,7 +342,7 @@ class Fitter:
         strategy = self.setup_strategy()
         # from here a signal (during a checkpoint load, say) waits for the first step boundary; not
         # before: a rank meeting a peer that failed to start must end at the launcher's SIGTERM
-        self.preemption.install()
+        self.preemption.install(cfg.preemption_grace)
         # this fit's callbacks, state and control first: on_exception gets them for any error from
         # here on (set-up errors included), never an earlier fit's
         self.state, self.control = FitState(), Control()
@@ -403,14 +388,15 @@ class Fitter:
         agree_on_data = strategy.world_size > 1 and not train_data.deals_evenly
         if agree_on_data:
             train_data.agree_on_length(strategy)
-        resumed = FitState.saved_in(resume_from) if resume_from is not None else None
+        resumed = saved_fit_state(resume_from, train_data, cfg.resume_data_changed, strategy.global_rank)
         max_steps, epoch_limit = train_data.step_budget(cfg.max_steps, cfg.max_epochs, cfg.grad_accum_steps, resumed)
         warn_eval_every_past_the_end(cfg, max_steps)
         default_counts = type(module).num_items is TaskModule.num_items and "num_items" not in vars(module)
         losses = LossBuffer(strategy.root_device, raise_nonfinite=cfg.nonfinite_loss == "raise")
         return Run(module=module, model=None, optimizer=None, scheduler=None, train_data=train_data,
                    eval_sets=eval_sets, best=BestMetric(cfg, eval_sets), max_steps=max_steps, epoch_limit=epoch_limit,
-                   losses=losses, count_items=module.num_items, uniform_counts=train_data.deals_evenly and default_counts,
+                   losses=losses, nonfinite=NonFiniteCheck(cfg.nonfinite_loss, strategy, self.state),
+                   count_items=module.num_items, uniform_counts=train_data.deals_evenly and default_counts,
                    agree_on_data=agree_on_data, resume_from=resume_from)
 
     def _set_up_model(self, run: Run) -> None:

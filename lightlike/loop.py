@@ -17,6 +17,7 @@ from lightlike.best import BestMetric
 from lightlike.config import FitConfig
 from lightlike.data.loading import TrainData
 from lightlike.evaluation import forward_loss
+from lightlike.nonfinite import NonFiniteCheck
 from lightlike.pending import LossBuffer
 from lightlike.state import Control, FitState
 
@@ -38,11 +39,12 @@ class Run:
     max_steps: int
     epoch_limit: float  # epochs to run (inf when only max_steps bounds the fit)
     losses: LossBuffer
+    nonfinite: NonFiniteCheck  # the loss and gradient-norm check of every step
     count_items: Callable[[Any], int | torch.Tensor]  # the module's num_items
     uniform_counts: bool  # every rank holds the same integer counts each step (no count reduction)
     agree_on_data: bool  # several ranks whose shares may run out at different steps
     resume_from: Any = None  # the checkpoint this fit resumed from (a Path), or None
-    grad_norm: torch.Tensor | None = None  # the last step's norm, read at the next log row
+    grad_norm: torch.Tensor | None = None  # the last step's norm (None: skipped), read at the next log row
     last_metrics: dict[str, float] = field(default_factory=dict)  # the last evaluation's
     bar_active: bool = False  # a progress bar replaces the log lines
     start: tuple[float, int, int] = (0.0, 0, 0)  # (time, global step, samples seen) when the loop began

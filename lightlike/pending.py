@@ -1,16 +1,22 @@
 """Training losses between log steps (``LossBuffer``): kept on the device as the steps run (no
 host read per step), read to the host and summed item-weighted at log steps, in one sync for all
 of them. The buffer is checkpointed, so the first row after a resume averages what the
-uninterrupted run's would."""
+uninterrupted run's would.
+
+Under ``nonfinite_loss="raise"`` it also holds each step's global gradient norm (a device
+tensor), read with the losses: a finite loss can have a NaN/inf gradient, and the read that
+happens before every save, at log steps and at the end of the fit raises for whichever came
+first, so no checkpoint is written after the last finite step."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from lightlike.errors import NonFiniteLossError
+from lightlike.errors import NonFiniteGradientError, NonFiniteLossError
 
 #: a pending loss: (the detached loss tensor, its item count, the step, the micro-batch)
 Pending = tuple[torch.Tensor, Any, int, int]
@@ -23,24 +29,39 @@ def item_weight(count: int | torch.Tensor, total: int | torch.Tensor, dtype: tor
     return count / total if total else 0.0  # no item in the whole step: its loss is 0/0 anyway
 
 
-def read_pending(pending: list[Pending], device: torch.device, raise_nonfinite: bool) -> list[tuple[float, float, int, int]]:
+def read_pending(pending: list[Pending], device: torch.device, raise_nonfinite: bool,
+                 norms: Sequence[tuple[torch.Tensor, int]] = ()) -> list[tuple[float, float, int, int]]:
     """The pending losses and item counts on the host, as (loss, items, step, micro-batch).
-    With ``raise_nonfinite``, raises ``NonFiniteLossError`` naming the first bad step and
-    micro-batch."""
-    if not pending:
+    With ``raise_nonfinite``, raises for the first step whose loss or gradient norm (``norms``:
+    (norm, step) pairs, read in the same host read) was not finite: ``NonFiniteLossError``
+    naming the micro-batch, or ``NonFiniteGradientError`` when only the gradient was (a
+    non-finite loss makes its gradient non-finite too: the loss is named, the cause)."""
+    if not pending and not norms:
         return []
-    loss_tensors, counts, steps, micros = zip(*pending, strict=True)
-    losses = torch.stack(loss_tensors).double().tolist()  # one stack: one host read for all
+    loss_tensors, counts, steps, micros = zip(*pending, strict=True) if pending else ((), (), (), ())
+    tensors = [torch.stack(loss_tensors).double()] if pending else []
+    tensors += [torch.stack([n.reshape(()) for n, _ in norms]).double()] if norms else []
+    read = torch.cat([t.to(device) for t in tensors]).tolist()  # one host read for all
+    losses, norm_values = read[:len(pending)], read[len(pending):]
     if any(isinstance(n, torch.Tensor) for n in counts):  # token counts on the device
         items = torch.stack([torch.as_tensor(n, device=device) for n in counts]).double().tolist()
     else:
         items = [float(n) for n in counts]
     values = list(zip(losses, items, steps, micros, strict=True))
     if raise_nonfinite:
-        for loss, n, step, micro in values:
-            if not math.isfinite(loss):
-                raise NonFiniteLossError(step, micro, loss, items=n)
+        check_finite(values, [(v, step) for v, (_, step) in zip(norm_values, norms, strict=True)])
     return values
+
+
+def check_finite(values: list[tuple[float, float, int, int]], norms: list[tuple[float, int]]) -> None:
+    """Raise for the first step whose read loss or gradient norm is not finite (see ``read_pending``)."""
+    bad_loss = next(((step, micro, loss, n) for loss, n, step, micro in values if not math.isfinite(loss)), None)
+    bad_norm = next(((step, v) for v, step in norms if not math.isfinite(v)), None)
+    if bad_norm is not None and (bad_loss is None or bad_norm[0] < bad_loss[0]):
+        raise NonFiniteGradientError(*bad_norm)
+    if bad_loss is not None:
+        step, micro, loss, n = bad_loss
+        raise NonFiniteLossError(step, micro, loss, items=n)
 
 
 class LossBuffer:
@@ -49,15 +70,23 @@ class LossBuffer:
 
     ``add`` keeps a detached loss on the device; ``take`` reads every pending loss to the host at
     once, sums them over ranks and adds them to the totals (a log step). ``state_dict`` holds this
-    rank's pending values on the host and the totals; a checkpoint gathers it from every rank."""
+    rank's pending values on the host and the totals; a checkpoint gathers it from every rank.
+    ``add_norm`` keeps a step's gradient norm until the next read checks it (a read that finds
+    every one finite forgets them: they are not checkpointed, since every save reads first)."""
 
     def __init__(self, device: torch.device, raise_nonfinite: bool):
         self.device, self.raise_nonfinite = device, raise_nonfinite
         self.pending: list[Pending] = []
+        self.norms: list[tuple[torch.Tensor, int]] = []  # (global gradient norm, step), to check
         self.loss_total, self.items_total = 0.0, 0.0
 
     def add(self, loss: torch.Tensor, items: int | torch.Tensor, step: int, micro: int) -> None:
         self.pending.append((loss.detach(), items, step, micro))
+
+    def add_norm(self, norm: torch.Tensor, step: int) -> None:
+        """Keep step ``step``'s global gradient norm (a device tensor, not read here) for the next
+        read to check; a strategy may fill it in later (DeepSpeed: in its optimizer step)."""
+        self.norms.append((norm, step))
 
     def drop_last(self, count: int) -> None:
         """Forget the last ``count`` losses (a step skipped for a non-finite loss)."""
@@ -69,8 +98,11 @@ class LossBuffer:
 
     def read(self) -> list[tuple[float, float, int, int]]:
         """This rank's pending (loss, items, step, micro-batch) values on the host; raises
-        ``NonFiniteLossError`` for a non-finite one when the fit raises on them."""
-        return read_pending(self.pending, self.device, self.raise_nonfinite)
+        ``NonFiniteLossError`` for a non-finite one when the fit raises on them (and
+        ``NonFiniteGradientError`` for a non-finite gradient norm, if that came first)."""
+        values = read_pending(self.pending, self.device, self.raise_nonfinite, self.norms)
+        self.norms = []  # all finite: checked
+        return values
 
     def take(self, strategy: Any) -> tuple[float, float] | None:
         """Read and clear the pending losses; their item-weighted loss sum and item count over
@@ -87,7 +119,7 @@ class LossBuffer:
         """The whole fit's item-weighted mean loss, counting what is still pending (a run stopped
         in ``on_save`` leaves its last losses unlogged in the checkpoint)."""
         loss, items = self.loss_total, self.items_total
-        if self.pending:
+        if self.pending or self.norms:
             more = sum_values(strategy, self.read())
             loss, items = loss + more[0], items + more[1]
         return loss / items if items else float("nan")
@@ -98,6 +130,7 @@ class LossBuffer:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.pending = [(torch.tensor(loss, dtype=torch.float64, device=self.device), n, int(step), int(micro))
                         for loss, n, step, micro in state["pending"]]
+        self.norms = []
         self.loss_total, self.items_total = state["totals"]
 
 

@@ -32,7 +32,7 @@ from lightlike.best import greater_is_better
 from lightlike.callbacks.base import Callback
 from lightlike.config import FitConfig
 from lightlike.errors import ConfigError, OutputDirError
-from lightlike.preemption import EXIT_PREEMPTED, Preempted, PreemptionHandler
+from lightlike.preemption import EXIT_PREEMPTED, PreemptionHandler
 
 if TYPE_CHECKING:
     from lightlike.fitter import Fitter
@@ -203,7 +203,7 @@ def _stop_if_preempted(strategy: Any, handlers: list[Any], after: str) -> None:
     if strategy.collectives.reduce_flag(bool(names)) if strategy.world_size > 1 else names:
         log.warning("%s received %s: the search stops (exit %d; a search does not resume, pass study= with a "
                     "storage to continue it)", names[0] if names else "a signal on another rank", after, EXIT_PREEMPTED)
-        raise Preempted(names[0] if names else "a signal on another rank", None)
+        raise handlers[0].preempted(names[0] if names else "a signal on another rank", None)
 
 
 def _suggest(trial: Any, space: Mapping[str, Any]) -> dict[str, Any]:

@@ -21,7 +21,7 @@ class FitState:
     samples_in_epoch: int = 0  # global samples consumed in the current epoch (sampler position)
     samples_seen: int = 0  # training samples consumed (all epochs)
     items_seen: float = 0.0  # loss items (num_items) consumed; read at log steps
-    skipped_steps: int = 0  # steps whose update was skipped (fp16 overflow, nonfinite 'skip')
+    skipped_steps: int = 0  # steps whose update was skipped (loss-scale overflow, nonfinite 'skip')
     log_history: list[dict[str, Any]] = field(default_factory=list)
     best_metric: float | None = None
     best_step: int | None = None  # the step whose evaluation gave best_metric

@@ -3,6 +3,7 @@ reading back what they wrote. Shared by the multi-process tests of every folder.
 
 from __future__ import annotations
 
+import json
 import socket
 import sys
 from pathlib import Path
@@ -63,3 +64,30 @@ def moved_share(got, ref, width):
     moved = torch.cat([(ref[k].float() - init[k]).reshape(-1) for k in ref])
     err = torch.cat([(got[k].float() - ref[k].float()).reshape(-1) for k in ref])
     return (err.norm() / moved.norm()).item(), moved.abs().max().item()
+
+
+STREAMS = SCRIPTS / "rank_streams_target.py"
+
+
+def check_nan_gradient_on_one_rank(tmp_path, strategy):
+    """``rank_streams_target.py nangrad``: a finite loss whose gradient is NaN on rank 1 only, at
+    step 3 of 4, a checkpoint after every step. 'skip': every rank skips step 3 (one skip each; the
+    weights finite, the same on both ranks, every checkpoint written); 'raise': every rank fails
+    naming step 3 and the gradient, and no checkpoint follows checkpoint-2."""
+    skip = tmp_path / "skip"
+    p = launch(2, skip, "nangrad", "skip", strategy, script=STREAMS)
+    assert p.returncode == 0, p.stderr[-4000:]
+    for rank in (0, 1):
+        assert json.loads((skip / f"result-rank{rank}.json").read_text())["skipped"] == 1, rank
+        assert all(torch.isfinite(v).all() for v in weights(skip, rank).values()), rank
+    assert_close(weights(skip, 0), weights(skip, 1), tol=0)
+    assert sorted(c.name for c in skip.glob("checkpoint-*")) == [f"checkpoint-{s}" for s in (1, 2, 3, 4)]
+    stopped = tmp_path / "raise"
+    p = launch(2, stopped, "nangrad", "raise", strategy, script=STREAMS)
+    assert p.returncode != 0
+    for rank in (0, 1):
+        error = stopped / f"error-rank{rank}.txt"
+        assert error.is_file(), p.stderr[-4000:]
+        assert error.read_text().startswith("NonFiniteGradientError: non-finite gradient at optimizer step 3"), rank
+    assert sorted(c.name for c in stopped.glob("checkpoint-*")) == ["checkpoint-1", "checkpoint-2"]
+    assert not list(stopped.glob("result-rank*.json"))

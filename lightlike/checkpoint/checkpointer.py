@@ -23,15 +23,19 @@ flight. The Fitter, preemption, the out-of-memory retry and fail-fast call its p
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import sys
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from lightlike.checkpoint.atomic import CheckpointWriter
-from lightlike.checkpoint.manifest import verify_checkpoint
+import torch
+
+from lightlike.checkpoint.atomic import CheckpointWriter, not_saved_error, set_aside_in_the_way
+from lightlike.checkpoint.manifest import list_checkpoints, verify_checkpoint
 from lightlike.checkpoint.resume import (
     apply_changed_settings,
     check_optimizer_fits,
@@ -65,6 +69,7 @@ class Checkpointer:
         self.callbacks, self.loop, self.rng = callbacks, loop, RandomState()
         self.in_flight: tuple[CheckpointWriter, Any, Any] | None = None  # (writer, shards' future, seal's future)
         self.resumed_from: str | None = None
+        self.written: set[Path] = set()  # the checkpoints this fit committed: the only ones a save replaces
 
     # -- saving ---------------------------------------------------------------------------------
     def save(self, wait: bool = True, full: bool | None = None) -> Path | None:
@@ -82,6 +87,10 @@ class Checkpointer:
         ``full=True`` writes a resumable checkpoint even with ``save_only_model=True`` (a
         preemption save); ``full=False`` weights only; None follows ``save_only_model``."""
         self.commit()
+        with self._named_disk_errors(self.loop.state.global_step):
+            return self._save(wait, full)
+
+    def _save(self, wait: bool, full: bool | None) -> Path | None:
         cfg, strategy, state = self.config, self.strategy, self.loop.state
         out, step = Path(cfg.output_dir), state.global_step
         if state.best_step == step:
@@ -117,11 +126,16 @@ class Checkpointer:
         """The writer of this save, its temp directory made by the main rank and named for all."""
         strategy = self.strategy
         meta = {"kind": "full" if full else "model", "state_format": strategy.checkpoint_format}
-        writer = CheckpointWriter(out, step, meta=meta, overwrite=True)
+        # this fit's own checkpoint-N (a preemption's full save over this step's weights-only one) is
+        # replaced; anything else under the name is moved aside, never deleted
+        own = (out / f"checkpoint-{step}") in self.written
+        writer = CheckpointWriter(out, step, meta=meta, overwrite=own)
         if strategy.world_size > 1:
-            writer = CheckpointWriter(out, step, meta=meta, overwrite=True,
+            writer = CheckpointWriter(out, step, meta=meta, overwrite=own,
                                       tmp_name=strategy.collectives.broadcast_object(writer.tmp.name))
         if strategy.is_global_zero:
+            if not own and (writer.final_path.exists() or writer.final_path.is_symlink()):
+                set_aside_in_the_way(out, [writer.final_path])
             writer.__enter__()  # creates the temp directory
         strategy.collectives.barrier("save")  # ... before any rank writes into it
         return writer
@@ -158,7 +172,8 @@ class Checkpointer:
         (writer, shards, sealing), self.in_flight = self.in_flight, None
         if shards is not None:
             try:
-                shards.result()  # this rank's shards are on disk
+                with self._named_disk_errors(writer.step):
+                    shards.result()  # this rank's shards are on disk
                 self.strategy.collectives.barrier("save")  # ... and every rank's
             except BaseException:
                 if self.strategy.is_global_zero:
@@ -170,15 +185,45 @@ class Checkpointer:
         """Commit on the main rank (or wait for the background seal), then rotate."""
         strategy, path = self.strategy, writer.final_path
         if strategy.is_global_zero:
-            if sealing is not None:
-                sealing.result()  # raises what sealing it raised
-                writer.publish()
-            else:
-                writer.__exit__(None, None, None)  # fsync, hash, manifest, rename
+            with self._named_disk_errors(writer.step):
+                if sealing is not None:
+                    sealing.result()  # raises what sealing it raised
+                    writer.publish()
+                else:
+                    writer.__exit__(None, None, None)  # fsync, hash, manifest, rename
+            self.written.add(path)
             self.rotate(keep_resume_source=self.config.auto_find_batch_size)  # a retry starts from it again
             log.info("saved checkpoint %s", path)
         strategy.collectives.barrier("save")
         return path
+
+    @contextlib.contextmanager
+    def _named_disk_errors(self, step: int) -> Iterator[None]:
+        """A save that ran out of room (ENOSPC, EDQUOT, EFBIG, wherever in the error's chain)
+        raises one ``CheckpointError`` saying so; the writer has removed its temp directory."""
+        try:
+            yield
+        except Exception as error:
+            if isinstance(error, CheckpointError):  # said already (a commit inside a save)
+                raise
+            problem = not_saved_error(error, self.config.output_dir, step, self.size_estimate())
+            if problem is None:
+                raise
+            raise problem from error
+
+    def size_estimate(self) -> int | None:
+        """About what a checkpoint of this fit takes: the newest committed one's files, or else
+        the bytes of the module's and the optimizer's tensors (None if neither can be read)."""
+        try:
+            newest = list_checkpoints(self.config.output_dir)[-1:]
+            if newest:
+                return sum(info["size"] for info in verify_checkpoint(newest[0], hashes=False)["files"].values())
+            # parameters and optimizer state as they are (a state_dict() may be a collective)
+            state = getattr(self.optimizer, "state", {})
+            tensors = [*self.module.parameters(), *(v for s in state.values() for v in s.values())]
+            return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+        except Exception:  # an estimate for a message: never a second error
+            return None
 
     def publish_sealed(self) -> Path | None:
         """On the way out of a fit that failed: an asynchronous checkpoint that every rank had
@@ -229,7 +274,8 @@ class Checkpointer:
         strategy.precision.load_state_dict(torch_load(path / "precision.pt"))
         self.callbacks.load_state_dict(torch_load(path / "callbacks.pt"))
         saved = json.loads((path / "trainer_state.json").read_text())
-        order = self.loop.load_state_dict(saved, path, strategy.global_rank, strategy.world_size)
+        order = self.loop.load_state_dict(saved, path, strategy.global_rank, strategy.world_size,
+                                          cfg.resume_data_changed)
         state = self.loop.state
         state.best_checkpoint = resolve_best(cfg.output_dir, state.best_checkpoint, state.best_step)
         choose_best_again(cfg, state, path)  # metric_for_best or greater_is_better changed

@@ -139,8 +139,20 @@ def checkpoint_step(path: str | Path) -> int:
 
 
 def is_checkpoint_dir(path: str | Path) -> bool:
+    """A ``checkpoint-N`` directory with lightlike's manifest (``written_by_lightlike``): what
+    lightlike counts, rotates and may remove. Another tool's ``checkpoint-N`` is none of these."""
     p = Path(path)
-    return p.is_dir() and CHECKPOINT_DIR_NAME.match(p.name) is not None and (p / MANIFEST).is_file()
+    return p.is_dir() and CHECKPOINT_DIR_NAME.match(p.name) is not None and written_by_lightlike(p)
+
+
+def written_by_lightlike(path: str | Path) -> bool:
+    """Whether the directory holds a ``manifest.json`` that lightlike wrote (it parses and names
+    lightlike's format), whether or not the files it lists are intact."""
+    try:
+        manifest = json.loads((Path(path) / MANIFEST).read_bytes())
+    except (OSError, ValueError):
+        return False
+    return isinstance(manifest, dict) and manifest.get("format") == FORMAT
 
 
 def verify_checkpoint(path: str | Path, hashes: bool = True) -> dict[str, Any]:
@@ -202,7 +214,7 @@ def _check_structure(manifest: dict[str, Any], files: Any) -> None:
 
 
 def list_checkpoints(output_dir: str | Path) -> list[Path]:
-    """Committed checkpoint directories (with a manifest), oldest step first."""
+    """Committed checkpoint directories (with lightlike's manifest), oldest step first."""
     out = Path(output_dir)
     if not out.is_dir():
         return []
@@ -210,9 +222,11 @@ def list_checkpoints(output_dir: str | Path) -> list[Path]:
     return sorted(found, key=checkpoint_step)
 
 
-def find_latest_valid(output_dir: str | Path, hashes: bool = True, resumable: bool = False) -> Path | None:
-    """The newest checkpoint that verifies; newer broken ones are skipped with a warning.
-    ``resumable``: skip weights-only checkpoints (``save_only_model``), which cannot resume a run."""
+def find_latest_valid(output_dir: str | Path, hashes: bool = True, resumable: bool = False,
+                      skipped: list[tuple[Path, str]] | None = None) -> Path | None:
+    """The newest checkpoint that verifies; newer broken ones are skipped with a warning (and
+    appended to ``skipped`` as (path, why), where given). ``resumable``: skip weights-only
+    checkpoints (``save_only_model``), which cannot resume a run."""
     out = Path(output_dir)
     candidates = [p for p in (out.iterdir() if out.is_dir() else []) if p.is_dir() and CHECKPOINT_DIR_NAME.match(p.name)]
     for p in sorted(candidates, key=checkpoint_step, reverse=True):
@@ -220,10 +234,14 @@ def find_latest_valid(output_dir: str | Path, hashes: bool = True, resumable: bo
             manifest = verify_checkpoint(p, hashes=hashes)
             if resumable and (manifest.get("meta") or {}).get("kind") == "model":
                 log.info("skipping %s: it holds weights only (save_only_model), not a resumable state", p.name)
+                if skipped is not None:
+                    skipped.append((p, "it holds weights only (save_only_model), not a resumable state"))
                 continue
             return p
         except (CheckpointError, OSError) as e:  # OSError: moved away by the main rank meanwhile
             msg = f"skipping invalid checkpoint: {e}"
+            if skipped is not None:
+                skipped.append((p, str(e)))
             log.warning(msg)
             warnings.warn(msg, stacklevel=2)
     return None

@@ -15,10 +15,8 @@
 
 from __future__ import annotations
 
-import datetime
 import json
 import logging
-import os
 import shutil
 import warnings
 from pathlib import Path
@@ -27,7 +25,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from lightlike.best import greater_is_better, is_improvement
-from lightlike.checkpoint.atomic import cleanup_stale_temps, fsync_path
+from lightlike.checkpoint.atomic import cleanup_stale_temps, move_into_new_dir
+from lightlike.checkpoint.lock import LOCK_NAME
 from lightlike.checkpoint.manifest import CHECKPOINT_DIR_NAME, MANIFEST, checkpoint_step, find_latest_valid
 from lightlike.errors import CheckpointError, ConfigError
 from lightlike.module import TaskModule
@@ -64,7 +63,8 @@ def resolve_resume(config: FitConfig, resume: bool | str) -> Path | None:
             log.info("resume='auto': %r holds no valid checkpoint; starting a fresh run", config.output_dir)
             return None
         out = Path(config.output_dir)
-        left = out.is_dir() and any(out.iterdir())  # logs of a run killed before its first save, say
+        # logs of a run killed before its first save, say (the lock file is this run's own)
+        left = out.is_dir() and any(p.name != LOCK_NAME for p in out.iterdir())
         fresh = ("pass resume='auto' to move what is there aside and start afresh" if left else
                  "start without resume, pass resume='auto' (resume if there is a checkpoint, else start fresh)")
         raise CheckpointError(
@@ -119,17 +119,7 @@ def set_aside_newer(output_dir: str | Path, step: int, source: str | Path | None
 def set_aside(output_dir: str | Path, paths: list[Path]) -> Path:
     """Move ``paths`` (entries of ``output_dir``) into a new ``output_dir/abandoned-<UTC time>/``,
     which ``list_checkpoints``, rotation and ``resume=True`` never look into. Returns it."""
-    out = Path(output_dir)
-    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-    dest, n = out / f"{ABANDONED}{stamp}", 1
-    while dest.exists():
-        n += 1
-        dest = out / f"{ABANDONED}{stamp}-{n}"
-    dest.mkdir()
-    for p in paths:
-        os.rename(p, dest / p.name)
-    fsync_path(out)
-    return dest
+    return move_into_new_dir(output_dir, paths, ABANDONED)
 
 
 # -- the best checkpoint -------------------------------------------------------------------------

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,8 @@ from lightlike.errors import CheckpointError
 from lightlike.pending import LossBuffer
 from lightlike.state import FitState
 from lightlike.utils.seed import rng_state, set_rng_state
+
+log = logging.getLogger("lightlike")
 
 #: who writes each checkpoint layout (the manifest's ``state_format``)
 LAYOUTS = {"full": "a strategy that gathers the full state (single, ddp: model.safetensors + optimizer.pt)",
@@ -31,13 +34,16 @@ class LoopState:
 
     def __init__(self, state: FitState, losses: LossBuffer, train_data: Any):
         self.state, self.losses, self.train_data = state, losses, train_data
+        #: ``len()`` of the training dataset (None: it has none), read once
+        self.data_length = train_data.dataset_length() if train_data is not None else None
 
     def order_key(self) -> Any:
         return self.train_data.order_key() if self.train_data is not None else None
 
     def rank_state_dict(self) -> dict[str, Any]:
         """This rank's part, gathered from every rank by the checkpointer."""
-        return {"pending": self.losses.state_dict()["pending"], "batches_in_epoch": self.state.batches_in_epoch}
+        return {"pending": self.losses.state_dict()["pending"], "batches_in_epoch": self.state.batches_in_epoch,
+                "data_length": self.data_length}
 
     def state_dict(self, per_rank: list[dict[str, Any]], world_size: int) -> dict[str, Any]:
         saved_state = self.state.state_dict()  # the best checkpoint by name: valid from any cwd
@@ -49,16 +55,27 @@ class LoopState:
             "batches_in_epoch_per_rank": [r["batches_in_epoch"] for r in per_rank],
             "loss_total": [self.losses.loss_total, self.losses.items_total],
             "data_order": self.order_key(),
+            "data_length_per_rank": [r["data_length"] for r in per_rank],
         }
 
-    def load_state_dict(self, saved: dict[str, Any], path: Path, rank: int, world_size: int) -> tuple[Any, Any]:
+    def load_state_dict(self, saved: dict[str, Any], path: Path, rank: int, world_size: int,
+                        data_changed: str = "error") -> tuple[Any, Any]:
         """Restore from ``saved`` (read from ``path``); returns (the saved data order, this run's).
-        Refuses a checkpoint taken mid-epoch whose data order this run would not continue."""
+        Refuses a checkpoint taken mid-epoch whose data order this run would not continue, or
+        whose training data had another length (unless ``data_changed='restart_epoch'``: the
+        epoch then starts again, ``restarts_epoch``)."""
         state = self.state
         state.load_state_dict(saved["state"])
         per_rank = saved["batches_in_epoch_per_rank"]
         if len(per_rank) == world_size:  # this rank's own count
             state.batches_in_epoch = per_rank[rank]
+        change = restarts_epoch(saved, path, self.data_length, rank, world_size, data_changed)
+        if change:
+            log.warning("resume_data_changed='restart_epoch': %s; epoch %d starts again from its start (its order "
+                        "over the %d items: a function of seed and epoch), so the samples it had trained on are "
+                        "trained on again", change, state.epoch_index, self.data_length)
+            state.samples_in_epoch = state.batches_in_epoch = 0
+            state.epoch = float(state.epoch_index)
         saved_order, order = saved["data_order"], self.order_key()
         if state.samples_in_epoch and saved_order != order:
             raise CheckpointError(
@@ -70,6 +87,50 @@ class LoopState:
         self.losses.load_state_dict({"pending": pending_for_rank(saved["pending_per_rank"], rank, world_size),
                                      "totals": saved["loss_total"]})
         return saved_order, order
+
+
+def restarts_epoch(saved: dict[str, Any], path: Path, length: int | None, rank: int, world_size: int,
+                   policy: str) -> str | None:
+    """What changed, when a resume from ``saved`` (``path``'s ``trainer_state.json``) must start
+    its epoch again: taken mid-epoch on training data of another length than this run's
+    (``length``); else None. The position (global samples into the epoch) would continue an
+    order over other items, training again on samples the epoch has trained on and skipping
+    others: refused (``CheckpointError``) unless ``policy`` is ``'restart_epoch'``. A checkpoint
+    that predates the recorded length is refused only where its position is past this data's end."""
+    fit = saved["state"]
+    position, epoch = fit.get("samples_in_epoch", 0), fit.get("epoch_index", 0)
+    if not position or length is None:
+        return None
+    lengths = saved.get("data_length_per_rank") or []  # a share per rank (differing) or the dataset's
+    before = lengths[rank] if len(lengths) == world_size else lengths[0] if len(set(lengths)) == 1 else None
+    if before == length or (before is None and position <= length):
+        return None
+    was = f"of {before} items" if before is not None else \
+        "whose length it does not record (written by an earlier lightlike)"
+    change = (f"{path.name} was taken {position} samples into epoch {epoch} of training data {was}, "
+              f"and this run's has {length}")
+    if policy == "restart_epoch":
+        return change
+    raise CheckpointError(
+        f"{change}: the rest of that epoch would train again on samples it has trained on and skip others. "
+        f"Resume with the checkpoint's training data, or set resume_data_changed='restart_epoch' (on the "
+        f"command line --resume_data_changed restart_epoch) to start epoch {epoch} again from its start over "
+        f"the {length} items")
+
+
+def saved_fit_state(path: Path | None, train_data: Any, policy: str, rank: int) -> FitState | None:
+    """The ``FitState`` saved at ``path`` as this run will continue it, read before anything is
+    built (for the step budget): a restarted epoch (``restarts_epoch``) from its start, what it
+    refuses refused here. None without a checkpoint, or for a weights-only one."""
+    file = Path(path) / "trainer_state.json" if path is not None else None
+    if file is None or not file.is_file():
+        return None
+    saved = json.loads(file.read_text())
+    state = FitState.from_dict(saved["state"])
+    if restarts_epoch(saved, Path(path), train_data.dataset_length(), rank, train_data.world_size, policy):
+        state.samples_in_epoch = state.batches_in_epoch = 0
+        state.max_steps = -1  # the epochs' steps are counted again from the restarted epoch's start
+    return state
 
 
 def pending_for_rank(per_rank: list[list[Any]], rank: int, world_size: int) -> list[Any]:

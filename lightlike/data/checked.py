@@ -20,6 +20,7 @@ are read as they are.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -64,7 +65,12 @@ class CheckedDataset(Dataset):
             except IndexError as e:
                 raise self._past_the_end(f"dataset.__getitems__({indices})", e) from e
         else:
-            items = [self[i] for i in indices]
+            try:  # one read per item, with no frame of ours around each
+                items = list(map(self.dataset.__getitem__, indices))
+            except IndexError:
+                for i in indices:  # which one: the first that fails again names the index
+                    self[i]
+                raise
         return IndexedItems(items, indices) if isinstance(items, list) else items
 
     def __getattr__(self, name: str) -> Any:
@@ -85,22 +91,35 @@ class DefaultCollate:
         self.what = what
 
     def __call__(self, items: list[Any]) -> Any:
-        names = _namer(items)
-        if items and isinstance(items[0], Mapping):  # default_collate keeps the first item's keys only
-            if (problem := _key_difference(items, names, "")) is not None:
+        if items and isinstance(items[0], Mapping) and not _same_keys(items):
+            # default_collate keeps the first item's keys only: a key the others have would be dropped
+            if (problem := _key_difference(items, _namer(items), "")) is not None:
                 raise self._error(problem)
         try:
-            return default_collate(items)
+            batch = default_collate(items)
         except (RuntimeError, TypeError, KeyError, ValueError, IndexError) as e:
-            problem = _difference(items, names, "")
+            problem = _difference(items, _namer(items), "")
             if problem is None:
                 raise
             raise self._error(problem) from e
+        # a batch of strings (or other items torch leaves as a list) is the items' list itself
+        return list(batch) if type(batch) is IndexedItems else batch
 
     def _error(self, problem: str) -> DataError:
         return DataError(f"the {self.what} items of one batch cannot be collated: {problem}. torch's default collate "
                          "needs the same keys, lengths and shapes in every item: make them so, or pass a DataLoader "
                          "with a collate_fn of your own (lightlike.data.PaddingCollator pads variable lengths)")
+
+
+def _same_keys(items: list[Any]) -> bool:
+    """Whether every item has the first one's keys (compared in C: this runs for every batch)."""
+    try:
+        return all(map(items[0].keys().__eq__, map(_keys, items)))
+    except AttributeError:  # an item that is not a mapping: _key_difference names it
+        return False
+
+
+_keys = operator.methodcaller("keys")
 
 
 def _namer(items: list[Any]) -> Any:

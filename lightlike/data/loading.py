@@ -84,6 +84,18 @@ class TrainData:
         # processes lightlike's sampler replaces it, whose position would mean other samples)
         return {"sampler": type(getattr(self.loader, "sampler", None)).__name__}
 
+    def dataset_length(self) -> int | None:
+        """``len()`` of the training dataset (for an IterableDataset lightlike shards, of the one it
+        wraps); None when it has none. Kept in checkpoints: a mid-epoch resume on data of another
+        length would continue an order over other items."""
+        dataset = self.loader.dataset
+        if isinstance(dataset, ShardedIterable):
+            dataset = dataset.dataset
+        try:
+            return len(dataset)  # type: ignore[arg-type]
+        except (TypeError, NotImplementedError):  # an IterableDataset without __len__
+            return None
+
     def batches_per_epoch(self) -> int | None:
         """This rank's batches in the epoch (the shortest rank's when the shares may differ)."""
         try:

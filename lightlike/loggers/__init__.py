@@ -10,6 +10,7 @@ import difflib
 import importlib.util
 import json
 import logging
+import re
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -22,7 +23,18 @@ from lightlike.loggers.csv import CSVLogger, JSONLLogger
 LOGGER_NAMES = ("csv", "jsonl", "tensorboard")
 #: ``logs/`` file recording each resume's step and time (``build_loggers``)
 RESUMES = "resumes.jsonl"
+#: The files lightlike's own loggers write in ``logs/`` (and their temp files): what
+#: ``overwrite_output_dir=True`` removes there; anything else in ``logs/`` is left alone. The
+#: TensorBoard logger's names carry the time in nanoseconds (20 digits; torch's and TensorFlow's
+#: writers put seconds there).
+OWN_LOG_FILES = re.compile(r"^(metrics\.csv|metrics\.jsonl|resumes\.jsonl)(\.tmp)?$|^events\.out\.tfevents\.\d{20}\.")
 log = logging.getLogger("lightlike")
+
+
+def own_log_files(log_dir: str | Path) -> list[Path]:
+    """The files in ``log_dir`` named as lightlike's loggers name theirs (``OWN_LOG_FILES``)."""
+    d = Path(log_dir)
+    return sorted(p for p in d.iterdir() if OWN_LOG_FILES.match(p.name) and p.is_file()) if d.is_dir() else []
 
 
 def tensorboard_available() -> bool:
@@ -147,4 +159,5 @@ def _drop_after(lg: Logger, step: int, resumes: list[tuple[int, int]]) -> int:
     return min([step] + [s for s, t in resumes if t > written])
 
 
-__all__ = ["LOGGER_NAMES", "CSVLogger", "JSONLLogger", "Logger", "build_loggers", "tensorboard_available"]
+__all__ = ["LOGGER_NAMES", "OWN_LOG_FILES", "CSVLogger", "JSONLLogger", "Logger", "build_loggers", "own_log_files",
+           "tensorboard_available"]

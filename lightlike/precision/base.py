@@ -74,6 +74,10 @@ class Precision:
         optimizer.step()
         return True
 
+    def abandon_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """The loop skips this step after ``unscale_gradients`` (``nonfinite_loss="skip"``, a
+        non-finite loss): forget the step, so the next one unscales afresh."""
+
     def state_dict(self) -> dict[str, Any]:
         return {}
 

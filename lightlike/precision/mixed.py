@@ -72,6 +72,13 @@ class MixedPrecision(Precision):
         self.scaler.update()
         return not skipped
 
+    def abandon_step(self, optimizer: torch.optim.Optimizer) -> None:
+        # update() with the current scale clears the scaler's record of this step's unscaled
+        # gradients (unscale_ refuses a second call before an update) and keeps scale and growth
+        # as they were: the loop's skip is not an overflow the scaler should react to
+        if self.scaler is not None:
+            self.scaler.update(new_scale=self.scaler.get_scale())
+
     def state_dict(self) -> dict[str, Any]:
         return {"scaler": self.scaler.state_dict()} if self.scaler is not None else {}
 

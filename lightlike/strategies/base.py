@@ -47,6 +47,10 @@ class Strategy(ABC):
     #: the layouts a run resumes from under this strategy, optimizer state included (a checkpoint
     #: of another layout is refused before anything loads; its weights can start a new fit)
     resumes_from: tuple[str, ...] = ("full", "dcp")
+    #: True when ``optimizer_step`` itself skips a step whose global gradient norm is not finite
+    #: and fills in the norm ``clip_gradients`` handed out only then (DeepSpeed's engine): the
+    #: loop cannot check that norm before the step, and reads a skip (False) as that check's
+    checks_gradients_in_step: bool = False
 
     def __init__(self, accelerator: str = "auto", precision: Precision | None = None) -> None:
         self.accelerator = accelerator
@@ -127,6 +131,13 @@ class Strategy(ABC):
         return self.precision.convert_input(batch)
 
     @property
+    def scales_loss(self) -> bool:
+        """Whether a loss scaler skips the steps whose gradients overflowed, as its normal
+        handling (``16-mixed``'s GradScaler): a non-finite gradient is then left to it (a skip
+        ``optimizer_step`` reports, counted as an overflow), not checked by the loop."""
+        return self.precision.uses_scaler
+
+    @property
     def forward_is_collective(self) -> bool:
         """Whether a forward pass takes part in collectives (sharded parameters gathered on the
         fly: FSDP, ZeRO-3), so that every rank must run the same number of them: evaluation
@@ -152,11 +163,14 @@ class Strategy(ABC):
                        max_value: float | None, want_norm: bool = False) -> torch.Tensor | None:
         """Unscale, clip by value and/or by global norm. Returns the global norm of the
         gradients before norm clipping (a device tensor, not read here) when clipping by norm or
-        when ``want_norm``; otherwise None, so steps that do not log skip the norm."""
+        when ``want_norm`` (the Fitter asks on every step: it logs the norm and checks it for
+        NaN/inf); otherwise None. A gradient that clipping by value would make finite (inf) still
+        gives a non-finite norm."""
 
     @abstractmethod
     def optimizer_step(self, optimizer: torch.optim.Optimizer, module: nn.Module) -> bool:
-        """Step; False when the update was skipped (fp16 overflow)."""
+        """Step; False when the update was skipped (a loss-scale overflow; with
+        ``checks_gradients_in_step``, a global gradient norm that is not finite)."""
 
     def item_normaliser(self, counts: list[int | torch.Tensor], uniform: bool = False) -> StepNormaliser:
         """The denominator of exact accumulation (``.total``).
@@ -225,20 +239,43 @@ def clip_gradients(precision: Precision, optimizer: torch.optim.Optimizer, max_n
     """``Strategy.clip_gradients`` over the optimizer's parameters with torch's utilities: unscale,
     clip by value, then by the global norm. A gradient sharded as a DTensor (FSDP) gives the
     norm of its shard; the partial norms are reduced over the mesh (a per-shard norm would be
-    wrong), so the norm is the true global one on every strategy."""
+    wrong), so the norm is the true global one on every strategy. With ``max_value``, an inf
+    gradient, which clipping by value turns into ``max_value``, is seen in the norm before it is
+    clipped: the norm returned is that one when it is not finite (NaN/inf is never clipped out of sight)."""
     precision.unscale_gradients(optimizer)
     if max_norm is None and max_value is None and not want_norm:
         return None  # nothing to do: no per-parameter work on this step
     params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+    unclipped = None
     if max_value is not None:
+        if max_norm is not None or want_norm:
+            unclipped = global_norm(params)
         torch.nn.utils.clip_grad_value_(params, max_value, foreach=True)
     if max_norm is None and not want_norm:
         return None
-    norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)  # type: ignore[misc]
-    if hasattr(norm, "full_tensor"):
-        norm = norm.full_tensor()  # the partial norms of the shards, reduced over the mesh
+    norm = global_norm(params)
+    if unclipped is not None:
+        norm = torch.where(torch.isfinite(unclipped), norm, unclipped)
     if max_norm is not None:
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
+    return norm
+
+
+def global_norm(params: list[torch.Tensor]) -> torch.Tensor:
+    """The 2-norm of the gradients of ``params`` over every rank (a device tensor).
+
+    Plain tensors on one device (every step of a usual fit computes this norm, for the
+    non-finite check): one ``_foreach_norm`` and the norm of the norms, the arithmetic of torch's
+    ``get_total_norm`` without its regrouping and no-grad wrappers. Others (FSDP's DTensor
+    shards, several devices) go through ``get_total_norm``."""
+    grads = [p.grad for p in params]
+    if grads and type(grads[0]) is torch.Tensor and not grads[0].requires_grad:
+        device = grads[0].device
+        if all(type(g) is torch.Tensor and g.device == device for g in grads):
+            return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
+    norm = torch.nn.utils.get_total_norm(grads, foreach=True)  # type: ignore[misc]
+    if hasattr(norm, "full_tensor"):
+        norm = norm.full_tensor()  # the partial norms of the shards, reduced over the mesh
     return norm
 
 

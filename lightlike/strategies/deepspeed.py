@@ -15,8 +15,10 @@ already weights each micro-batch by its share of the step's items over all ranks
 averages gradients over ranks as DDP does, so ``ParallelStrategy.item_normaliser`` applies unchanged);
 ``engine.step()`` clips by the global norm (config ``gradient_clipping`` = ``max_grad_norm``) and
 steps; the norm it computed is returned through the tensor ``clip_gradients`` handed out (filled
-in place after the step); ``optimizer_step`` returns False when DeepSpeed skipped the step (fp16
-overflow). ``max_grad_value`` is not supported by DeepSpeed (error).
+in place after the step); ``optimizer_step`` returns False when DeepSpeed skipped the step: an
+fp16 overflow, or (any precision) a global norm that is NaN/inf, which DeepSpeed reports as an
+infinite norm (``checks_gradients_in_step``: the Fitter's non-finite check reads that skip).
+``max_grad_value`` is not supported by DeepSpeed (error).
 
 Checkpoints (``state_format="deepspeed"``): every rank calls ``engine.save_checkpoint`` into
 ``deepspeed/`` of the shared temp directory (tag ``state``): the module states and each rank's
@@ -70,6 +72,9 @@ class DeepSpeedStrategy(ParallelStrategy):
     checkpoint_format = "deepspeed"
     resumes_from = ("deepspeed",)
     gradients_on_parameters = False  # ZeRO reduces them into its own partitioned buffers
+    #: engine.step() computes the global norm and skips a step whose norm is not finite (every
+    #: ZeRO stage, DeepSpeed 0.19.8; the settings that turn this off are refused, see deepspeed_config)
+    checks_gradients_in_step = True
 
     def __init__(
         self,
@@ -184,6 +189,11 @@ class DeepSpeedStrategy(ParallelStrategy):
     @property
     def forward_is_collective(self) -> bool:
         return self.stage == 3 and self.world_size > 1  # partitioned parameters gathered in forward
+
+    @property
+    def scales_loss(self) -> bool:
+        """DeepSpeed's fp16 mode (``16-true``) has its own loss scaler: a skipped step is its overflow."""
+        return bool(self.ds_config and self.ds_config.get("fp16", {}).get("enabled"))
 
     def setup_module(self, module: nn.Module) -> nn.Module:
         # no wrapper yet: the engine wraps module and optimizer together in setup_optimizer

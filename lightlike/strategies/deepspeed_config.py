@@ -17,7 +17,9 @@ the top-level ``strategies/`` folder) may add DeepSpeed settings but not contrad
 A user value ``"auto"`` means "lightlike fills it in". A user value that differs from the
 generated one is a ``ConfigError`` naming the key and both values. ``optimizer`` and
 ``scheduler`` sections are refused: lightlike builds both (``FitConfig.optimizer``,
-``lr_scheduler``) and steps the scheduler itself.
+``lr_scheduler``) and steps the scheduler itself. So are ``zero_optimization.compute_grad_norm``
+and ``bf16.check_grad_overflow`` set to false: DeepSpeed's step is where a NaN/inf gradient norm
+is caught (``UNCHECKED``).
 
 This module does not import DeepSpeed.
 """
@@ -47,6 +49,9 @@ REFUSED = {
                  "TaskModule.configure_optimizers)",
     "scheduler": "lightlike builds and steps the LR scheduler (FitConfig.lr_scheduler, warmup_steps, ...)",
 }
+
+#: settings that make DeepSpeed step with a NaN/inf gradient norm, or not compute the norm
+UNCHECKED = (("zero_optimization", "compute_grad_norm"), ("bf16", "check_grad_overflow"))
 
 AUTO = "auto"
 _OFFLOAD_DEVICES = ("cpu", "nvme")
@@ -216,6 +221,11 @@ def merge(generated: Mapping[str, Any], user: Mapping[str, Any], source: str) ->
             zero.pop(key, None)
     for k, v in DEFAULTS.items():
         out.setdefault(k, v)
+    for section, key in UNCHECKED:
+        if isinstance(out.get(section), Mapping) and out[section].get(key) is False:
+            raise ConfigError(f"{section}.{key}=false in the DeepSpeed config ({source}): DeepSpeed would then step "
+                              "with a gradient whose norm is NaN/inf (or compute no norm), which lightlike's "
+                              "non-finite check (nonfinite_loss) reads from it; remove the setting")
     left = _auto_keys(out, "")
     if left:
         raise ConfigError(f"the DeepSpeed config ({source}) says \"auto\" for {', '.join(left)}, which lightlike "

@@ -63,19 +63,23 @@ def test_overwrite_replaces_and_leaves_nothing_else(tmp_path):
     assert list_checkpoints(tmp_path) == [tmp_path / "checkpoint-3"]
 
 
-def test_a_torn_checkpoint_of_that_step_is_replaced_without_overwrite(tmp_path, caplog):
+def test_a_torn_checkpoint_of_that_step_is_set_aside_not_deleted(tmp_path, caplog):
     """checkpoint-4 without a manifest (an interrupted save of an older version, a copy cut
-    short) is not a checkpoint: a writer without overwrite=True replaces it, with a warning,
-    instead of refusing as it does for a valid one (mutant A17)."""
-    torn = tmp_path / "checkpoint-4"
-    torn.mkdir()
-    (torn / "model.safetensors").write_bytes(b"half")
-    with CheckpointWriter(tmp_path, 4) as w:
-        w.write_json("a.json", 5)
-    verify_checkpoint(torn)
-    assert sorted(p.name for p in torn.iterdir()) == ["a.json", "manifest.json"]
-    assert "not a complete checkpoint" in caplog.text
-    assert [p.name for p in tmp_path.iterdir()] == ["checkpoint-4"]
+    short, another tool's folder) is not a checkpoint, and lightlike cannot prove it wrote it: a
+    writer (with or without overwrite=True) moves it into set-aside-<time>/, bytes unchanged, with
+    a warning naming where, instead of deleting it (mutant A17: it was replaced)."""
+    for overwrite in (False, True):
+        torn = tmp_path / str(overwrite) / "checkpoint-4"
+        torn.mkdir(parents=True)
+        (torn / "model.safetensors").write_bytes(b"half")
+        with CheckpointWriter(torn.parent, 4, overwrite=overwrite) as w:
+            w.write_json("a.json", 5)
+        verify_checkpoint(torn)
+        assert sorted(p.name for p in torn.iterdir()) == ["a.json", "manifest.json"]
+        aside = [p for p in torn.parent.iterdir() if p.name.startswith("set-aside-")]
+        assert len(aside) == 1 and (aside[0] / "checkpoint-4" / "model.safetensors").read_bytes() == b"half"
+        assert f"moved it to {aside[0] / 'checkpoint-4'}" in caplog.text
+        assert sorted(p.name for p in torn.parent.iterdir()) == ["checkpoint-4", aside[0].name]
 
 
 def test_the_replaced_checkpoint_loses_its_manifest_before_its_files(tmp_path, monkeypatch):

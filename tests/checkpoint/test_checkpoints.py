@@ -445,7 +445,7 @@ def test_resume_errors(tmp_path):
         warnings.simplefilter("ignore")
         with pytest.raises(ll.CheckpointError, match=r"(?s)do not fit Classifier:.*shape mismatches"):
             ll.Fitter(max_steps=4, output_dir=str(tmp_path / "b" / "run"), loggers=[]).fit(
-                Classifier(width=3), DictDataset(), resume=True)
+                Classifier(width=3), DictDataset(n=40), resume=True)  # the checkpoint's data (40 items)
 
     class Extra(Classifier):  # a parameter the checkpoint lacks
         def __init__(self):
@@ -461,7 +461,7 @@ def test_resume_errors(tmp_path):
                            (Fewer(), r"unexpected keys \(in the checkpoint, not in the module\): net.2.bias, net.2.weight")):
         with pytest.raises(ll.CheckpointError, match=expect):
             ll.Fitter(max_steps=4, output_dir=str(tmp_path / "b" / "run"), loggers=[]).fit(
-                module, DictDataset(), resume=True)
+                module, DictDataset(n=40), resume=True)
 
 
 # -- resuming into an output_dir that holds more than the checkpoint -----------------------------------

@@ -13,6 +13,7 @@ import torch
 from helpers import Classifier, DictDataset, StopAt
 
 import lightlike as ll
+from lightlike.checkpoint import atomic
 from lightlike.checkpoint import manifest as mf
 from lightlike.checkpoint import resume as rs
 from lightlike.checkpoint import rotation as rot
@@ -45,16 +46,18 @@ def test_rotation_removes_the_manifest_before_the_files(tmp_path, monkeypatch):
     assert mf.find_latest_valid(tmp_path) == tmp_path / "checkpoint-3"
 
 
-def test_resume_auto_with_overwrite_removes_instead_of_setting_aside(tmp_path):
-    """resume='auto' that found nothing valid, with overwrite_output_dir=True: what is there is
-    removed (overwrite says so), not moved into abandoned-*."""
+def test_resume_auto_with_overwrite_removes_what_lightlike_wrote_and_sets_the_rest_aside(tmp_path):
+    """resume='auto' that found nothing valid, with overwrite_output_dir=True: lightlike's own log
+    files are removed (overwrite says so), not moved into abandoned-*; a checkpoint-3 without a
+    manifest, which lightlike cannot prove it wrote, is moved into set-aside-*, never deleted."""
     broken = tmp_path / "checkpoint-3"
     broken.mkdir()
     (broken / "model.bin").write_bytes(b"x")  # no manifest: not valid
     (tmp_path / "logs").mkdir()
     (tmp_path / "logs" / "metrics.csv").write_text("step,name,value\n")
     rot.prepare_output_dir(tmp_path, overwrite=True, resume="auto")
-    assert list(tmp_path.iterdir()) == []
+    [aside] = list(tmp_path.iterdir())
+    assert aside.name.startswith("set-aside-") and (aside / "checkpoint-3" / "model.bin").read_bytes() == b"x"
 
 
 # -- manifest.py ---------------------------------------------------------------------------------
@@ -110,7 +113,7 @@ def test_two_set_asides_in_one_second_get_two_folders(tmp_path, monkeypatch):
         def now(cls, tz=None):
             return fixed
 
-    monkeypatch.setattr(rs.datetime, "datetime", Frozen)
+    monkeypatch.setattr(atomic.datetime, "datetime", Frozen)
     make_ckpt(tmp_path, 1)
     make_ckpt(tmp_path, 2)
     first = rs.set_aside(tmp_path, [tmp_path / "checkpoint-1"])

@@ -91,7 +91,8 @@ def test_each_precision_on_one_gpu_matches_a_hand_written_cuda_loop(tmp_path, pr
 def test_an_fp16_overflow_on_the_gpu_skips_the_step_counts_it_and_holds_the_schedule(tmp_path):
     """A loss scale of 2**40 overflows fp16's backward (inf gradients) at every step: each step is
     skipped and counted, the weights stay as they were, the scale halves as torch's GradScaler
-    halves it, and the learning-rate schedule does not advance."""
+    halves it, and the learning-rate schedule does not advance; the fit, which trained nothing,
+    raises at its end."""
     torch.manual_seed(0)
     model = Classifier()
     before = [p.detach().clone() for p in model.parameters()]
@@ -99,8 +100,9 @@ def test_an_fp16_overflow_on_the_gpu_skips_the_step_counts_it_and_holds_the_sche
     fitter = ll.Fitter(precision=precision, accelerator="cuda", max_steps=3, batch_size=8, shuffle=False,
                        optimizer="sgd", learning_rate=0.1, output_dir=str(tmp_path), loggers=[],
                        model_summary=False, save_strategy="no")
-    result = fitter.fit(model, DictDataset(n=24))
-    assert result.skipped_steps == 3 and result.global_step == 3
+    with pytest.raises(ll.AllStepsSkippedError, match=r"\(loss-scale overflow: 3\)"):  # nothing was trained
+        fitter.fit(model, DictDataset(n=24))
+    assert fitter.state.skipped_steps == 3 and fitter.state.global_step == 3
     assert all(torch.equal(p.detach().cpu(), b) for p, b in zip(model.parameters(), before, strict=True))
     assert precision.scaler.get_scale() == 2.0**37
     assert fitter.scheduler.last_epoch == 0 and fitter.optimizer.param_groups[0]["lr"] == 0.1

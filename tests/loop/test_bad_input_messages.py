@@ -189,6 +189,41 @@ def test_a_len_larger_than_the_dataset_names_the_index(tmp_path):
     assert isinstance(caught.value.__cause__, IndexError)
 
 
+class Texts(torch.utils.data.Dataset):
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, i):
+        return f"text {i}"
+
+
+class SeesTexts(Classifier):
+    """Records the batches it gets: a batch of strings, as torch's default collate gives it."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def forward(self, batch):
+        self.seen.append(batch)
+        return self.net(torch.ones(len(batch), 8))
+
+    def loss(self, outputs, batch):
+        return outputs.sum() * 0.0 + outputs.mean()
+
+    def num_items(self, batch):
+        return len(batch)
+
+
+def test_a_batch_of_strings_is_a_plain_list(tmp_path):
+    """torch's default collate returns a batch of strings as the list of items it was given;
+    lightlike's reads must not leak their own list type (the items with their indices) into it."""
+    module = SeesTexts()
+    fitter(tmp_path, batch_size=4, shuffle=False, max_steps=2).fit(module, Texts())
+    assert [type(b) for b in module.seen] == [list, list]
+    assert module.seen == [[f"text {i}" for i in range(4)], [f"text {i}" for i in range(4, 8)]]
+
+
 # -- 5: forward() returning None ---------------------------------------------------------------
 class ReturnsNothing(Classifier):
     def forward(self, batch):

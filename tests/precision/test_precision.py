@@ -93,14 +93,16 @@ def test_fp16_overflow_skips_step_and_not_scheduler(tmp_path):
                 self.after_first = [p.detach().clone() for p in fitter.module.parameters()]
 
     snap = Snap()
-    result = ll.Fitter(precision=precision, max_steps=4, batch_size=8, learning_rate=1e-2,
+    # (24 steps: the scale falls to 2**18 in 22 skipped ones, then 2 apply; a fit whose every step
+    # was skipped raises, see test_fp16_overflow_steps_are_counted_after_the_loss_scale_reached_zero)
+    result = ll.Fitter(precision=precision, max_steps=24, batch_size=8, learning_rate=1e-2,
                        lr_scheduler="linear", output_dir=str(tmp_path), loggers=[], model_summary=False,
                        callbacks=[LR(), snap]).fit(model, DictDataset(n=40))
     assert result.skipped_steps >= 1
     assert all(torch.equal(a, b) for a, b in zip(before, snap.after_first, strict=True)), "skipped step changed weights"
-    # the linear schedule over 4 steps: lr advances once per applied step only
+    # the linear schedule over 24 steps: lr advances once per applied step only
     applied = result.global_step - result.skipped_steps
-    assert lrs[-1] == pytest.approx(1e-2 * (4 - applied) / 4)
+    assert applied > 0 and lrs[-1] == pytest.approx(1e-2 * (24 - applied) / 24)
     assert precision.state_dict()["scaler"]["scale"] < 2.0**40
 
 
@@ -120,7 +122,8 @@ def test_fp16_overflow_steps_are_counted_after_the_loss_scale_reached_zero(tmp_p
     from 2**16; here 10 from 2**-140), and 0.0 halved is not lower: a skip was inferred from a
     lowered scale, so from then on every skipped update counted as a step taken and advanced the
     scheduler (torch warned of lr_scheduler.step() before optimizer.step()). Now every one of the
-    20 skipped updates is counted and the schedule stays at its first value."""
+    20 skipped updates is counted and the schedule stays at its first value; a fit that skipped
+    every step raises at its end (AllStepsSkippedError), counting them as overflows."""
     torch.manual_seed(0)
     model = InfiniteGradient()
     before = {k: v.clone() for k, v in model.state_dict().items()}
@@ -128,10 +131,11 @@ def test_fp16_overflow_steps_are_counted_after_the_loss_scale_reached_zero(tmp_p
     fitter = ll.Fitter(precision=precision, max_steps=20, batch_size=8, optimizer="sgd", learning_rate=0.1,
                        lr_scheduler="linear", output_dir=str(tmp_path), loggers=[], model_summary=False,
                        save_strategy="no")
-    result = fitter.fit(model, DictDataset(n=8))
+    with pytest.raises(ll.AllStepsSkippedError, match=r"all 20 optimizer steps .* \(loss-scale overflow: 20\)"):
+        fitter.fit(model, DictDataset(n=8))
     assert precision.scaler.get_scale() == 0.0
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())  # torch skipped every update
-    assert result.skipped_steps == 20
+    assert fitter.state.skipped_steps == 20 and fitter.state.global_step == 20
     assert fitter.scheduler.last_epoch == 0
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from launching import DDP_TARGET, REF_8_STEPS, assert_close, free_port, launch, weights
+from launching import check_nan_gradient_on_one_rank as check_nan_gradient
 
 
 @pytest.mark.parametrize("module,accum,strategy", [("plain", 1, "ddp"), ("plain", 2, "ddp"), ("token", 2, "ddp"),
@@ -340,6 +341,13 @@ def test_a_nonfinite_loss_on_one_rank_is_skipped_or_raised_on_every_rank(tmp_pat
     p = launch(2, tmp_path / "raise", "nan", "raise", script=STREAMS)
     assert p.returncode != 0 and "non-finite" in p.stderr.lower(), p.stderr[-3000:]
     assert not list((tmp_path / "raise").glob("result-rank*.json"))
+
+
+def test_a_nan_gradient_on_one_rank_is_skipped_or_raised_on_every_rank(tmp_path):
+    """A finite loss whose gradient is NaN on rank 1 only: DDP's all-reduce makes every rank's
+    gradient NaN, and the optimizer stepped with it on both (NaN weights in checkpoint-3 and after,
+    'skip' returned as a success). Now both ranks skip it, or both raise naming step 3."""
+    check_nan_gradient(tmp_path, "ddp")
 
 
 def test_preemption_with_token_counts_stops_every_rank_at_the_vote_and_requeues_once(tmp_path):

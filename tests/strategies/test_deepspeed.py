@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import Classifier
+from launching import check_nan_gradient_on_one_rank as check_nan_gradient
 from launching import launch as ddp_launch
 from launching import moved_share, weights
 
@@ -511,3 +512,23 @@ def test_a_checkpoint_of_another_layout_is_refused_by_name(runs, tmp_path):
     assert p.returncode != 0
     assert "was written by a strategy that gathers the full state" in p.stderr, p.stderr[-3000:]
     assert "module.load_weights(path) before fit()" in p.stderr, p.stderr[-3000:]
+
+
+def test_a_nan_gradient_on_one_rank_is_skipped_or_raised_on_every_rank(tmp_path):
+    """DeepSpeed's engine computes the norm in engine.step() and skips a step whose norm is not
+    finite (reported as inf): 'skip' counts it as the loop's own skip on both ranks; 'raise' raised
+    nothing (the step was counted as an fp16 overflow and the fit succeeded): both ranks now
+    raise naming step 3, before checkpoint-3."""
+    check_nan_gradient(tmp_path, "deepspeed_zero2")
+
+
+def test_settings_that_let_a_nan_gradient_through_are_refused():
+    """compute_grad_norm=false (ZeRO-1/2: no norm, no check in fp32) and bf16.check_grad_overflow=false
+    let DeepSpeed step with a NaN gradient: refused by name."""
+    from lightlike.strategies.deepspeed import DeepSpeedStrategy
+
+    for bad in ({"zero_optimization": {"stage": 2, "compute_grad_norm": False}},
+                {"bf16": {"check_grad_overflow": False}}):
+        key = ".".join(next((k, next(iter(v.keys() - {"stage"}))) for k, v in bad.items()))
+        with pytest.raises(ConfigError, match=f"{key}=false in the DeepSpeed config"):
+            DeepSpeedStrategy(stage=2, config=bad).build_config(FIT, 2)

@@ -14,6 +14,7 @@ import torch
 from helpers import Classifier
 from launching import FSDP_ARGS, REF_8_STEPS, assert_close, launch, moved_share, run_ok, weights
 from launching import FSDP_COMMON as COMMON
+from launching import check_nan_gradient_on_one_rank as check_nan_gradient
 from torch import nn
 
 from lightlike.errors import CheckpointError, ConfigError
@@ -425,3 +426,9 @@ print("OK", math.isfinite(result.training_loss), state["freq"].tolist() == list(
     assert "its init_weights() did not set missing (set in part) (1 in all)" in errors[1], errors[1]
     assert "its init_weights() did not set scale (replaced) (1 in all)" in errors[2], errors[2]
     assert p.stdout.splitlines()[-1] == "OK True True", p.stdout
+
+
+def test_a_nan_gradient_on_one_rank_is_skipped_or_raised_on_every_rank(tmp_path):
+    """The global norm over the shards (a DTensor reduced over the mesh) is NaN on every rank when
+    rank 1's gradient is: both ranks skip the step, or both raise naming step 3 (as DDP's)."""
+    check_nan_gradient(tmp_path, "fsdp")
