@@ -73,11 +73,11 @@ class CompiledStep:
                 block.compile(**options)  # in place: names and state_dict keys stay the module's own
             log.info("compile_regions: %d blocks of %s compiled", len(blocks), sorted({type(b).__name__ for b in blocks}))
             loss = _compiled(_loss_fn(module), options)
-            self._train = _train_fn(module, loss)
-            self._eval = _eval_fn(module, _compiled(_loss_metrics_fn(module), options))
+            self._train = _train_fn(loss)
+            self._eval = _eval_fn(_compiled(_loss_metrics_fn(module), options))
         else:
-            self._train = _compiled(_train_fn(module, module.loss), options)
-            self._eval = _compiled(_eval_fn(module, _loss_metrics_fn(module)), options)
+            self._train = _compiled(_train_fn(module.loss), options)
+            self._eval = _compiled(_eval_fn(_loss_metrics_fn(module)), options)
 
     def forward_loss(self, model: Any, module: Any, batch: Any, where: str, *where_args: Any) -> torch.Tensor:
         """``module.loss(model(batch), batch)`` for a training micro-batch, compiled, with
@@ -134,7 +134,7 @@ class CompiledStep:
 
 
 # -- the functions compiled -------------------------------------------------------------------------
-def _train_fn(module: Any, loss: Callable[[Any, Any], Any]) -> Callable[[Any, Any], tuple[bool, Any]]:
+def _train_fn(loss: Callable[[Any, Any], Any]) -> Callable[[Any, Any], tuple[bool, Any]]:
     def training_step(model: Any, batch: Any) -> tuple[bool, Any]:
         outputs = model(batch)
         if outputs is None:  # (decided while tracing) the loss is taken outside, eagerly
@@ -155,7 +155,7 @@ def _loss_metrics_fn(module: Any) -> Callable[[Any, Any], tuple[Any, Any]]:
     return loss_and_metrics
 
 
-def _eval_fn(module: Any, loss_and_metrics: Callable[[Any, Any], tuple[Any, Any]]) -> Callable[..., tuple[Any, Any, Any]]:
+def _eval_fn(loss_and_metrics: Callable[[Any, Any], tuple[Any, Any]]) -> Callable[..., tuple[Any, Any, Any]]:
     def evaluation_step(model: Any, batch: Any, with_loss: bool) -> tuple[Any, Any, Any]:
         outputs = model(batch)
         if not with_loss or outputs is None:
