@@ -94,7 +94,7 @@ class Inside:
             def _train(self, run):
                 if inside.fitters_body:
                     def body(batch):
-                        self._accumulate_and_step(run, [batch], self.state.global_step + 1, False)
+                        self._accumulate_and_step(run, [batch], self.state.global_step + 1)
                         run.losses.pending.clear()  # read at log steps in a fit; nobody reads them here
                 else:
                     body = hand_body(run.model, run.optimizer)

@@ -41,7 +41,7 @@ from lightlike.loggers.summary import model_summary
 from lightlike.loop import Due, Run, save_due, warn_eval_every_past_the_end
 from lightlike.module import TaskModule, check_task_module
 from lightlike.nonfinite import NonFiniteCheck
-from lightlike.pending import LossBuffer, item_weight
+from lightlike.pending import LossBuffer, weighted
 from lightlike.precision import get_precision
 from lightlike.preemption import PreemptionHandler, requeue_slurm_job, waiting_for
 from lightlike.state import Control, FitResult, FitState, PredictionResult
@@ -196,7 +196,7 @@ class Fitter:
             with strategy.no_sync(model, enabled=i < len(batches) - 1):
                 with strategy.autocast():
                     loss = run.forward_loss(model, run.module, batch, "at step {}, micro-batch {}", step, i)
-                strategy.backward(loss * item_weight(counts[i], normaliser.total, loss.dtype), model)
+                strategy.backward(weighted(loss, counts[i], normaliser.total), model)
             run.losses.add(loss, counts[i], step, i)
         norm = strategy.clip_gradients(model, run.optimizer, self.config.max_grad_norm, self.config.max_grad_value,
                                        want_norm=True)  # every step: logged, and checked for NaN/inf

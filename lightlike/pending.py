@@ -22,11 +22,17 @@ from lightlike.errors import NonFiniteGradientError, NonFiniteLossError
 Pending = tuple[torch.Tensor, Any, int, int]
 
 
-def item_weight(count: int | torch.Tensor, total: int | torch.Tensor, dtype: torch.dtype) -> float | torch.Tensor:
-    """count / total: a Python float for int counts, else a device tensor (computed in float64)."""
+def weighted(loss: torch.Tensor, count: int | torch.Tensor, total: int | torch.Tensor) -> torch.Tensor:
+    """``loss * count / total``: the micro-batch's share of the step's mean loss. The weight is a
+    Python float for int counts, else a device tensor (computed in float64, no host read). A
+    micro-batch that is the whole step (``count == total``, ints) is its loss as it is: no
+    multiply by 1 in the forward or in the backward."""
     if isinstance(count, torch.Tensor) or isinstance(total, torch.Tensor):  # no host read: stays a tensor
-        return (torch.as_tensor(count, dtype=torch.float64) / torch.as_tensor(total, dtype=torch.float64)).to(dtype)
-    return count / total if total else 0.0  # no item in the whole step: its loss is 0/0 anyway
+        weight = torch.as_tensor(count, dtype=torch.float64) / torch.as_tensor(total, dtype=torch.float64)
+        return loss * weight.to(loss.dtype)
+    if count == total and total:
+        return loss
+    return loss * (count / total if total else 0.0)  # no item in the whole step: its loss is 0/0 anyway
 
 
 def read_pending(pending: list[Pending], device: torch.device, raise_nonfinite: bool,
