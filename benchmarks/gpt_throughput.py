@@ -87,7 +87,7 @@ def hand_written(args: argparse.Namespace, data: Dataset, cuda: bool, shard: boo
         fully_shard(model, mp_policy=mp, reshard_after_forward=False)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.0, fused=True)  # as the Fitter
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: max(0.0, 1 - s / args.steps))
-    run = torch.compile(model) if cuda and not args.no_compile else model
+    run = torch.compile(model) if (cuda or getattr(args, "compile_cpu", False)) and not args.no_compile else model
     loader = torch.utils.data.DataLoader(data, batch_size=args.batch_size, shuffle=True, drop_last=True)
     step, t0 = 0, 0.0
     for batch in loader:

@@ -29,6 +29,8 @@ SCHEDULERS = (
 )
 OPTIMIZERS = ("adamw", "sgd")
 NONFINITE_POLICIES = ("raise", "skip")
+#: torch.compile's modes (None is "default")
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 RESUME_DATA_CHANGED = ("error", "restart_epoch")
 SAVE_STRATEGIES = ("steps", "epoch", "best", "no")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
@@ -153,7 +155,18 @@ class FitConfig:
         "one stays valid). None: wait for ever.")
     # -- performance switches ------------------------------------------------------------------
     gradient_checkpointing: bool = _f(False, "Ask the module to checkpoint activations.")
-    compile: bool = _f(False, "torch.compile the module.")
+    compile: bool = _f(False, "torch.compile each micro-batch's forward and loss as one function (evaluation: "
+                              "forward, loss and metrics); the module's weights and names stay its own.")
+    compile_mode: str | None = _f(None, "With compile=True: torch.compile's mode, one of "
+                                        + ", ".join(COMPILE_MODES) + " (None: 'default').")
+    compile_fullgraph: bool = _f(False, "With compile=True: torch.compile(fullgraph=True): a graph break in the "
+                                        "module's forward, loss or metrics is an error instead of a split graph.")
+    compile_dynamic: bool | None = _f(None, "With compile=True: torch.compile(dynamic=...): True compiles for "
+                                            "dynamic shapes at once, False never, None after a shape changes.")
+    compile_regions: bool = _f(False, "With compile=True: compile each repeated block (the module's "
+                                      "compile_regions(), or the children of its largest nn.ModuleList of one "
+                                      "class) and the loss, instead of the whole step: a deep model compiles "
+                                      "once per block class, in far less time.")
     auto_find_batch_size: bool = _f(
         False, "On out-of-memory, about halve batch_size keeping the items per step (16x1 -> 8x2, 12x1 -> 6x2 -> "
         "3x4 -> 1x12) and retry from the module's initial weights and where the first try started (fresh, or "
@@ -225,6 +238,9 @@ class FitConfig:
         _choice("nonfinite_loss", self.nonfinite_loss, NONFINITE_POLICIES)
         _choice("resume_data_changed", self.resume_data_changed, RESUME_DATA_CHANGED)
         _choice("save_strategy", self.save_strategy, SAVE_STRATEGIES)
+        if self.compile_mode is not None:
+            _choice("compile_mode", self.compile_mode, COMPILE_MODES)
+        self._check_compile_options()
         for name in ("log_level", "log_level_other_ranks"):
             _choice(name, getattr(self, name).strip().lower(), LOG_LEVELS, shown=getattr(self, name))
         for name in ("max_grad_norm", "max_grad_value"):
@@ -252,6 +268,18 @@ class FitConfig:
             except ConfigError as e:
                 raise ConfigError(str(e), settings=("load_best_at_end", "save_strategy", "save_every", "eval_every",
                                                     "eval_on_epoch_end")) from None
+
+    def _check_compile_options(self) -> None:
+        """The compile_* options act with ``compile=True`` only: one set without it is an error
+        rather than a setting that silently does nothing."""
+        if self.compile:
+            return
+        given = [f"{name}={getattr(self, name)!r}" for name, unset in
+                 (("compile_mode", None), ("compile_fullgraph", False), ("compile_dynamic", None),
+                  ("compile_regions", False)) if getattr(self, name) != unset]
+        if given:
+            raise ConfigError(f"{', '.join(given)} set but compile=False: these options act on torch.compile only; "
+                              "set compile=True, or drop them", settings=("compile", *(g.split("=")[0] for g in given)))
 
     def _check_best_has_checkpoint(self) -> None:
         """``load_best_at_end``: the best evaluation must have a checkpoint to load. The best is

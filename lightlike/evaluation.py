@@ -129,6 +129,13 @@ def forward_loss(model: Any, module: Any, batch: Any, where: str, *where_args: A
     return check_loss(loss, where, *where_args)
 
 
+def error_naming_the_batch(e: Exception, batch: Any, who: str, where: str, *where_args: Any) -> Exception | None:
+    """The ``DataError`` naming what ``batch`` lacks, for ``e`` raised by ``who`` ("the module",
+    "loss()", "metrics()") reading it, or None where ``e`` is not about the batch (the compiled
+    step's errors: ``lightlike/compiled.py``)."""
+    return _loss_error(e, _NOT_YET, batch, who, where, where_args)
+
+
 def _loss_error(e: Exception, outputs: Any, batch: Any, who: str, where: str, where_args: tuple) -> Exception | None:
     """The error to raise for ``e``, raised by ``who`` (the module's forward or ``loss()``): a
     forward that returned None, when the loss then failed (the loss reads outputs it has not
@@ -392,11 +399,14 @@ def run_evaluation(
     *,
     streaming: bool = False,
     keep_outputs: bool = False,
+    compiled: Any = None,
 ) -> tuple[dict[str, float], Any, Any]:
     """Evaluate one set. Returns ``(metrics, predictions, labels)``; predictions/labels are
     collected (on CPU, in dataset order) when ``keep_outputs`` (predict) or when the module
     defines ``compute_metrics`` and streaming is off. With ``keep_outputs``, batches whose
-    ``labels(batch)`` is None are unlabelled: no loss, no metrics, only predictions."""
+    ``labels(batch)`` is None are unlabelled: no loss, no metrics, only predictions.
+    ``compiled``: a fit's ``CompiledStep`` (``compile=True``), which computes forward, loss and
+    metrics as one compiled function."""
     streaming, streams, wants_whole_set = _streams_for(module, strategy, streaming)
     collect = keep_outputs or (wants_whole_set and not streaming)
     tally = _Tally(strategy.root_device, prefix)
@@ -412,7 +422,7 @@ def run_evaluation(
             for i, (batch, real) in enumerate(_in_lockstep(batches, strategy) if strategy.forward_is_collective
                                               else ((b, True) for b in batches)):
                 _evaluate_batch(model, module, strategy, strategy.batch_to_device(batch), real, i, tally,
-                                streams, collect, keep_outputs)
+                                streams, collect, keep_outputs, compiled)
         finally:
             model.train(was_training)  # the module's own train() runs, as eval() did
             for m, mode in modes:
@@ -428,14 +438,17 @@ def run_evaluation(
 
 
 def _evaluate_batch(model: Any, module: Any, strategy: Strategy, batch: Any, real: bool, i: int, tally: _Tally,
-                    streams: Any, collect: bool, keep_outputs: bool) -> None:
+                    streams: Any, collect: bool, keep_outputs: bool, compiled: Any = None) -> None:
     """One batch: forward; loss and metrics into ``tally`` when it is labelled; its predictions
     and labels kept when ``collect``. A stand-in batch (``real=False``: this rank's share is
     done) only runs a forward whose output is dropped, to keep the others' gathers company."""
     where = f"in {tally.prefix} batch {i}"
     if not real:
         with strategy.autocast():
-            call_module(model, batch, where)
+            if compiled is None:
+                call_module(model, batch, where)
+            else:
+                compiled.evaluate(model, batch, False, where)
         return
     label = call_hook(module.labels, "labels", batch, where, batch) if collect else None
     # the default labels() reads mappings only: a tuple batch counts as labelled unless the
@@ -444,12 +457,16 @@ def _evaluate_batch(model: Any, module: Any, strategy: Strategy, batch: Any, rea
     has_label = label is not None or not keep_outputs or (default_labels and not isinstance(batch, Mapping))
     tally.note_labelled(has_label, i)
     with strategy.autocast():
-        outputs = call_module(model, batch, where)
+        if compiled is not None:  # forward, loss and metrics in one compiled function
+            outputs, loss, values = compiled.evaluate(model, batch, has_label, where)
+        else:
+            outputs = call_module(model, batch, where)
+            if has_label:
+                # a module with training_step (manual optimization) may define no loss: metrics only
+                loss = call_loss(module, outputs, batch, where) if defines_loss(module) else None
+                values = call_hook(module.metrics, "metrics", batch, where, outputs, batch)
         if has_label:
-            # a module with training_step (manual optimization) may define no loss: metrics only
-            loss = call_loss(module, outputs, batch, where) if defines_loss(module) else None
-            values = _metric_tensors(call_hook(module.metrics, "metrics", batch, where, outputs, batch),
-                                     tally.device, where)
+            values = _metric_tensors(values, tally.device, where)
     if has_label:
         tally.add(loss, values, call_hook(module.num_items, "num_items", batch, where, batch), where)
         if streams:

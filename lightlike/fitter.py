@@ -28,11 +28,12 @@ from lightlike.checkpoint.lock import output_dir_locked
 from lightlike.checkpoint.resume import resolve_resume
 from lightlike.checkpoint.rotation import prepare_output_dir
 from lightlike.checkpoint.training import LoopState, saved_fit_state
+from lightlike.compiled import compile_run
 from lightlike.config import FitConfig, check_keys
 from lightlike.data.eval_loading import build_eval_loader, normalise_eval_sets
 from lightlike.data.loading import build_train_data
 from lightlike.errors import ConfigError, DataError
-from lightlike.evaluation import forward_loss, run_evaluation
+from lightlike.evaluation import run_evaluation
 from lightlike.lazy import materialise_lazy_modules
 from lightlike.loggers import build_loggers
 from lightlike.loggers.console import setup_logging
@@ -196,7 +197,7 @@ class Fitter:
         for i, batch in enumerate(batches):
             with strategy.no_sync(model, enabled=i < len(batches) - 1):
                 with strategy.autocast():
-                    loss = forward_loss(model, run.module, batch, "at step {}, micro-batch {}", step, i)
+                    loss = run.forward_loss(model, run.module, batch, "at step {}, micro-batch {}", step, i)
                 strategy.backward(weighted(loss, counts[i], normaliser.total), model)
             run.losses.add(loss, counts[i], step, i)
         norm = strategy.clip_gradients(model, run.optimizer, self.config.max_grad_norm, self.config.max_grad_value,
@@ -332,6 +333,7 @@ class Fitter:
             skipped_steps=state.skipped_steps,
             best_checkpoint=state.best_checkpoint,
             state=state,
+            compile_seconds=run.compiled.compile_seconds if run.compiled is not None else None,
         )
 
     # ---- set-up ---------------------------------------------------------------------------------
@@ -423,11 +425,10 @@ class Fitter:
                 optimizer = optim.build_optimizer(module, cfg, strategy.precision)
                 scheduler = optim.build_scheduler(optimizer, cfg, run.max_steps)
             model, optimizer = strategy.setup_optimizer(model, optimizer)
-        if cfg.compile:
-            model = torch.compile(model)
         self.model = run.model = model
         self.optimizer = run.optimizer = optimizer
         self.scheduler = run.scheduler = scheduler
+        compile_run(run, cfg, strategy)  # compile=True: forward and loss as one compiled function
         self.resumed_from = None
         self.checkpointer = Checkpointer(cfg, strategy, module=module, model=model, optimizer=optimizer,
                                          scheduler=scheduler, callbacks=self.callbacks,
@@ -504,7 +505,7 @@ class Fitter:
         with rng_kept():
             for name, loader in run.eval_sets.items():
                 m, _, _ = run_evaluation(run.model, run.module, loader, self.strategy, name,
-                                         streaming=self.config.eval_streaming)
+                                         streaming=self.config.eval_streaming, compiled=run.compiled)
                 metrics.update(m)
         state = self.state
         state.last_eval_step = state.global_step

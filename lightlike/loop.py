@@ -16,6 +16,7 @@ import torch
 from lightlike.best import BestMetric
 from lightlike.config import FitConfig
 from lightlike.data.loading import TrainData
+from lightlike.evaluation import forward_loss
 from lightlike.nonfinite import NonFiniteCheck
 from lightlike.pending import LossBuffer
 from lightlike.state import Control, FitState
@@ -29,7 +30,7 @@ class Run:
     ``module``, ``model``, ``optimizer`` and ``scheduler`` are the public names callbacks read)."""
 
     module: Any  # the user's TaskModule
-    model: Any  # what the loop calls: the module as the strategy wrapped it (and torch.compile)
+    model: Any  # what the loop calls: the module as the strategy wrapped it
     optimizer: Any
     scheduler: Any
     train_data: TrainData
@@ -48,6 +49,10 @@ class Run:
     last_metrics: dict[str, float] = field(default_factory=dict)  # the last evaluation's
     bar_active: bool = False  # a progress bar replaces the log lines
     start: tuple[float, int, int] = (0.0, 0, 0)  # (time, global step, samples seen) when the loop began
+    # a micro-batch's loss, evaluation.forward_loss; with compile=True the CompiledStep's (which
+    # evaluation calls too: ``compiled``), set by lightlike.compiled.compile_run
+    forward_loss: Callable[..., torch.Tensor] = forward_loss
+    compiled: Any = None
 
 
 @dataclass(frozen=True)

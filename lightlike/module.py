@@ -118,6 +118,13 @@ class TaskModule(nn.Module):
             self.gradient_checkpointing_disable()
 
     # -- helpers for the user ------------------------------------------------------------------
+    def compile_regions(self) -> list[nn.Module] | None:
+        """The repeated blocks that ``compile_regions=True`` compiles one by one (and that
+        ``SingleDeviceStrategy(activation_checkpointing=True)`` checkpoints), e.g.
+        ``list(self.layers)``. None (the default): the children of the module's largest
+        ``nn.ModuleList`` whose children are all of one class (``lightlike.blocks.find_blocks``)."""
+        return None
+
     def maybe_checkpoint(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
         """Call ``fn(*args)`` under activation checkpointing when it is switched on (and while
         training, with gradients enabled); otherwise call it plainly."""

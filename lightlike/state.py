@@ -91,6 +91,9 @@ class FitResult:
     skipped_steps: int = 0
     best_checkpoint: str | None = None
     state: FitState | None = None
+    # compile=True: seconds the first call of each compiled function took (training step and
+    # evaluation step: tracing and compiling, forward and backward); None without compile
+    compile_seconds: float | None = None
 
 
 @dataclass

@@ -30,7 +30,10 @@ class DDPStrategy(ParallelStrategy):
     """Every rank holds the whole module, wrapped in ``DistributedDataParallel``, which averages
     the gradients over ranks in the last backward of each accumulation window. The keywords
     ``find_unused_parameters``, ``static_graph``, ``gradient_as_bucket_view`` and
-    ``bucket_cap_mb`` are DDP's own; ``timeout_s`` and ``backend`` the process group's."""
+    ``bucket_cap_mb`` are DDP's own; ``timeout_s`` and ``backend`` the process group's.
+    ``gradient_as_bucket_view`` is True by default (torch's is False): the gradients are views
+    into DDP's communication buckets instead of a second copy of them (4 bytes per parameter
+    less in fp32), and the weights trained are the same, bit for bit."""
 
     name = "ddp"
 
@@ -41,7 +44,7 @@ class DDPStrategy(ParallelStrategy):
         *,
         find_unused_parameters: bool = False,
         static_graph: bool = False,
-        gradient_as_bucket_view: bool = False,
+        gradient_as_bucket_view: bool = True,
         bucket_cap_mb: float = 25.0,
         timeout_s: float = 600.0,
         backend: str | None = None,

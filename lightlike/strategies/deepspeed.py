@@ -123,8 +123,11 @@ class DeepSpeedStrategy(ParallelStrategy):
             raise ConfigError(f"max_grad_value={config.max_grad_value} is not supported with strategy={self.name!r}: "
                               "DeepSpeed clips by the global norm only (gradient_clipping); use max_grad_norm")
         if getattr(config, "compile", False):
-            raise ConfigError(f"compile=True is not supported with strategy={self.name!r}: the Fitter would compile the "
-                              "DeepSpeed engine, whose hooks torch.compile does not see through; drop compile")
+            raise ConfigError(f"compile=True is not supported with strategy={self.name!r}: the Fitter compiles forward "
+                              "and loss as one function around the DeepSpeed engine, whose own hooks (ZeRO's gathering "
+                              "and partitioning, its gradient buffers) torch.compile does not trace; DeepSpeed's "
+                              "engine.compile() compiles the module's forward alone, not the loss. Drop compile, or use "
+                              "strategy='fsdp' (compile_regions=True compiles each block after sharding)")
         if getattr(config, "auto_find_batch_size", False):
             raise ConfigError(f"auto_find_batch_size=True is not supported with strategy={self.name!r}: a retry would "
                               "build a second engine on a module ZeRO has already partitioned; set batch_size")

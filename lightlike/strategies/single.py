@@ -15,13 +15,18 @@ from lightlike.strategies.base import Strategy, clip_gradients, load_full_state,
 
 
 class SingleDeviceStrategy(Strategy):
-    """Everything on one device: ``cpu``, ``cuda`` or ``cuda:N``."""
+    """Everything on one device: ``cpu``, ``cuda`` or ``cuda:N``. ``activation_checkpointing=True``
+    checkpoints each of the module's repeated blocks (found as for ``compile_regions``:
+    ``lightlike.blocks.find_blocks``), as FSDP checkpoints its shard units: their activations
+    are recomputed in backward instead of kept."""
 
     name = "single"
 
-    def __init__(self, accelerator: str = "auto", precision: Precision | None = None) -> None:
+    def __init__(self, accelerator: str = "auto", precision: Precision | None = None, *,
+                 activation_checkpointing: bool = False) -> None:
         super().__init__(accelerator, precision)
         self.root_device = resolve_device(accelerator)
+        self.activation_checkpointing = activation_checkpointing
 
     def setup_environment(self) -> None:
         import os
@@ -47,7 +52,15 @@ class SingleDeviceStrategy(Strategy):
         self.precision.setup(self.root_device)
 
     def setup_module(self, module: nn.Module) -> nn.Module:
-        return self.precision.convert_module(module).to(self.root_device)
+        module = self.precision.convert_module(module).to(self.root_device)
+        if self.activation_checkpointing:
+            from lightlike.blocks import checkpoint_blocks, find_blocks
+
+            checkpoint_blocks(find_blocks(module))
+            if hasattr(module, "gradient_checkpointing_disable"):  # checkpointed here, so not twice
+                module.gradient_checkpointing_disable()
+            self.checkpoints_activations = True
+        return module
 
     def setup_manual_module(self, module: nn.Module) -> nn.Module:
         return self.setup_module(module)

@@ -245,6 +245,22 @@ class F1Blocks(F1Module):
         self.net = nn.Sequential(nn.Linear(8, width), Block(width), Block(width), nn.Linear(width, 3))
 
 
+class ListBlocks(Classifier):
+    """Two Blocks in an nn.ModuleList: the repeated blocks compile_regions compiles one by one (and
+    FSDP's default shard units)."""
+
+    def __init__(self, width=16):
+        super().__init__(width=width)
+        self.net = nn.Sequential(nn.Linear(8, width), nn.Linear(width, 3))
+        self.blocks = nn.ModuleList([Block(width), Block(width)])
+
+    def forward(self, batch):
+        x = self.net[0](batch["x"])
+        for block in self.blocks:
+            x = block(x)
+        return self.net[1](x)
+
+
 class F1NormBlocks(F1Module):
     """F1Blocks whose units hold BatchNorm statistics."""
 
@@ -282,6 +298,7 @@ def main() -> None:
     p.add_argument("--meta", action="store_true", help="build the module on the meta device")
     p.add_argument("--init-module", action="store_true", help="build the module in fitter.init_module()")
     p.add_argument("--gradient-checkpointing", action="store_true")
+    p.add_argument("--compile", default="", choices=["", "step", "regions"], help="compile=True (regions: compile_regions)")
     p.add_argument("--data", default="dict", choices=["dict", "recording", "uneven-stream", "user-shuffled",
                                                         "user-uneven-sampler"])
     p.add_argument("--no-overwrite", action="store_true", help="refuse an output_dir that holds a run")
@@ -335,7 +352,7 @@ def main() -> None:
         return
     module_cls = {"token": TokenClassifier, "inttoken": IntTokenClassifier, "blocks": F1Blocks, "norm-blocks": F1NormBlocks,
                   "maybe-checkpointed": MaybeCheckpointed, "frozen-first": FrozenFirst,
-                  "only-module": OnlyModule, "dropout": DropoutClassifier}.get(args.task, Classifier)
+                  "only-module": OnlyModule, "dropout": DropoutClassifier, "list-blocks": ListBlocks}.get(args.task, Classifier)
     if args.mode == "oom":
         module_cls = OutOfMemoryOnRank1
     dtype = getattr(torch, args.dtype)
@@ -351,6 +368,10 @@ def main() -> None:
         from lightlike.strategies.ddp import DDPStrategy
 
         strategy = DDPStrategy(static_graph=True)
+    elif strategy == "ddp:no-bucket-view":  # torch's default: the gradients beside DDP's buckets
+        from lightlike.strategies.ddp import DDPStrategy
+
+        strategy = DDPStrategy(gradient_as_bucket_view=False)
     elif strategy.startswith("hsdp:"):  # hsdp:<shard size>
         from lightlike.strategies.fsdp import FSDPStrategy
 
@@ -387,7 +408,8 @@ def main() -> None:
                        overwrite_output_dir=not (args.resume or args.no_overwrite),
                        strategy=strategy, precision=args.precision,
                        gradient_checkpointing=args.gradient_checkpointing,
-                       eval_on_epoch_end=args.eval_on_epoch_end, auto_find_batch_size=args.mode == "oom")
+                       eval_on_epoch_end=args.eval_on_epoch_end, auto_find_batch_size=args.mode == "oom",
+                       compile=bool(args.compile), compile_regions=args.compile == "regions")
     if model is None:
         context = fitter.init_module()  # sets up the process group (which may draw random numbers)
         torch.manual_seed(0)  # the same initial weights as the other runs

@@ -403,6 +403,9 @@ def test_user_config_that_contradicts_lightlike_is_an_error(tmp_path):
             DeepSpeedStrategy(config={section: {"type": "AdamW"}})
     with pytest.raises(ConfigError, match="max_grad_value"):
         DeepSpeedStrategy().configure(FitConfig(max_steps=1, max_grad_value=1.0))
+    with pytest.raises(ConfigError, match=r"compile=True is not supported .*engine.compile\(\) compiles the module's "
+                                          r"forward alone, not the loss"):
+        DeepSpeedStrategy().configure(FitConfig(max_steps=1, compile=True))
     # agreeing and "auto" values pass; keys lightlike does not generate are kept
     ok = {"train_micro_batch_size_per_gpu": "auto", "gradient_clipping": 0.5,
           "zero_optimization": {"stage": 3, "overlap_comm": False, "stage3_param_persistence_threshold": 0}}

@@ -85,14 +85,16 @@ def test_ddp_options_reach_distributed_data_parallel(plain_env, options):
 
 
 def test_ddp_options_by_instance_and_defaults_by_name(tmp_path, plain_env):
-    """`strategy=DDPStrategy(...)` trains with its options; `strategy="ddp"` with torch's defaults."""
+    """`strategy=DDPStrategy(...)` trains with its options; `strategy="ddp"` with torch's defaults,
+    but for gradient_as_bucket_view=True (the gradients are views into DDP's buckets, not a copy
+    beside them: the same weights, tests/strategies/test_compiled_strategies.py)."""
     f = fitter(tmp_path, strategy=DDPStrategy(**OPTIONS))
     assert f.fit(Classifier(), DictDataset(n=8)).global_step == 1
     assert _ddp_settings(f.model) == OPTIONS
     f = fitter(tmp_path, strategy="ddp", overwrite_output_dir=True)
     f.fit(Classifier(), DictDataset(n=8))
     assert _ddp_settings(f.model) == dict(find_unused_parameters=False, static_graph=False,
-                                          gradient_as_bucket_view=False, bucket_cap_mb=25.0)
+                                          gradient_as_bucket_view=True, bucket_cap_mb=25.0)
 
 
 def test_fitter_sets_log_level_other_ranks(tmp_path, plain_env):

@@ -1,0 +1,45 @@
+"""compile=True under DDP and FSDP2, and DDP's gradients as bucket views, on real processes
+(torchrun, gloo, CPU): the weights are those of the eager run."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from launching import assert_close, run_ok, weights
+
+#: 2 ranks x 6 steps of 2 micro-batches of 4 items (48 items: every batch full, so the compiled
+#: runs trace one shape), uneven item counts per micro-batch (token task), clipping
+COMMON = ["--task", "token", "--accum", "2", "--steps", "6", "--items", "48", "--batch", "4", "--max-grad-norm", "0.5"]
+
+
+def test_gradients_as_bucket_views_change_no_weight(shared_run, tmp_path):
+    """DDPStrategy's default is now gradient_as_bucket_view=True (the gradients are views into
+    DDP's buckets: 4 bytes per parameter less): the weights are those of torch's default (a
+    copy beside the buckets), bit for bit, with accumulation and clipping."""
+    views = shared_run(2, *COMMON, "--strategy", "ddp")
+    run_ok(2, tmp_path / "copies", *COMMON, "--strategy", "ddp:no-bucket-view")
+    for rank in (0, 1):
+        got, ref = weights(views, rank), weights(tmp_path / "copies", rank)
+        assert all(torch.equal(got[k], ref[k]) for k in ref), rank
+
+
+@pytest.mark.slow
+def test_compiled_ddp_trains_the_eager_weights(shared_run, tmp_path):
+    """compile=True under DDP (torch's DDPOptimizer splits the forward at the bucket boundaries;
+    the loss is compiled after DDP's own forward), with no_sync accumulation: the eager weights
+    to 1e-10 (float64), the same on both ranks."""
+    eager = shared_run(2, *COMMON, "--strategy", "ddp")
+    run_ok(2, tmp_path / "compiled", *COMMON, "--strategy", "ddp", "--compile", "step")
+    got = [weights(tmp_path / "compiled", rank) for rank in (0, 1)]
+    assert all(torch.equal(got[0][k], got[1][k]) for k in got[0]), "ranks disagree"
+    assert_close(got[0], weights(eager), tol=1e-10)
+
+
+@pytest.mark.slow
+def test_compiled_fsdp_blocks_train_the_eager_weights(tmp_path):
+    """compile=True, compile_regions=True under FSDP2: each block compiled after fully_shard (as
+    torchtitan does), the loss compiled: the eager FSDP run's weights to 1e-10 (float64)."""
+    args = [*COMMON[2:], "--task", "list-blocks", "--strategy", "fsdp"]
+    run_ok(2, tmp_path / "eager", *args)
+    run_ok(2, tmp_path / "compiled", *args, "--compile", "regions")
+    assert_close(weights(tmp_path / "compiled"), weights(tmp_path / "eager"), tol=1e-10)
