@@ -56,6 +56,7 @@ class OutputDirLock:
         self.output_dir = Path(output_dir)
         self.path = self.output_dir / LOCK_NAME
         self.fd: int | None = None
+        self.created: list[Path] = []  # the folders acquire made (deepest first): removed again if left empty
 
     def acquire(self) -> None:
         """Create ``output_dir`` if needed, check that it can be written, and lock it; raise
@@ -64,6 +65,7 @@ class OutputDirLock:
         if out.exists() and not out.is_dir():
             raise OutputDirError(f"output_dir {str(out)!r} is a file, not a directory: choose another output_dir")
         try:
+            self.created = [p for p in (out, *out.parents) if not p.exists()]
             out.mkdir(parents=True, exist_ok=True)
             self.fd = self._lock()
             _probe(out)
@@ -119,17 +121,24 @@ class OutputDirLock:
 
     def release(self) -> None:
         """Remove the lock file and unlock (a no-op where nothing is held). Unlocking releases
-        the lock for every copy of the descriptor, not only this one."""
+        the lock for every copy of the descriptor, not only this one. The folders ``acquire``
+        created are removed again while they are empty (a fit that failed before writing
+        anything leaves no trace; ``rmdir`` never removes a folder that holds a file)."""
         fd, self.fd = self.fd, None
-        if fd is None:
-            return
-        _HELD.discard(fd)
-        try:
-            with contextlib.suppress(OSError):  # still the locked file: no other process can have replaced it
-                os.unlink(self.path)
-            fcntl.flock(fd, fcntl.LOCK_UN)
-        finally:
-            os.close(fd)
+        if fd is not None:
+            _HELD.discard(fd)
+            try:
+                with contextlib.suppress(OSError):  # still the locked file: no other process can have replaced it
+                    os.unlink(self.path)
+                fcntl.flock(fd, fcntl.LOCK_UN)
+            finally:
+                os.close(fd)
+        created, self.created = self.created, []
+        for folder in created:
+            try:
+                folder.rmdir()
+            except OSError:  # not empty (the fit wrote into it), or gone: kept as it is
+                break
 
 
 @contextlib.contextmanager
