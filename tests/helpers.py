@@ -241,3 +241,46 @@ def hand_written_gan(model: GAN, data: Dataset, *, steps: int, batch_size: int, 
             if done == steps:
                 break
     return opts, scheds
+
+
+class InfiniteGradient(Classifier):
+    """A finite loss whose gradient is +inf at every step (d sqrt(z)/dz at z = 0)."""
+
+    def __init__(self):
+        super().__init__()
+        self.z = nn.Parameter(torch.zeros(1))
+
+    def loss(self, outputs, batch):
+        return super().loss(outputs, batch) + self.z.sqrt().sum()
+
+
+class HostReads(ll.Callback):
+    """Counts reads of a tensor to the host (``.item()``, ``float()``, ``bool()``, ...: each a
+    device sync on a GPU) from the start of step ``first`` through the boundary of step ``last``
+    (``watching``, which a test may also set itself). ``install(monkeypatch)`` wraps the read
+    methods of ``torch.Tensor``; ``reads`` lists the names of the reads seen."""
+
+    NAMES = ("item", "tolist", "numpy", "__bool__", "__float__", "__int__", "__index__")
+
+    def __init__(self, first: int = 2, last: int = 9):
+        self.first, self.last = first, last
+        self.reads: list[str] = []
+        self.watching = False
+
+    def install(self, monkeypatch) -> None:
+        for name in self.NAMES:
+            monkeypatch.setattr(torch.Tensor, name, self._counting(name, getattr(torch.Tensor, name)))
+
+    def _counting(self, name, original):
+        def read(tensor, *args, **kwargs):
+            if self.watching:
+                self.reads.append(name)
+            return original(tensor, *args, **kwargs)
+
+        return read
+
+    def on_step_start(self, fitter, state, control):
+        self.watching = self.first <= state.global_step + 1 <= self.last
+
+    def on_step_end(self, fitter, state, control):
+        self.watching = self.first <= state.global_step < self.last  # through the last step's boundary work

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers import Classifier, DictDataset
+from helpers import Classifier, DictDataset, HostReads
 from torch import nn
 
 import lightlike as ll
@@ -209,42 +209,22 @@ def test_no_host_read_of_a_tensor_between_log_steps(tmp_path, monkeypatch):
     Counted between the start of step 2 and the end of step 9, with logging every 10 steps and
     the default settings (loss checks, grad norm for the log, schedule, CSV + TensorBoard), inside
     one epoch (starting an epoch's iterator reads CPU tensors of the sampler: no device there)."""
-    reads: list[str] = []
-    watching = [False]
-
-    def counting(name):
-        original = getattr(torch.Tensor, name)
-
-        def read(self, *args, **kwargs):
-            if watching[0]:
-                reads.append(name)
-            return original(self, *args, **kwargs)
-
-        return read
-
-    class Window(ll.Callback):
-        def on_step_start(self, fitter, state, control):
-            watching[0] = 2 <= state.global_step + 1 <= 9
-
-        def on_step_end(self, fitter, state, control):
-            watching[0] = 2 <= state.global_step < 9  # through step 9's boundary work (not a log step)
-
-    for name in ("item", "tolist", "numpy", "__bool__", "__float__", "__int__", "__index__"):
-        monkeypatch.setattr(torch.Tensor, name, counting(name))
+    counter = HostReads(first=2, last=9)
+    counter.install(monkeypatch)
     # a hand loop's read is seen: the counter works
-    watching[0] = True
+    counter.watching = True
     float(torch.ones(()))
-    assert reads == ["__float__"]
-    reads.clear()
-    watching[0] = False
+    assert counter.reads == ["__float__"]
+    counter.reads.clear()
+    counter.watching = False
     ll.Fitter(max_steps=12, batch_size=4, grad_accum_steps=2, max_grad_norm=1.0, log_every=10, warmup_steps=3,
-              output_dir=str(tmp_path), callbacks=[Window()]).fit(Classifier(), DictDataset(n=160))
-    assert reads == []
+              output_dir=str(tmp_path), callbacks=[counter]).fit(Classifier(), DictDataset(n=160))
+    assert counter.reads == []
     # and a log step does read (one batched read of the pending losses)
-    watching[0] = True
+    counter.watching = True
     ll.Fitter(max_steps=2, batch_size=4, log_every=1, output_dir=str(tmp_path / "b"), loggers=[]
               ).fit(Classifier(), DictDataset(n=64))
-    assert reads
+    assert counter.reads
 
 
 def test_grad_norm_in_every_scheduled_row_and_the_last(tmp_path):

@@ -8,7 +8,7 @@ import copy
 
 import pytest
 import torch
-from helpers import GAN, MixtureDataset, StopAt, flat_params, gan_losses, hand_written_gan
+from helpers import GAN, HostReads, MixtureDataset, StopAt, flat_params, gan_losses, hand_written_gan
 from torch import nn
 
 import lightlike as ll
@@ -287,40 +287,20 @@ def test_progress_bar_and_fitter_attributes(tmp_path, capsys):
 def test_no_host_read_of_a_tensor_between_log_steps(tmp_path, monkeypatch):
     """Manual optimization adds no device sync to a step that does not log (nonfinite_loss
     "raise", clipping, a scheduler, two ctx.step calls): counted from step 2 to step 9."""
-    reads: list[str] = []
-    watching = [False]
-
-    def counting(name):
-        original = getattr(torch.Tensor, name)
-
-        def read(self, *args, **kwargs):
-            if watching[0]:
-                reads.append(name)
-            return original(self, *args, **kwargs)
-
-        return read
-
-    class Window(ll.Callback):
-        def on_step_start(self, fitter, state, control):
-            watching[0] = 2 <= state.global_step + 1 <= 9
-
-        def on_step_end(self, fitter, state, control):
-            watching[0] = 2 <= state.global_step < 9
-
+    counter = HostReads(first=2, last=9)
     class Fused(ScheduledGAN):  # torch's unfused Adam reads its own CPU step counter (.item()) per parameter
         def configure_optimizers(self, config):
             (g, warm), d = super().configure_optimizers(config)
             fused = [torch.optim.Adam(o.param_groups[0]["params"], 1e-2, fused=True) for o in (g, d["optimizer"])]
             return [(fused[0], torch.optim.lr_scheduler.LambdaLR(fused[0], lambda s: 1.0)), fused[1]]
 
-    for name in ("item", "tolist", "numpy", "__bool__", "__float__", "__int__", "__index__"):
-        monkeypatch.setattr(torch.Tensor, name, counting(name))
-    fitter(tmp_path, max_steps=12, max_grad_norm=1.0, log_every=10, callbacks=[Window()]).fit(
+    counter.install(monkeypatch)
+    fitter(tmp_path, max_steps=12, max_grad_norm=1.0, log_every=10, callbacks=[counter]).fit(
         Fused(), MixtureDataset(n=160))
-    assert reads == []
-    watching[0] = True  # the counter sees a read: a log step of a manual fit makes some
+    assert counter.reads == []
+    counter.watching = True  # the counter sees a read: a log step of a manual fit makes some
     fitter(tmp_path, "b", max_steps=2, log_every=1).fit(GAN(), MixtureDataset(n=64))
-    assert reads
+    assert counter.reads
 
 
 class AlwaysNan(GAN):

@@ -9,8 +9,7 @@ import logging
 
 import pytest
 import torch
-from helpers import Classifier, DictDataset
-from torch import nn
+from helpers import Classifier, DictDataset, InfiniteGradient
 
 import lightlike as ll
 from lightlike.checkpoint.manifest import verify_checkpoint
@@ -123,17 +122,6 @@ def test_a_fit_whose_every_step_was_skipped_raises(tmp_path):
         f.fit(model, DictDataset(n=20))
     assert f.state.skipped_steps == 3
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
-
-
-class InfiniteGradient(Classifier):
-    """A finite loss whose gradient is +inf (d sqrt(z)/dz at z = 0) at every step."""
-
-    def __init__(self):
-        super().__init__()
-        self.z = nn.Parameter(torch.zeros(1))
-
-    def loss(self, outputs, batch):
-        return super().loss(outputs, batch) + self.z.sqrt().sum()
 
 
 def test_clipping_by_value_does_not_hide_an_infinite_gradient(tmp_path):

@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from helpers import Classifier, DictDataset, flat_grads
+from helpers import Classifier, DictDataset, InfiniteGradient, flat_grads
 from torch import nn
 
 import lightlike as ll
@@ -104,17 +104,6 @@ def test_fp16_overflow_skips_step_and_not_scheduler(tmp_path):
     applied = result.global_step - result.skipped_steps
     assert applied > 0 and lrs[-1] == pytest.approx(1e-2 * (24 - applied) / 24)
     assert precision.state_dict()["scaler"]["scale"] < 2.0**40
-
-
-class InfiniteGradient(Classifier):
-    """A finite loss whose gradient is inf at every step (d sqrt(z)/dz at z = 0)."""
-
-    def __init__(self):
-        super().__init__()
-        self.z = nn.Parameter(torch.zeros(1))
-
-    def loss(self, outputs, batch):
-        return super().loss(outputs, batch) + self.z.sqrt().sum()
 
 
 def test_fp16_overflow_steps_are_counted_after_the_loss_scale_reached_zero(tmp_path):
