@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -55,11 +55,10 @@ class Run:
     compiled: Any = None
 
 
-@dataclass(frozen=True)
-class Due:
-    """What the schedule makes due at the boundary after step ``step``. The callbacks' flags
-    (``Control``) are read live by the methods, since a flag set in ``on_log`` or ``on_evaluate``
-    counts at the same boundary."""
+class Due(NamedTuple):
+    """What the schedule makes due at the boundary after step ``step`` (an immutable value). The
+    callbacks' flags (``Control``) are read live by the methods, since a flag set in ``on_log``
+    or ``on_evaluate`` counts at the same boundary."""
 
     step: int
     log_step: bool  # log_every divides the step

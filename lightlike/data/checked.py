@@ -20,7 +20,6 @@ are read as they are.
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -32,11 +31,16 @@ from lightlike.errors import DataError
 
 
 class IndexedItems(list):
-    """A batch's items, as read, with their dataset indices (``indices``)."""
+    """A batch's items, as read, with their dataset indices (``indices``, set by the reader)."""
 
-    def __init__(self, items: Any, indices: Sequence[int]):
-        super().__init__(items)
-        self.indices = list(indices)
+    indices: Sequence[int] = ()
+
+
+def indexed(items: Any, indices: Sequence[int]) -> IndexedItems:
+    """``items`` (an iterable) as an ``IndexedItems`` list read from ``indices``."""
+    batch = IndexedItems(items)
+    batch.indices = indices
+    return batch
 
 
 class CheckedDataset(Dataset):
@@ -64,14 +68,13 @@ class CheckedDataset(Dataset):
                 items = read_batch(indices)
             except IndexError as e:
                 raise self._past_the_end(f"dataset.__getitems__({indices})", e) from e
-        else:
-            try:  # one read per item, with no frame of ours around each
-                items = list(map(self.dataset.__getitem__, indices))
-            except IndexError:
-                for i in indices:  # which one: the first that fails again names the index
-                    self[i]
-                raise
-        return IndexedItems(items, indices) if isinstance(items, list) else items
+            return indexed(items, indices) if isinstance(items, list) else items
+        try:  # one read per item, with no frame of ours around each
+            return indexed(map(self.dataset.__getitem__, indices), indices)
+        except IndexError:
+            for i in indices:  # which one: the first that fails again names the index
+                self[i]
+            raise
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("__") or name in ("dataset", "what"):  # (unpickling: not set yet)
@@ -91,7 +94,7 @@ class DefaultCollate:
         self.what = what
 
     def __call__(self, items: list[Any]) -> Any:
-        if items and isinstance(items[0], Mapping) and not _same_keys(items):
+        if items and not _same_key_counts(items) and isinstance(items[0], Mapping):
             # default_collate keeps the first item's keys only: a key the others have would be dropped
             if (problem := _key_difference(items, _namer(items), "")) is not None:
                 raise self._error(problem)
@@ -111,15 +114,15 @@ class DefaultCollate:
                          "with a collate_fn of your own (lightlike.data.PaddingCollator pads variable lengths)")
 
 
-def _same_keys(items: list[Any]) -> bool:
-    """Whether every item has the first one's keys (compared in C: this runs for every batch)."""
+def _same_key_counts(items: list[Any]) -> bool:
+    """Whether every item has as many keys as the first (this runs for every batch, in C).
+    Enough to see an item with a key the first lacks, which ``default_collate`` would drop: an
+    item with as many keys but other ones lacks one of the first's, and ``default_collate``
+    raises ``KeyError`` for it, which ``DefaultCollate`` names the same way."""
     try:
-        return all(map(items[0].keys().__eq__, map(_keys, items)))
-    except AttributeError:  # an item that is not a mapping: _key_difference names it
+        return len(set(map(len, items))) == 1
+    except TypeError:  # an item without a length: _key_difference names it
         return False
-
-
-_keys = operator.methodcaller("keys")
 
 
 def _namer(items: list[Any]) -> Any:

@@ -249,25 +249,29 @@ class StepNormaliser:
 
 # -- the plain ways, shared by the strategies that take them ----------------------------------------
 def clip_gradients(precision: Precision, optimizer: torch.optim.Optimizer, max_norm: float | None,
-                   max_value: float | None, want_norm: bool = False) -> torch.Tensor | None:
+                   max_value: float | None, want_norm: bool = False, one_device: bool = False) -> torch.Tensor | None:
     """``Strategy.clip_gradients`` over the optimizer's parameters with torch's utilities: unscale,
     clip by value, then by the global norm. A gradient sharded as a DTensor (FSDP) gives the
     norm of its shard; the partial norms are reduced over the mesh (a per-shard norm would be
     wrong), so the norm is the true global one on every strategy. With ``max_value``, an inf
     gradient, which clipping by value turns into ``max_value``, is seen in the norm before it is
-    clipped: the norm returned is that one when it is not finite (NaN/inf is never clipped out of sight)."""
+    clipped: the norm returned is that one when it is not finite (NaN/inf is never clipped out of sight).
+    ``one_device``: the strategy put every parameter on its one device (single, DDP), so the norm
+    takes torch's arithmetic without regrouping the gradients by device (see ``global_norm``)."""
     precision.unscale_gradients(optimizer)
     if max_norm is None and max_value is None and not want_norm:
         return None  # nothing to do: no per-parameter work on this step
-    params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+    grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+    params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None] \
+        if max_norm is not None or max_value is not None else []  # torch's clipping takes the parameters
     unclipped = None
     if max_value is not None:
         if max_norm is not None or want_norm:
-            unclipped = global_norm(params)
+            unclipped = global_norm(grads, one_device)
         torch.nn.utils.clip_grad_value_(params, max_value, foreach=True)
     if max_norm is None and not want_norm:
         return None
-    norm = global_norm(params)
+    norm = global_norm(grads, one_device)
     if unclipped is not None:
         norm = torch.where(torch.isfinite(unclipped), norm, unclipped)
     if max_norm is not None:
@@ -275,18 +279,15 @@ def clip_gradients(precision: Precision, optimizer: torch.optim.Optimizer, max_n
     return norm
 
 
-def global_norm(params: list[torch.Tensor]) -> torch.Tensor:
-    """The 2-norm of the gradients of ``params`` over every rank (a device tensor).
+def global_norm(grads: list[torch.Tensor], one_device: bool = False) -> torch.Tensor:
+    """The 2-norm of ``grads`` (the parameters' gradients) over every rank (a device tensor).
 
-    Plain tensors on one device (every step of a usual fit computes this norm, for the
-    non-finite check): one ``_foreach_norm`` and the norm of the norms, the arithmetic of torch's
-    ``get_total_norm`` without its regrouping and no-grad wrappers. Others (FSDP's DTensor
-    shards, several devices) go through ``get_total_norm``."""
-    grads = [p.grad for p in params]
-    if grads and type(grads[0]) is torch.Tensor and not grads[0].requires_grad:
-        device = grads[0].device
-        if all(type(g) is torch.Tensor and g.device == device for g in grads):
-            return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
+    Plain tensors on one device (``one_device``: every step of a usual fit computes this norm,
+    for the non-finite check): one ``_foreach_norm`` and the norm of the norms, the arithmetic
+    of torch's ``get_total_norm`` without its grouping by device and dtype. Others (FSDP's
+    DTensor shards, tensor subclasses) go through ``get_total_norm``."""
+    if one_device and grads and type(grads[0]) is torch.Tensor:
+        return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
     norm = torch.nn.utils.get_total_norm(grads, foreach=True)  # type: ignore[misc]
     if hasattr(norm, "full_tensor"):
         norm = norm.full_tensor()  # the partial norms of the shards, reduced over the mesh

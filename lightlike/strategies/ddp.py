@@ -128,7 +128,7 @@ class DDPStrategy(ParallelStrategy):
 
     def clip_gradients(self, module: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float | None,
                        max_value: float | None, want_norm: bool = False) -> torch.Tensor | None:
-        return clip_gradients(self.precision, optimizer, max_norm, max_value, want_norm)  # every rank the same
+        return clip_gradients(self.precision, optimizer, max_norm, max_value, want_norm, one_device=True)  # every rank the same
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer, module: nn.Module) -> bool:
         return self.precision.optimizer_step(optimizer)

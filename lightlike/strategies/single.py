@@ -76,7 +76,7 @@ class SingleDeviceStrategy(Strategy):
 
     def clip_gradients(self, module: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float | None,
                        max_value: float | None, want_norm: bool = False) -> torch.Tensor | None:
-        return clip_gradients(self.precision, optimizer, max_norm, max_value, want_norm)
+        return clip_gradients(self.precision, optimizer, max_norm, max_value, want_norm, one_device=True)
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer, module: nn.Module) -> bool:
         return self.precision.optimizer_step(optimizer)

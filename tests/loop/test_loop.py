@@ -314,3 +314,32 @@ def test_a_fit_after_one_that_failed_mid_window_starts_from_zero_gradients(tmp_p
     fit(reference, "fresh")
     for (name, got), want in zip(module.state_dict().items(), reference.state_dict().values(), strict=True):
         assert torch.equal(got, want), name
+
+
+def test_the_step_boundary_decision_is_a_value_of_the_schedule_and_the_live_flags():
+    """``Due`` decides what a boundary does from numbers and the callbacks' flags (read live:
+    a flag set in ``on_log`` counts at the same boundary); checked here without a fit."""
+    from lightlike.loop import Due
+    from lightlike.state import Control, FitState
+
+    config = ll.FitConfig(log_every=5, eval_every=7, max_steps=12)
+    def due(step, epoch_done=False, epoch_index=0, epoch_limit=float("inf"), has_eval_sets=True):
+        return Due.at(step, config, max_steps=12, epoch_done=epoch_done, epoch_index=epoch_index,
+                      epoch_limit=epoch_limit, has_eval_sets=has_eval_sets)
+
+    control, state = Control(), FitState()
+    plain = due(3)
+    assert (plain.log(control), plain.evaluate(control, state), plain.ends_epoch(control), plain.ends_run(control)) \
+        == (False, False, False, False)
+    assert due(5).log(control) and not due(5).evaluate(control, state)
+    assert due(7).evaluate(control, state) and not due(7).log(control)
+    last = due(12)  # the budget's last step: logged and evaluated, whatever the schedule says
+    assert last.ends_run(control) and last.log(control) and last.evaluate(control, state)
+    state.last_eval_step = 12  # evaluated already at this step: not twice
+    assert not last.evaluate(control, state)
+    assert due(6, epoch_done=True, epoch_index=1, epoch_limit=2).ends_run(control)  # the last epoch's end
+    assert not due(6, epoch_done=True, epoch_index=0, epoch_limit=2).ends_run(control)
+    control.should_training_stop = True  # set by a callback in on_log: the same boundary ends the run
+    assert plain.ends_run(control) and plain.log(control)
+    with pytest.raises(AttributeError):
+        plain.step = 4  # a value: the boundary cannot change it
