@@ -656,7 +656,9 @@ def test_export_hf_of_a_sharded_module_says_to_export_its_checkpoint(tmp_path):
     collective (called on rank 0), failed on a storage error (on every rank) or, under ZeRO-3,
     wrote empty tensors. One error pointing at the checkpoint export, which consolidates; that
     export loads with from_pretrained. ``batch_keys`` tells remove_unused_keys what the module
-    reads. (In a subprocess: the FSDP fit leaves its process group for the sharded module.)"""
+    reads. The same for an ``HFModel`` (a BERT sequence classifier): its sharded checkpoint exports
+    to a folder ``AutoModelForSequenceClassification`` loads, with the trained weights. (In a
+    subprocess: the FSDP fit leaves its process group for the sharded module.)"""
     pytest.importorskip("transformers")
     code = f"""
 import sys
@@ -665,8 +667,8 @@ import pytest, torch, transformers
 import lightlike as ll
 from lightlike.data.keys import remove_unused_keys
 from lightlike.errors import ModuleContractError
-from lightlike.interop.hf import HFCausalLM, export_hf
-from test_interop import QUIET, TokenData, tiny_gpt2
+from lightlike.interop.hf import HFCausalLM, HFModel, export_hf
+from test_interop import QUIET, TokenData, bert_items, tiny_gpt2
 out = {str(tmp_path)!r}
 module = HFCausalLM(tiny_gpt2())
 ll.Fitter(strategy="fsdp", max_steps=2, batch_size=8, save_every=2, output_dir=out + "/run", seed=0,
@@ -677,6 +679,18 @@ path = export_hf(out + "/run/checkpoint-2", out + "/from_checkpoint")
 assert transformers.AutoModelForCausalLM.from_pretrained(path).transformer.wte.weight.shape == (100, 32)
 collate = remove_unused_keys(module, lambda items: {{**items[0], "idx": 1, "text": "x"}})
 assert sorted(collate([TokenData(1)[0]])) == ["attention_mask", "input_ids", "labels"]
+bert = HFModel(transformers.BertForSequenceClassification(transformers.BertConfig(vocab_size=30, hidden_size=16,
+    num_hidden_layers=2, num_attention_heads=2, intermediate_size=16, max_position_embeddings=32, num_labels=3)))
+ll.Fitter(strategy="fsdp", max_steps=2, batch_size=4, save_every=2, output_dir=out + "/bert", seed=0,
+          **QUIET).fit(bert, bert_items(8))
+with pytest.raises(ModuleContractError, match=r"sharded across processes"):
+    export_hf(bert, out + "/bert_module")
+loaded = transformers.AutoModelForSequenceClassification.from_pretrained(export_hf(out + "/bert/checkpoint-2",
+                                                                                  out + "/bert_hf"))
+trained = {{k: v.full_tensor() for k, v in bert.model.state_dict().items()}}
+assert type(loaded).__name__ == "BertForSequenceClassification"
+assert loaded.state_dict().keys() == trained.keys()
+assert all(torch.equal(v, trained[k]) for k, v in loaded.state_dict().items())
 print("OK")
 """
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
