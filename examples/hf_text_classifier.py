@@ -9,7 +9,7 @@ the end the checkpoint is exported as an HF folder, loaded back with
 computed anew: it equals the ``val/accuracy`` lightlike reported.
 
     pip install transformers
-    python examples/hf_text_classifier.py            # a few seconds on a CPU
+    python examples/hf_text_classifier.py            # seconds on a CPU
     python examples/hf_text_classifier.py --tiny     # fewer steps: what the tests run
 """
 
@@ -63,7 +63,7 @@ def build_model():
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--max-steps", type=int, default=150)
+    p.add_argument("--max-steps", type=int, default=60)
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--learning-rate", type=float, default=5e-3)
     p.add_argument("--output-dir", default="runs/hf_text_classifier")
