@@ -24,6 +24,7 @@ import torch
 from test_interop import QUIET, ROOT, BertClassifier, bert_items, tiny_gpt2
 
 import lightlike as ll
+from lightlike.data import remove_unused_keys
 
 transformers = pytest.importorskip("transformers")
 from lightlike.interop import HFModel, export_hf  # noqa: E402
@@ -128,7 +129,8 @@ def test_question_answering_step_gradient_is_the_mean_over_items(tmp_path):
 def test_seq2seq_labels_count_unshifted_and_a_causal_lm_is_refused():
     """A seq2seq model's loss is over its labels as they are (the decoder's inputs are shifted,
     the labels are not): num_items is their count, the loss that count's hand-written mean. A
-    causal LM shifts them inside: refused, naming HFCausalLM. No labels: one error naming them."""
+    causal LM shifts them inside: refused, naming HFCausalLM. No labels: one error naming them.
+    ``batch_keys`` are the model's forward's names: remove_unused_keys drops the rest."""
     config = transformers.T5Config(vocab_size=100, d_model=16, d_kv=8, d_ff=32, num_layers=1, num_heads=2,
                                    dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0)
     torch.manual_seed(0)
@@ -142,6 +144,9 @@ def test_seq2seq_labels_count_unshifted_and_a_causal_lm_is_refused():
     torch.testing.assert_close(module.loss(out, batch), nll(out.logits, labels, counted) / 8, rtol=1e-12, atol=0)
     hits = ((out.logits.argmax(-1) == labels) & counted).sum()
     assert module.metrics(out, batch)["accuracy"] == hits.double() / 8
+
+    kept = remove_unused_keys(module, {**batch, "idx": torch.arange(2), "text": ["a", "b"]})
+    assert sorted(kept) == ["attention_mask", "input_ids", "labels"]
 
     unlabelled = {"input_ids": batch["input_ids"], "decoder_input_ids": labels[:, :1]}
     with pytest.raises(ll.DataError, match=r"computed no loss from a batch with keys \['decoder_input_ids', "
