@@ -173,7 +173,7 @@ class HFModel(HFWrapper):
     The labels are counted as they are, not shifted: a causal LM, whose loss shifts them inside,
     is refused here and belongs in ``HFCausalLM``."""
 
-    def __init__(self, model: Any, *, ignore_index: int = IGNORE_INDEX):
+    def __init__(self, model: Any):
         from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
         if type(model).__name__ in set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()):
@@ -181,7 +181,7 @@ class HFModel(HFWrapper):
                 f"HFModel got a causal LM ({type(model).__name__}), whose loss shifts the labels by one inside: "
                 "counting them as they are would weigh its micro-batches wrongly. Wrap it in "
                 "lightlike.interop.HFCausalLM instead")
-        super().__init__(model, ignore_index=ignore_index)
+        super().__init__(model, ignore_index=IGNORE_INDEX)  # what transformers' losses ignore
 
     @property
     def batch_keys(self) -> frozenset[str]:
