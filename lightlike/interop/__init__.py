@@ -1,7 +1,8 @@
 """Bridges to the libraries people already use, each an optional dependency imported only when
 used (``import lightlike`` imports none of them):
 
-* ``lightlike.interop.hf``: train a ``transformers`` causal LM (``HFCausalLM``) and export a
+* ``lightlike.interop.hf``: train a ``transformers`` causal LM (``HFCausalLM``) or any model that
+  computes its own loss (``HFModel``: classification, question answering, seq2seq) and export a
   checkpoint as a folder ``from_pretrained`` loads (``export_hf``);
 * ``lightlike.interop.metrics``: ``torchmetrics`` objects as streaming metrics, reduced across
   processes (``TorchMetric``);
@@ -15,6 +16,7 @@ from typing import Any
 
 _NAMES = {
     "HFCausalLM": "lightlike.interop.hf",
+    "HFModel": "lightlike.interop.hf",
     "export_hf": "lightlike.interop.hf",
     "TorchMetric": "lightlike.interop.metrics",
 }

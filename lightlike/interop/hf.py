@@ -1,4 +1,4 @@
-"""Train a ``transformers`` causal language model with lightlike, and export it back.
+"""Train ``transformers`` models with lightlike, and export them back.
 
 ``HFCausalLM(model)`` is a thin ``TaskModule`` around any ``AutoModelForCausalLM`` model:
 
@@ -13,11 +13,15 @@
   of the step, however the padding falls across micro-batches and processes;
 * ``metrics``: next-token ``accuracy`` over the same tokens (``perplexity = exp(val/loss)``).
 
-``export_hf(checkpoint_dir or module, out_dir)`` writes a folder that
-``AutoModelForCausalLM.from_pretrained(out_dir)`` loads (``config.json``, ``model.safetensors``,
-``generation_config.json``); tied embeddings are written once and tied again on load.
+``HFModel(model)`` wraps any other model that computes its own loss from the batch (sequence
+and token classification, question answering, seq2seq, masked LM): ``forward`` is
+``model(**batch)``, ``loss`` the model's own, ``num_items`` what that loss averages over.
 
-transformers is imported only by ``export_hf`` (and by whoever built the model).
+``export_hf(checkpoint_dir or module, out_dir)`` writes a folder that the matching
+``AutoModelFor....from_pretrained(out_dir)`` loads (``config.json`` naming the architecture,
+``model.safetensors``); tied embeddings are written once and tied again on load.
+
+transformers is imported only by ``export_hf`` and ``HFModel`` (and by whoever built the model).
 """
 
 from __future__ import annotations
@@ -36,8 +40,9 @@ from torch.nn import functional as F
 from lightlike.checkpoint.export import export_weights, fsync_replace
 from lightlike.checkpoint.weights import load_safetensors
 from lightlike.data.collators import mask_padded_context
+from lightlike.data.keys import module_batch_keys
 from lightlike.errors import CheckpointError, DataError, ModuleContractError
-from lightlike.module import TaskModule
+from lightlike.module import TaskModule, batch_length
 
 IGNORE_INDEX = -100
 
@@ -45,21 +50,51 @@ IGNORE_INDEX = -100
 MODEL_INPUTS = ("attention_mask", "position_ids", "token_type_ids")
 
 
-class HFCausalLM(TaskModule):
+class HFWrapper(TaskModule):
+    """What every wrapper of a ``transformers`` model shares: the model is ``self.model``, its
+    config is recorded in ``hparams["hf_config"]`` and its class in ``hparams["hf_class"]``
+    (saved in every checkpoint as ``hparams.json``: what ``export_hf`` rebuilds it from), and
+    ``gradient_checkpointing=True`` switches on the model's own activation checkpointing."""
+
+    def __init__(self, model: Any, *, ignore_index: int = IGNORE_INDEX):
+        super().__init__()
+        self.model = model
+        self.ignore_index = ignore_index
+        config = getattr(model, "config", None)
+        if config is not None and hasattr(config, "to_json_string"):
+            self.hparams["hf_config"] = json.loads(config.to_json_string(use_diff=False))
+            self.hparams["hf_class"] = type(model).__name__
+
+    # -- gradient checkpointing: the model's own, switched on by the Fitter at set-up ---------------
+    def gradient_checkpointing_enable(self) -> None:
+        if self.gradient_checkpointing:
+            return
+        kwargs = {"use_reentrant": False}
+        if hasattr(self.model, "activation_checkpointing_enable"):  # transformers >= 5
+            self.model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        else:
+            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        super().gradient_checkpointing_enable()
+
+    def gradient_checkpointing_disable(self) -> None:
+        if not self.gradient_checkpointing:
+            return
+        if hasattr(self.model, "activation_checkpointing_enable"):  # transformers >= 5
+            self.model.activation_checkpointing_disable()
+        else:
+            self.model.gradient_checkpointing_disable()
+        super().gradient_checkpointing_disable()
+
+
+class HFCausalLM(HFWrapper):
     """A ``transformers`` causal LM (``AutoModelForCausalLM`` and the like) as a ``TaskModule``.
 
     The model is ``self.model``; its config is recorded in ``hparams["hf_config"]`` (saved in
     every checkpoint as ``hparams.json``), which is what ``export_hf`` rebuilds it from."""
 
     def __init__(self, model: Any, *, ignore_index: int = IGNORE_INDEX, model_inputs: tuple[str, ...] = MODEL_INPUTS):
-        super().__init__()
-        self.model = model
-        self.ignore_index = ignore_index
+        super().__init__(model, ignore_index=ignore_index)
         self.model_inputs = tuple(model_inputs)
-        config = getattr(model, "config", None)
-        if config is not None and hasattr(config, "to_json_string"):
-            self.hparams["hf_config"] = json.loads(config.to_json_string(use_diff=False))
-            self.hparams["hf_class"] = type(model).__name__
 
     @property
     def batch_keys(self) -> tuple[str, ...]:
@@ -120,25 +155,68 @@ class HFCausalLM(TaskModule):
             return batch["input_ids"]  # a KeyError is reported by the Fitter with the batch's keys
         raise ModuleContractError(f"HFCausalLM takes a dict batch with 'input_ids' or a tensor, got {type(batch).__name__}")
 
-    # -- gradient checkpointing: the model's own, switched on by the Fitter at set-up ---------------
-    def gradient_checkpointing_enable(self) -> None:
-        if self.gradient_checkpointing:
-            return
-        kwargs = {"use_reentrant": False}
-        if hasattr(self.model, "activation_checkpointing_enable"):  # transformers >= 5
-            self.model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-        else:
-            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-        super().gradient_checkpointing_enable()
 
-    def gradient_checkpointing_disable(self) -> None:
-        if not self.gradient_checkpointing:
-            return
-        if hasattr(self.model, "activation_checkpointing_enable"):  # transformers >= 5
-            self.model.activation_checkpointing_disable()
-        else:
-            self.model.gradient_checkpointing_disable()
-        super().gradient_checkpointing_disable()
+class HFModel(HFWrapper):
+    """Any ``transformers`` model that computes its own loss from the batch, as a ``TaskModule``:
+    sequence classification (``labels`` of shape ``(batch,)``), token classification and
+    seq2seq (``labels`` of shape ``(batch, seq_len)``, ``-100`` where nothing counts), question
+    answering (``start_positions`` and ``end_positions``), masked LM.
+
+    * ``forward(batch)`` is ``model(**batch)`` (the model's output, a ``ModelOutput``);
+    * ``loss`` is that output's own ``loss``;
+    * ``num_items`` is what that loss averages over, so accumulation and evaluation are exact:
+      integer ``labels`` count where they are not ``-100`` (tokens, or items); float ``labels``
+      (regression, multi-label) and batches without ``labels`` (question answering) count items;
+    * ``metrics``: ``accuracy`` (argmax of the last dimension against ``labels``, over the
+      counted labels) where the logits line up with integer labels.
+
+    The labels are counted as they are, not shifted: a causal LM, whose loss shifts them inside,
+    is refused here and belongs in ``HFCausalLM``."""
+
+    def __init__(self, model: Any):
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+        if type(model).__name__ in set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()):
+            raise ModuleContractError(
+                f"HFModel got a causal LM ({type(model).__name__}), whose loss shifts the labels by one inside: "
+                "counting them as they are would weigh its micro-batches wrongly. Wrap it in "
+                "lightlike.interop.HFCausalLM instead")
+        super().__init__(model, ignore_index=IGNORE_INDEX)  # what transformers' losses ignore
+
+    @property
+    def batch_keys(self) -> frozenset[str]:
+        """What the model's ``forward`` names (``remove_unused_keys`` keeps these)."""
+        return module_batch_keys(self.model)
+
+    def forward(self, batch: Any) -> Any:
+        if not isinstance(batch, Mapping):
+            raise ModuleContractError(f"HFModel takes a dict batch (the model's keyword arguments: input_ids, "
+                                      f"labels, ...), got {type(batch).__name__}")
+        return self.model(**batch)
+
+    def loss(self, outputs: Any, batch: Any) -> torch.Tensor:
+        loss = outputs.get("loss") if isinstance(outputs, Mapping) else getattr(outputs, "loss", None)
+        if loss is None:
+            raise DataError(
+                f"{type(self.model).__name__} computed no loss from a batch with keys {sorted(batch)}: put its "
+                "targets in the batch (labels; start_positions and end_positions for question answering)")
+        return loss
+
+    def num_items(self, batch: Any) -> int | torch.Tensor:
+        labels = batch.get("labels") if isinstance(batch, Mapping) else None
+        if labels is None or labels.is_floating_point():
+            return batch_length(batch)  # a mean over items (times a constant for multi-label)
+        return (labels != self.ignore_index).sum()  # the cross entropy's mean over counted labels
+
+    def metrics(self, outputs: Any, batch: Any) -> dict[str, torch.Tensor]:
+        logits = outputs.get("logits") if isinstance(outputs, Mapping) else getattr(outputs, "logits", None)
+        labels = batch.get("labels") if isinstance(batch, Mapping) else None
+        if (logits is None or labels is None or labels.is_floating_point()
+                or tuple(logits.shape[:-1]) != tuple(labels.shape)):
+            return {}
+        counted = labels != self.ignore_index
+        hits = ((logits.argmax(-1) == labels) & counted).sum()
+        return {"accuracy": hits.double() / counted.sum().clamp(min=1).double()}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -146,14 +224,17 @@ class HFCausalLM(TaskModule):
 # ------------------------------------------------------------------------------------------------
 def export_hf(source: Any, out_dir: str | Path, *, config: Any = None, prefix: str = "model.",
               hashes: bool = True) -> Path:
-    """Write ``out_dir`` as a Hugging Face model folder (``config.json``, ``model.safetensors``,
-    ``generation_config.json``) that ``AutoModelForCausalLM.from_pretrained(out_dir)`` loads.
+    """Write ``out_dir`` as a Hugging Face model folder (``config.json`` naming the architecture,
+    ``model.safetensors``, ``generation_config.json`` for generative models) that the matching
+    ``AutoModelFor....from_pretrained(out_dir)`` loads (``AutoModelForCausalLM``,
+    ``AutoModelForSequenceClassification``, ...).
 
-    ``source`` is an ``HFCausalLM`` (or a ``transformers`` model), or a lightlike checkpoint
-    folder (verified; sharded FSDP/DeepSpeed checkpoints are consolidated first). A checkpoint's
-    model is rebuilt from ``hparams["hf_config"]`` (recorded by ``HFCausalLM``) or from
-    ``config`` (a ``PretrainedConfig``, a dict, or a folder/file with a ``config.json``); its
-    weights are the checkpoint's keys under ``prefix``. Files land atomically, one by one;
+    ``source`` is an ``HFModel`` or ``HFCausalLM`` (or a ``transformers`` model), or a lightlike
+    checkpoint folder (verified; sharded FSDP/DeepSpeed checkpoints are consolidated first). A
+    checkpoint's model is rebuilt from ``hparams["hf_config"]`` (recorded by the wrapper) or from
+    ``config`` (a ``PretrainedConfig``, a dict, or a folder/file with a ``config.json``), as the
+    class the wrapper recorded (``hparams["hf_class"]``), else the one the config's
+    ``architectures`` names, else a causal LM; its weights are the checkpoint's keys under ``prefix``. Files land atomically, one by one;
     other files in ``out_dir`` are left alone. Returns ``out_dir``.
 
     Under ``torch.distributed`` only rank 0 writes (as ``save_pretrained`` does); the other ranks
@@ -162,9 +243,9 @@ def export_hf(source: Any, out_dir: str | Path, *, config: Any = None, prefix: s
     out = Path(out_dir)
     checkpoint = isinstance(source, (str, os.PathLike))
     if not checkpoint:
-        model = source.model if isinstance(source, HFCausalLM) else source
+        model = source.model if isinstance(source, HFWrapper) else source
         if not hasattr(model, "save_pretrained"):
-            raise ModuleContractError(f"export_hf takes an HFCausalLM, a transformers model or a checkpoint "
+            raise ModuleContractError(f"export_hf takes an HFModel, an HFCausalLM, a transformers model or a checkpoint "
                                       f"folder, got {type(source).__name__}")
         if any(hasattr(p, "full_tensor") or hasattr(p, "ds_id") for p in model.parameters()):
             # save_pretrained would write each rank's shard (ZeRO-3: empty tensors) or wait in a collective
@@ -202,8 +283,8 @@ def _model_from_checkpoint(src: Path, config: Any, prefix: str, hashes: bool, sc
             raise CheckpointError(f"{src} has no weights under {prefix!r} (first keys: {sorted(state)[:3]}); "
                                   "pass the prefix the module stored the model under, e.g. prefix=''")
         state = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
-    cls = getattr(transformers, str(hparams.get("hf_class", "")), None) if config is None else None
-    model = cls(hf_config) if isinstance(cls, type) else transformers.AutoModelForCausalLM.from_config(hf_config)
+    cls = _model_class(hf_config, hparams)
+    model = cls(hf_config) if cls is not None else transformers.AutoModelForCausalLM.from_config(hf_config)
     dtype = next((v.dtype for v in state.values() if v.is_floating_point()), None)
     if dtype is not None:
         model.to(dtype)
@@ -236,12 +317,25 @@ def _resolve_config(config: Any, hparams: Mapping[str, Any], src: Path) -> Any:
     data = dict(config) if isinstance(config, Mapping) else hparams.get("hf_config")
     if not data:
         raise CheckpointError(f"{src} records no Hugging Face config (hparams.json has no 'hf_config': the "
-                              "module was not an HFCausalLM); pass config=<PretrainedConfig, dict or folder>")
+                              "module was not an HFModel or HFCausalLM); pass config=<PretrainedConfig, dict or folder>")
     data = dict(data)
     model_type = data.pop("model_type", None)
     if not model_type:
         raise CheckpointError(f"the Hugging Face config for {src} has no model_type")
     return AutoConfig.for_model(model_type, **data)
+
+
+def _model_class(hf_config: Any, hparams: Mapping[str, Any]) -> type | None:
+    """The ``transformers`` class to rebuild: the one the wrapper recorded (what was trained),
+    else the first the config's ``architectures`` names; None when neither names one."""
+    import transformers
+
+    names = [hparams.get("hf_class"), *(getattr(hf_config, "architectures", None) or [])]
+    for name in names:
+        cls = getattr(transformers, name, None) if isinstance(name, str) and name else None
+        if isinstance(cls, type):
+            return cls
+    return None
 
 
 def _tied_keys(model: Any) -> list[str]:
@@ -251,4 +345,4 @@ def _tied_keys(model: Any) -> list[str]:
     return list(keys)
 
 
-__all__ = ["HFCausalLM", "export_hf"]
+__all__ = ["HFCausalLM", "HFModel", "HFWrapper", "export_hf"]

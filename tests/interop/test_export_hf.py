@@ -1,10 +1,15 @@
 """``export_hf`` of a checkpoint, beyond the round trip in test_interop.py: the weights keep the
 checkpoint's dtype (a bf16 run exports bf16, not the float32 a model built from its config has),
-and tied weights that differ in the checkpoint are refused rather than one of them dropped."""
+and tied weights that differ in the checkpoint are refused rather than one of them dropped; a
+module sharded by FSDP is refused, naming the export of its checkpoint, which consolidates."""
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -75,3 +80,50 @@ def test_export_hf_refuses_tied_weights_that_differ(tmp_path):
     assert loaded.lm_head.weight is not loaded.transformer.wte.weight
     assert torch.equal(loaded.lm_head.weight, module.model.lm_head.weight)
     assert torch.equal(loaded.transformer.wte.weight, module.model.transformer.wte.weight)
+
+
+def test_export_hf_of_a_sharded_module_says_to_export_its_checkpoint(tmp_path):
+    """After an FSDP fit the module's parameters are DTensor shards: save_pretrained waited in a
+    collective (called on rank 0), failed on a storage error (on every rank) or, under ZeRO-3,
+    wrote empty tensors. One error pointing at the checkpoint export, which consolidates; that
+    export loads with from_pretrained. ``batch_keys`` tells remove_unused_keys what the module
+    reads. The same for an ``HFModel`` (a BERT sequence classifier): its sharded checkpoint exports
+    to a folder ``AutoModelForSequenceClassification`` loads, with the trained weights. (In a
+    subprocess: the FSDP fit leaves its process group for the sharded module.)"""
+    pytest.importorskip("transformers")
+    code = f"""
+import sys
+sys.path[:0] = [{str(Path(__file__).parent)!r}, {str(Path(__file__).parents[1])!r}]
+import pytest, torch, transformers
+import lightlike as ll
+from lightlike.data.keys import remove_unused_keys
+from lightlike.errors import ModuleContractError
+from lightlike.interop.hf import HFCausalLM, HFModel, export_hf
+from test_interop import QUIET, TokenData, bert_items, tiny_gpt2
+out = {str(tmp_path)!r}
+module = HFCausalLM(tiny_gpt2())
+ll.Fitter(strategy="fsdp", max_steps=2, batch_size=8, save_every=2, output_dir=out + "/run", seed=0,
+          **QUIET).fit(module, TokenData(16))
+with pytest.raises(ModuleContractError, match=r"sharded across processes .* export_hf\\('OUTPUT_DIR/checkpoint-N'"):
+    export_hf(module, out + "/from_module")
+path = export_hf(out + "/run/checkpoint-2", out + "/from_checkpoint")
+assert transformers.AutoModelForCausalLM.from_pretrained(path).transformer.wte.weight.shape == (100, 32)
+collate = remove_unused_keys(module, lambda items: {{**items[0], "idx": 1, "text": "x"}})
+assert sorted(collate([TokenData(1)[0]])) == ["attention_mask", "input_ids", "labels"]
+bert = HFModel(transformers.BertForSequenceClassification(transformers.BertConfig(vocab_size=30, hidden_size=16,
+    num_hidden_layers=2, num_attention_heads=2, intermediate_size=16, max_position_embeddings=32, num_labels=3)))
+ll.Fitter(strategy="fsdp", max_steps=2, batch_size=4, save_every=2, output_dir=out + "/bert", seed=0,
+          **QUIET).fit(bert, bert_items(8))
+with pytest.raises(ModuleContractError, match=r"sharded across processes"):
+    export_hf(bert, out + "/bert_module")
+loaded = transformers.AutoModelForSequenceClassification.from_pretrained(export_hf(out + "/bert/checkpoint-2",
+                                                                                  out + "/bert_hf"))
+trained = {{k: v.full_tensor() for k, v in bert.model.state_dict().items()}}
+assert type(loaded).__name__ == "BertForSequenceClassification"
+assert loaded.state_dict().keys() == trained.keys()
+assert all(torch.equal(v, trained[k]) for k, v in loaded.state_dict().items())
+print("OK")
+"""
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert p.returncode == 0 and p.stdout.strip().endswith("OK"), p.stderr[-3000:]
