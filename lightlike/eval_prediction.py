@@ -49,8 +49,8 @@ def numpified(value: Any) -> Any:
 
 
 def takes_eval_prediction(compute_metrics: Any) -> bool:
-    """Whether ``compute_metrics`` (bound) is the HF Trainer's form: exactly one required
-    positional parameter, and no ``*args``."""
+    """Whether ``compute_metrics`` (bound) is the HF Trainer's form: exactly one positional
+    parameter, and no ``*args`` (``(predictions, labels=None)`` stays lightlike's form)."""
     try:
         params = list(inspect.signature(compute_metrics).parameters.values())
     except (TypeError, ValueError):  # no signature to read: lightlike's form
@@ -58,8 +58,7 @@ def takes_eval_prediction(compute_metrics: Any) -> bool:
     positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
     if any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in params):
         return False
-    required = [p for p in params if p.kind in positional and p.default is inspect.Parameter.empty]
-    return len(required) == 1
+    return sum(p.kind in positional for p in params) == 1
 
 
 def call_compute_metrics(module: Any, predictions: Any, labels: Any) -> Any:
