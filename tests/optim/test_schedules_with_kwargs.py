@@ -88,6 +88,7 @@ def test_inverse_sqrt_by_hand():
     ("inverse_sqrt", 6, {"timescale": 13}),
     ("inverse_sqrt", 6, {}),
 ])
+@pytest.mark.filterwarnings("ignore:Both num_training_steps and num_stable_steps")  # transformers' own, by design
 def test_every_step_equals_transformers_get_scheduler(name, warmup, kwargs):
     assert trace(name, 40, kwargs, warmup_steps=warmup) == pytest.approx(hf_trace(name, 40, warmup, kwargs),
                                                                         rel=1e-12, abs=0)
