@@ -26,8 +26,16 @@ SCHEDULERS = (
     "polynomial",
     "constant",
     "constant_with_warmup",
+    "cosine_with_min_lr",
+    "wsd",
+    "warmup_stable_decay",
+    "inverse_sqrt",
+    "reduce_lr_on_plateau",
 )
-OPTIMIZERS = ("adamw", "sgd")
+#: the built-in optimizers (torch.optim's; lightlike.optimizers maps each to its class), with the
+#: HF Trainer's names for AdamW
+OPTIMIZERS = ("adamw", "adam", "sgd", "adafactor", "rmsprop", "adagrad", "nadam", "radam", "adamw_torch",
+              "adamw_torch_fused")
 NONFINITE_POLICIES = ("raise", "skip")
 #: torch.compile's modes (None is "default")
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
@@ -77,15 +85,23 @@ class FitConfig:
                       "random streams all differ).")
     deterministic: bool = _f(False, "Use torch's deterministic algorithms during fit/validate/test/predict (as before them after).")
     # -- optimisation --------------------------------------------------------------------------
-    optimizer: str = _f("adamw", "Built-in optimizer: 'adamw' or 'sgd' (configure_optimizers wins).")
+    optimizer: str = _f("adamw", "Built-in optimizer (torch.optim's): " + ", ".join(OPTIMIZERS)
+                        + " (configure_optimizers wins).")
+    optimizer_kwargs: dict = _f({}, "More arguments of the optimizer's class, e.g. {'nesterov': True, "
+                                    "'momentum': 0.9} for 'sgd' (names as torch.optim's; checked at set-up).")
     learning_rate: float = _f(1e-3, "Peak learning rate.")
     weight_decay: float = _f(0.0, "Weight decay (decoupled in AdamW, the L2 term in SGD); never on norm weights, 1-D parameters or names containing 'bias' (as the HF Trainer).")
-    adam_beta1: float = _f(0.9, "AdamW beta1.")
-    adam_beta2: float = _f(0.999, "AdamW beta2.")
-    adam_epsilon: float = _f(1e-8, "AdamW epsilon.")
-    momentum: float = _f(0.0, "SGD momentum.")
-    fused: bool | None = _f(None, "Use the fused AdamW kernel (None: where torch has one, CUDA and CPU).")
+    adam_beta1: float = _f(0.9, "Adam-family (adamw, adam, nadam, radam) beta1.")
+    adam_beta2: float = _f(0.999, "Adam-family beta2.")
+    adam_epsilon: float = _f(1e-8, "Adam-family epsilon.")
+    momentum: float = _f(0.0, "SGD and RMSprop momentum.")
+    fused: bool | None = _f(None, "Use torch's fused kernel (None: for adamw and adam where torch has one, CUDA "
+                                  "and CPU).")
     lr_scheduler: str = _f("linear", "One of: " + ", ".join(SCHEDULERS) + ".")
+    lr_scheduler_kwargs: dict = _f({}, "The schedule's own arguments (HF's names): min_lr or min_lr_rate "
+                                       "(cosine_with_min_lr); num_decay_steps or decay_ratio, decay_type, ... "
+                                       "(wsd); timescale (inverse_sqrt); factor, patience, ... "
+                                       "(reduce_lr_on_plateau).")
     warmup_steps: int = _f(0, "Linear warmup steps (wins over warmup_ratio).")
     warmup_ratio: float = _f(0.0, "Warmup as a fraction of the total optimizer steps.")
     num_cycles: float = _f(
@@ -235,6 +251,11 @@ class FitConfig:
         need(self.warmup_steps >= 0, f"warmup_steps must be >= 0, got {self.warmup_steps!r}", "warmup_steps")
         _choice("lr_scheduler", self.lr_scheduler, SCHEDULERS)
         _choice("optimizer", self.optimizer, OPTIMIZERS)
+        from lightlike.optimizers import check_optimizer_kwargs  # (torch: the classes' signatures)
+        from lightlike.schedules import check_schedule_kwargs
+
+        check_optimizer_kwargs(self.optimizer, self.optimizer_kwargs)
+        check_schedule_kwargs(self.lr_scheduler, self.lr_scheduler_kwargs)
         _choice("nonfinite_loss", self.nonfinite_loss, NONFINITE_POLICIES)
         _choice("resume_data_changed", self.resume_data_changed, RESUME_DATA_CHANGED)
         _choice("save_strategy", self.save_strategy, SAVE_STRATEGIES)
@@ -378,6 +399,7 @@ OTHER_NAMES = {
     "lr": "learning_rate", "num_train_epochs": "max_epochs", "per_device_train_batch_size": "batch_size",
     "per_device_eval_batch_size": "eval_batch_size", "gradient_accumulation_steps": "grad_accum_steps",
     "accumulate_grad_batches": "grad_accum_steps", "lr_scheduler_type": "lr_scheduler", "optim": "optimizer",
+    "optim_args": "optimizer_kwargs (a dict, {'k': v}, where HF takes a 'k=v,k2=v2' string)",
     "bf16": "precision='bf16-mixed'", "fp16": "precision='16-mixed'", "eval_steps": "eval_every",
     "eval_strategy": "eval_every or eval_on_epoch_end", "evaluation_strategy": "eval_every or eval_on_epoch_end",
     "logging_steps": "log_every", "report_to": "loggers", "save_steps": "save_every",
@@ -426,6 +448,12 @@ def other_name_hint(name: str, flag: bool = False) -> str | None:
     return f"did you mean {text}?" + (f" {note}" if note else "")
 
 
+def field_defaults(cls: type = FitConfig) -> dict[str, Any]:
+    """Every field's default (a fresh one where a factory makes it: ``optimizer_kwargs``'s ``{}``)."""
+    return {f.name: f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+            for f in fields(cls)}
+
+
 def check_keys(data: dict[str, Any], cls: type = FitConfig) -> None:
     """Reject unknown keys, naming the closest valid ones."""
     valid = [f.name for f in fields(cls)]
@@ -449,7 +477,7 @@ def _choice(name: str, value: Any, valid: tuple[str, ...], shown: Any = None) ->
 
 
 _TAKES = {"int": "an int", "float": "a number (int or float)", "bool": "True or False", "str": "a string",
-          "list": "a list", "None": "None"}
+          "list": "a list", "dict": "a dict", "None": "None"}
 
 
 def _accepts(value: Any, kind: str) -> bool:
@@ -463,7 +491,7 @@ def _accepts(value: Any, kind: str) -> bool:
         return isinstance(value, int)
     if kind == "float":
         return isinstance(value, (int, float))
-    types: dict[str, type | tuple[type, ...]] = {"bool": bool, "str": str, "list": (list, tuple)}
+    types: dict[str, type | tuple[type, ...]] = {"bool": bool, "str": str, "list": (list, tuple), "dict": dict}
     return isinstance(value, types.get(kind, object))
 
 

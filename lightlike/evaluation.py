@@ -33,6 +33,7 @@ from torch.utils.data import DataLoader
 from lightlike.best import greater_is_better, is_improvement  # noqa: F401  (also lightlike.evaluation's)
 from lightlike.data.workers import start_workers
 from lightlike.errors import ConfigError, DataError, LightlikeError, ModuleContractError, on_every_rank
+from lightlike.eval_prediction import call_compute_metrics, defines_compute_metrics
 from lightlike.interop.metrics import adapt_streaming_metrics
 from lightlike.module import TaskModule
 from lightlike.outputs import (  # noqa: F401  (PAD_VALUE: also lightlike.evaluation.PAD_VALUE)
@@ -367,7 +368,7 @@ def _streams_for(module: Any, strategy: Strategy, streaming: bool) -> tuple[bool
     streaming metric objects (reset, wrapped to reduce across ranks), and whether it defines
     ``compute_metrics``."""
     base = _base_module()
-    wants_whole_set = type(module).compute_metrics is not base.compute_metrics
+    wants_whole_set = defines_compute_metrics(module, base)
     # a module with streaming metrics and no compute_metrics streams without being asked: its
     # metrics are never dropped because eval_streaming was left off
     streaming = streaming or (type(module).streaming_metrics is not base.streaming_metrics and not wants_whole_set)
@@ -430,7 +431,7 @@ def run_evaluation(
                     m.training = mode
     metrics, predictions, label_set = _joined(tally, loader, strategy, collect)
     if tally.labelled and wants_whole_set and not streaming:
-        extra = module.compute_metrics(predictions, label_set) or {}
+        extra = call_compute_metrics(module, predictions, label_set) or {}  # HF's compute_metrics(eval_pred) too
         metrics.update({f"{prefix}/{k}": _as_float(v, k) for k, v in extra.items()})
     if streams and tally.labelled:
         metrics.update({f"{prefix}/{k}": _as_float(s.compute(), k) for k, s in streams.items()})

@@ -510,6 +510,7 @@ class Fitter:
         state = self.state
         state.last_eval_step = state.global_step
         run.best.update(metrics, state)
+        optim.step_on_evaluation(run.scheduler, metrics)  # reduce_lr_on_plateau: after each evaluation
         self._emit(run, "on_evaluate", metrics)
         run.last_metrics = metrics
         if self.control.should_log:

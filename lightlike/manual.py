@@ -26,7 +26,6 @@ What ``ctx`` (a ``StepContext``) does, and why:
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -34,6 +33,7 @@ from typing import Any
 import torch
 
 from lightlike import optim
+from lightlike.config import field_defaults
 from lightlike.errors import ConfigError, ModuleContractError
 from lightlike.precision import Precision
 from lightlike.strategies.base import clip_gradients
@@ -52,7 +52,7 @@ def check_manual_config(config: Any) -> None:
     """The built-in optimizer's and scheduler's fields, ``grad_accum_steps`` and ``compile`` do not
     apply to a module that steps its own optimizers: set away from their defaults, they are an
     error naming the field (silently unused, they would mislead)."""
-    defaults = {f.name: f.default for f in dataclasses.fields(config)}
+    defaults = field_defaults(type(config))
     for name in optim.OPTIMIZER_FIELDS:
         if getattr(config, name) != defaults[name]:
             raise ConfigError(f"{name}={getattr(config, name)!r} configures the built-in optimizer or scheduler, "

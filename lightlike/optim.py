@@ -10,7 +10,6 @@ then loads the state. The scheduler is stepped once per applied optimizer step;
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import inspect
 import logging
@@ -23,9 +22,12 @@ import torch
 from torch import nn
 from torch.optim.lr_scheduler import LambdaLR, ReduceLROnPlateau
 
-from lightlike.config import OPTIMIZERS, SCHEDULERS
+from lightlike import schedules
+from lightlike.config import OPTIMIZERS, SCHEDULERS, field_defaults
 from lightlike.errors import ConfigError, ModuleContractError
+from lightlike.optimizers import optimizer_arguments, optimizer_class
 from lightlike.precision import get_precision
+from lightlike.schedules import step_on_evaluation  # noqa: F401  (the Fitter's, after each evaluation)
 
 log = logging.getLogger("lightlike")
 
@@ -88,6 +90,7 @@ def param_groups(module: nn.Module, weight_decay: float) -> list[dict[str, Any]]
 
 
 def _check_optimizer_settings(config: Any) -> None:
+    """The ranges of the optimizer's fields (what applies to which class: ``lightlike.optimizers``)."""
     def need(cond: bool, msg: str) -> None:
         if not cond:
             raise ConfigError(msg)
@@ -95,57 +98,51 @@ def _check_optimizer_settings(config: Any) -> None:
     need(config.optimizer in OPTIMIZERS,
          f"optimizer={config.optimizer!r} is not valid; choose one of: {', '.join(OPTIMIZERS)}")
     need(config.weight_decay >= 0, f"weight_decay must be >= 0, got {config.weight_decay}")
-    if config.optimizer == "adamw":
-        for name in ("adam_beta1", "adam_beta2"):
-            v = getattr(config, name)
-            need(0.0 <= v < 1.0, f"{name} must be in [0, 1), got {v}")
-        need(config.adam_epsilon >= 0, f"adam_epsilon must be >= 0, got {config.adam_epsilon}")
-        need(config.momentum == 0.0, f"momentum={config.momentum} is an SGD setting and AdamW ignores it: "
-             "use optimizer='sgd', or adam_beta1 for AdamW's momentum")
-    else:
-        need(config.momentum >= 0, f"momentum must be >= 0, got {config.momentum}")
-        need(not config.fused, "fused=True applies to optimizer='adamw' only; drop it for 'sgd'")
-
-
-#: devices whose parameters get torch's fused AdamW kernel by default (``fused=None``)
-_FUSED_DEVICES = ("cuda", "cpu")
+    for name in ("adam_beta1", "adam_beta2"):
+        v = getattr(config, name)
+        need(0.0 <= v < 1.0, f"{name} must be in [0, 1), got {v}")
+    need(config.adam_epsilon >= 0, f"adam_epsilon must be >= 0, got {config.adam_epsilon}")
+    need(config.momentum >= 0, f"momentum must be >= 0, got {config.momentum}")
 
 
 def build_optimizer(module: nn.Module, config: Any, precision: Any = None) -> torch.optim.Optimizer:
-    """The optimizer ``config.optimizer`` names, over ``param_groups(module, config.weight_decay)``.
+    """The optimizer ``config.optimizer`` names (``lightlike.optimizers``: a ``torch.optim``
+    class), over ``param_groups(module, config.weight_decay)`` with ``lr=learning_rate``.
 
-    ``"adamw"``: ``AdamW(lr, betas=(adam_beta1, adam_beta2), eps=adam_epsilon)``. ``fused=None``
-    passes ``fused=True`` when every parameter is a floating tensor on a device with torch's fused
-    AdamW kernel (CUDA, and the CPU since torch 2.4; call this after the module is on its device):
-    one kernel per parameter instead of about ten element-wise ops (2.5x faster steps on a small
-    CPU model, measured in benchmarks/RESULTS.md). Otherwise nothing is passed (torch's default).
-    ``fused=True`` is passed as is; ``False`` passes nothing.
-    ``"sgd"``: ``SGD(lr, momentum)``; weight decay there is SGD's coupled L2 term.
+    The Adam family (``adamw``, ``adam``, ``nadam``, ``radam``) gets ``betas=(adam_beta1,
+    adam_beta2), eps=adam_epsilon``; ``sgd`` and ``rmsprop`` get ``momentum``; every class then
+    ``optimizer_kwargs``. ``fused=None`` passes ``fused=True`` to AdamW and Adam when every
+    parameter is a floating tensor on a device with torch's fused kernel (CUDA, and the CPU since
+    torch 2.4; call this after the module is on its device): one kernel per parameter instead of
+    about ten element-wise ops (2.5x faster steps on a small CPU model, measured in
+    benchmarks/RESULTS.md). ``fused=True`` is passed as is; ``False`` passes nothing. Weight
+    decay in SGD, Adagrad, RMSprop and Adam is their coupled L2 term, AdamW's is decoupled.
     """
     _check_optimizer_settings(config)
-    if precision is not None and precision.param_dtype == torch.float16 and config.optimizer == "adamw" \
-            and config.adam_epsilon < torch.finfo(torch.float16).tiny:
-        log.warning("adam_epsilon=%g underflows in float16 (16-true keeps optimizer state in fp16): "
-                    "updates will be inf/NaN; set adam_epsilon=1e-4 or use precision='16-mixed'",
-                    config.adam_epsilon)
     groups = param_groups(module, config.weight_decay)
     if not groups:
         raise ModuleContractError("the module has no trainable parameters (requires_grad=True) to optimize")
-    if config.optimizer == "sgd":
-        return torch.optim.SGD(groups, lr=config.learning_rate, momentum=config.momentum)
-    fused = config.fused
-    if fused is None:
-        params = [p for g in groups for p in g["params"]]
-        fused = all(p.device.type in _FUSED_DEVICES and p.is_floating_point() for p in params)
-        if fused and any(hasattr(p, "to_local") for p in params):
-            # FSDP's ShardedGradScaler hands the fused kernel a found-inf flag of the wrong shape
-            # for DTensor parameters (torch 2.13: "output with shape [] doesn't match the
-            # broadcast shape [1]"): unfused under a precision with a grad scaler (the
-            # strategy's: a strategy instance may bring its own while config.precision is "auto")
-            fused = not (precision if precision is not None else get_precision(config.precision)).uses_scaler
-    kwargs: dict[str, Any] = {"fused": True} if fused else {}
-    return torch.optim.AdamW(groups, lr=config.learning_rate, betas=(config.adam_beta1, config.adam_beta2),
-                             eps=config.adam_epsilon, **kwargs)
+    params = [p for g in groups for p in g["params"]]
+    kwargs = optimizer_arguments(config, params)
+    if precision is not None and precision.param_dtype == torch.float16 and "betas" in kwargs \
+            and kwargs.get("eps", 1.0) < torch.finfo(torch.float16).tiny:
+        log.warning("adam_epsilon=%g underflows in float16 (16-true keeps optimizer state in fp16): "
+                    "updates will be inf/NaN; set adam_epsilon=1e-4 or use precision='16-mixed'", kwargs["eps"])
+    if kwargs.get("fused") and config.fused is None and "fused" not in config.optimizer_kwargs \
+            and any(hasattr(p, "to_local") for p in params):
+        # FSDP's ShardedGradScaler hands the fused kernel a found-inf flag of the wrong shape
+        # for DTensor parameters (torch 2.13: "output with shape [] doesn't match the
+        # broadcast shape [1]"): unfused under a precision with a grad scaler (the
+        # strategy's: a strategy instance may bring its own while config.precision is "auto")
+        if (precision if precision is not None else get_precision(config.precision)).uses_scaler:
+            del kwargs["fused"]
+    cls = optimizer_class(config.optimizer)
+    try:
+        return cls(groups, lr=config.learning_rate, **kwargs)
+    except (ValueError, TypeError, RuntimeError) as e:  # torch's checks of the values (a negative eps, ...)
+        shown = ", ".join(f"{k}={v!r}" for k, v in kwargs.items())
+        raise ConfigError(f"optimizer={config.optimizer!r} (torch.optim.{cls.__name__}) refused lr="
+                          f"{config.learning_rate!r}, {shown}: {e}", settings=("optimizer", "optimizer_kwargs")) from None
 
 
 # -- schedules -------------------------------------------------------------------------------------
@@ -201,7 +198,7 @@ def _polynomial(step: int, warmup: int, total: int, lr_init: float, lr_end: floa
     return ((lr_init - lr_end) * remaining**power + lr_end) / lr_init
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer, config: Any, total_steps: int) -> LambdaLR:
+def build_scheduler(optimizer: torch.optim.Optimizer, config: Any, total_steps: int) -> Any:
     """``LambdaLR`` for ``config.lr_scheduler`` over ``total_steps`` optimizer steps, with the
     formulas of HF transformers' ``get_*_schedule_with_warmup``:
 
@@ -213,8 +210,11 @@ def build_scheduler(optimizer: torch.optim.Optimizer, config: Any, total_steps: 
       optimizer's default lr (= ``learning_rate`` for the built-in optimizers); needs lr_end < lr.
     - ``constant``: 1 always; with warmup set it raises (use ``constant_with_warmup``).
     - ``constant_with_warmup``: warmup, then 1.
+    - ``cosine_with_min_lr``, ``wsd``, ``inverse_sqrt``, ``reduce_lr_on_plateau``: with
+      ``lr_scheduler_kwargs`` of their own (``lightlike.schedules``).
     """
     name = config.lr_scheduler
+    schedules.check_schedule_kwargs(name, config.lr_scheduler_kwargs)
     if not (isinstance(total_steps, int) and total_steps > 0):
         raise ConfigError(f"build_scheduler needs total_steps > 0 optimizer steps, got {total_steps!r}")
     warmup = total_warmup_steps(config, total_steps)
@@ -244,6 +244,8 @@ def build_scheduler(optimizer: torch.optim.Optimizer, config: Any, total_steps: 
             raise ConfigError(f"lr_scheduler='polynomial' needs power > 0, got {config.power}")
         fn = functools.partial(_polynomial, warmup=warmup, total=total_steps, lr_init=lr_init,
                                lr_end=float(config.lr_end), power=float(config.power))
+    elif name in schedules.NAMES:  # the ones with lr_scheduler_kwargs of their own
+        return schedules.build_schedule(optimizer, config, total_steps, warmup)
     else:
         raise ConfigError(f"lr_scheduler={name!r} is not valid; choose one of: {', '.join(SCHEDULERS)}")
     return LambdaLR(optimizer, fn)
@@ -263,7 +265,8 @@ def _check_scheduler(scheduler: Any, optimizer: torch.optim.Optimizer) -> Any:
     if isinstance(scheduler, ReduceLROnPlateau):
         raise ModuleContractError("configure_optimizers returned ReduceLROnPlateau, which needs a metric at "
                                   "each step; the Fitter steps schedulers once per optimizer step with no "
-                                  "argument: use a step-based scheduler (e.g. LambdaLR)")
+                                  "argument: use a step-based scheduler (e.g. LambdaLR), or drop it and set "
+                                  "lr_scheduler='reduce_lr_on_plateau' (stepped after each evaluation)")
     missing = [m for m in _SCHEDULER_METHODS if not callable(getattr(scheduler, m, None))]
     if missing:
         raise ModuleContractError(f"configure_optimizers returned a scheduler of type {type(scheduler).__name__} "
@@ -285,7 +288,7 @@ def call_configure_optimizers(module: Any, config: Any) -> Any:
         return module.configure_optimizers(config)
     result = module.configure_optimizers()
     if result is not None:  # None: the built-in ones, which read them
-        defaults = {f.name: f.default for f in dataclasses.fields(config)}
+        defaults = field_defaults(type(config))
         unread = [f"{name}={getattr(config, name)!r}" for name in OPTIMIZER_FIELDS
                   if getattr(config, name) != defaults[name]]
         if unread:
@@ -296,9 +299,9 @@ def call_configure_optimizers(module: Any, config: Any) -> Any:
 
 
 #: the fields only the built-in optimizer and scheduler read
-OPTIMIZER_FIELDS = ("optimizer", "learning_rate", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon",
-                     "momentum", "fused", "lr_scheduler", "warmup_steps", "warmup_ratio", "num_cycles", "lr_end",
-                     "power")
+OPTIMIZER_FIELDS = ("optimizer", "optimizer_kwargs", "learning_rate", "weight_decay", "adam_beta1", "adam_beta2",
+                    "adam_epsilon", "momentum", "fused", "lr_scheduler", "lr_scheduler_kwargs", "warmup_steps",
+                    "warmup_ratio", "num_cycles", "lr_end", "power")
 
 
 def unwrap_configure_optimizers(result: Any) -> tuple[torch.optim.Optimizer, Any]:

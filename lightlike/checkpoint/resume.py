@@ -41,13 +41,15 @@ log = logging.getLogger("lightlike")
 CONTINUATION_KEYS = ("batch_size", "grad_accum_steps", "learning_rate", "max_steps", "max_epochs", "seed",
                      "lr_scheduler", "warmup_steps", "warmup_ratio", "weight_decay", "optimizer", "precision",
                      "shuffle", "drop_last", "adam_beta1", "adam_beta2", "adam_epsilon", "momentum",
-                     "max_grad_norm", "max_grad_value", "lr_end", "power", "num_cycles", "fused")
+                     "max_grad_norm", "max_grad_value", "lr_end", "power", "num_cycles", "fused", "optimizer_kwargs",
+                     "lr_scheduler_kwargs")
 #: Optimizer settings the restored optimizer/scheduler state holds: a change is applied after loading
 #: it (built-in optimizers only; a module's own ``configure_optimizers`` keeps the restored values).
-APPLIED_KEYS = ("learning_rate", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon", "momentum", "fused")
+APPLIED_KEYS = ("learning_rate", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon", "momentum", "fused",
+                "optimizer_kwargs")
 #: Settings that shape the schedule: the rebuilt scheduler has them, the restored group lr not yet
 SCHEDULE_KEYS = ("max_steps", "max_epochs", "batch_size", "grad_accum_steps", "lr_scheduler", "warmup_steps",
-                 "warmup_ratio", "lr_end", "power", "num_cycles")
+                 "warmup_ratio", "lr_end", "power", "num_cycles", "lr_scheduler_kwargs")
 #: Prefix of the directory that receives checkpoints of an abandoned continuation.
 ABANDONED = "abandoned-"
 
@@ -291,6 +293,10 @@ def _apply(config: FitConfig, optimizer: Any, sched: Any, old: dict[str, Any], n
             g["eps"] = float(new["adam_epsilon"])
         if "momentum" in g and "momentum" in new:
             g["momentum"] = float(new["momentum"])
+    if "optimizer_kwargs" in new:  # the new arguments (or, for one dropped, the class's default) in every group
+        for key in {*old["optimizer_kwargs"], *new["optimizer_kwargs"]} & set(getattr(optimizer, "defaults", {})):
+            for g in groups:
+                g[key] = optimizer.defaults[key]
     if "fused" in new:
         _apply_fused(optimizer)
 

@@ -324,7 +324,7 @@ def test_adamw_fused_true_on_cpu_is_passed_and_steps():
 
 @pytest.mark.parametrize(("settings", "match"), [
     ({"momentum": 0.9}, "momentum=0.9 is an SGD setting"),
-    ({"optimizer": "sgd", "fused": True}, "fused=True applies to optimizer='adamw' only"),
+    ({"optimizer": "rmsprop", "fused": True}, r"fused=True: optimizer='rmsprop' \(torch.optim.RMSprop\) has no fused"),
     ({"adam_beta1": 1.0}, r"adam_beta1 must be in \[0, 1\)"),
     ({"adam_beta2": -0.1}, r"adam_beta2 must be in \[0, 1\)"),
     ({"adam_epsilon": -1.0}, "adam_epsilon must be >= 0"),
@@ -338,8 +338,8 @@ def test_invalid_optimizer_settings_raise(settings, match):
 
 def test_unknown_optimizer_raises():
     c = cfg()
-    c.optimizer = "adam"
-    with pytest.raises(ll.ConfigError, match="optimizer='adam' is not valid; choose one of: adamw, sgd"):
+    c.optimizer = "adamax"
+    with pytest.raises(ll.ConfigError, match="optimizer='adamax' is not valid; choose one of: adamw, adam, sgd"):
         build_optimizer(Net(), c)
 
 
