@@ -1,0 +1,59 @@
+"""Fractional ``max_epochs`` (HF's ``num_train_epochs=2.5``): the run takes floor(epochs * steps
+per epoch) optimizer steps, and the schedule's total is that count (issue 35)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import Classifier, DictDataset
+
+import lightlike as ll
+from lightlike.data.loading import epoch_steps
+
+
+def _fitter(tmp_path, callbacks=(), **kw):
+    cfg = dict(batch_size=2, output_dir=str(tmp_path / "run"), loggers=[], model_summary=False, save_strategy="no",
+               progress_bar=False, log_level="error")
+    cfg.update(kw)
+    return ll.Fitter(callbacks=list(callbacks), **cfg)
+
+
+def test_two_and_a_half_epochs_take_floor_of_the_steps_with_the_schedule_over_them(tmp_path):
+    """10 items in batches of 2: 5 steps per epoch; 2.5 epochs = floor(12.5) = 12 steps. Every
+    row's train/epoch is step / 5, and the linear schedule over 12 steps gives
+    lr = 0.1 * (1 - step / 12) after each step, 0 at the last."""
+    rows = []
+
+    class Rows(ll.Callback):
+        def on_log(self, fitter, state, control, metrics):
+            rows.append((state.global_step, metrics["train/epoch"], metrics["train/lr"]))
+
+    result = _fitter(tmp_path, [Rows()], max_epochs=2.5, log_every=1, learning_rate=0.1,
+                     lr_scheduler="linear").fit(Classifier(), DictDataset(n=10))
+    assert result.global_step == 12 and result.state.max_steps == 12
+    assert [r[0] for r in rows] == list(range(1, 13))
+    assert [r[1] for r in rows] == [0.2, 0.4, 0.6, 0.8, 1.0, 1.2, 1.4, 1.6, 1.8, 2.0, 2.2, 2.4]
+    assert [r[2] for r in rows] == pytest.approx([0.1 * (1 - k / 12) for k in range(1, 13)], abs=1e-12)
+    assert rows[-1][2] == 0.0  # the schedule ends at the run's last step
+
+
+def test_epoch_steps_reads_the_decimal_written():
+    assert epoch_steps(2.5, 5) == 12 and epoch_steps(2.5, 4) == 10 and epoch_steps(3, 7) == 21
+    assert epoch_steps(2.3, 10) == 23  # 2.3 * 10 is 22.999999999999996 in binary floats
+    assert epoch_steps(0.5, 1) == 0
+
+
+def test_fractional_epochs_refused_where_they_make_no_step(tmp_path):
+    class Stream(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            return iter(DictDataset(n=8)[i] for i in range(8))
+
+    with pytest.raises(ll.ConfigError, match=r"no length \(IterableDataset\): set max_steps; max_epochs=2.5 is a "
+                                             r"fraction of an epoch's optimizer steps"):
+        _fitter(tmp_path, max_epochs=2.5).fit(Classifier(), Stream())
+    with pytest.raises(ll.ConfigError, match=r"max_epochs=0.1 of 5 optimizer step\(s\) per epoch is no step "
+                                             r"\(floor\(0.1 \* 5\) = 0\): raise max_epochs to at least 0.2"):
+        _fitter(tmp_path, max_epochs=0.1).fit(Classifier(), DictDataset(n=10))
+    for bad in (0, -1.5, float("inf"), float("nan")):
+        with pytest.raises(ll.ConfigError, match=r"max_epochs must be a number of epochs > 0 \(2 or 2.5\), got"):
+            ll.FitConfig(max_epochs=bad)
