@@ -57,3 +57,27 @@ def test_fractional_epochs_refused_where_they_make_no_step(tmp_path):
     for bad in (0, -1.5, float("inf"), float("nan")):
         with pytest.raises(ll.ConfigError, match=r"max_epochs must be a number of epochs > 0 \(2 or 2.5\), got"):
             ll.FitConfig(max_epochs=bad)
+
+
+def test_a_resume_with_other_steps_per_epoch_counts_the_fraction_from_where_it_stands(tmp_path):
+    """Stopped at step 7 (epoch 1, 2 of its 5 batches taken), resumed with grad_accum_steps=2:
+    3 steps per epoch now. What is left: epoch 1's 3 batches in 2 steps (8, 9), then half of
+    epoch 2, floor(0.5 * 3) = 1 step: the run ends at step 10 (its schedule's total too)."""
+    class StopAt7(ll.Callback):
+        def on_step_end(self, fitter, state, control):
+            control.should_training_stop = state.global_step == 7
+
+    cfg = dict(max_epochs=2.5, save_strategy="steps", save_every=7, learning_rate=0.1, lr_scheduler="linear")
+    first = _fitter(tmp_path, [StopAt7()], **cfg).fit(Classifier(), DictDataset(n=10))
+    assert first.global_step == 7 and (tmp_path / "run" / "checkpoint-7").is_dir()
+    rows = []
+
+    class Rows(ll.Callback):
+        def on_log(self, fitter, state, control, metrics):
+            rows.append((state.global_step, metrics["train/epoch"], metrics["train/lr"]))
+
+    second = _fitter(tmp_path, [Rows()], grad_accum_steps=2, log_every=1, **cfg).fit(
+        Classifier(), DictDataset(n=10), resume=True)
+    assert second.global_step == 10 and second.state.max_steps == 10
+    assert [(step, epoch) for step, epoch, _ in rows] == [(8, 1.8), (9, 2.0), (10, 2.4)]
+    assert rows[-1][2] == 0.0
