@@ -477,7 +477,7 @@ def _check_type(name: str, value: Any, annotation: str, default: Any) -> None:
     kinds = [k.strip() for k in annotation.split("|")]
     if any(_accepts(value, k) for k in kinds):
         return
-    takes = " or ".join(_TAKES.get(k, k) for k in kinds)
+    takes = " or ".join(_TAKES.get(k, k) for k in kinds if k != "int" or "float" not in kinds)  # a number: both
     hint = ""
     if value is None:
         shown = default if default is not dataclasses.MISSING else "its default"

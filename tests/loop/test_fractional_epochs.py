@@ -54,6 +54,9 @@ def test_fractional_epochs_refused_where_they_make_no_step(tmp_path):
     with pytest.raises(ll.ConfigError, match=r"max_epochs=0.1 of 5 optimizer step\(s\) per epoch is no step "
                                              r"\(floor\(0.1 \* 5\) = 0\): raise max_epochs to at least 0.2"):
         _fitter(tmp_path, max_epochs=0.1).fit(Classifier(), DictDataset(n=10))
+    with pytest.raises(ll.ConfigError, match=r"max_epochs takes a number \(int or float\) or None; write "
+                                             r"max_epochs=2.5, not the string '2.5'"):
+        ll.FitConfig(max_epochs="2.5")
     for bad in (0, -1.5, float("inf"), float("nan")):
         with pytest.raises(ll.ConfigError, match=r"max_epochs must be a number of epochs > 0 \(2 or 2.5\), got"):
             ll.FitConfig(max_epochs=bad)
