@@ -2,8 +2,8 @@
 when the stream is not a terminal (unless forced).
 
 tqdm is a dependency of lightlike, imported in ``on_fit_start`` only when the bar is active
-(``import lightlike`` does not load it). While the bar is drawn on stdout or stderr, log lines (lightlike's and
-the console handlers of the application's root logger) are written above it. Python's
+(``import lightlike`` does not load it). While the bar is drawn on stdout or stderr, log lines
+(lightlike's and the console handlers of the application's root logger) are written above it. Python's
 warnings are left alone: ``warnings.showwarning`` stays the application's (routed through
 logging, ``logging.captureWarnings(True)`` with a console handler on the root logger, they go
 above the bar too).

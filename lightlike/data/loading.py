@@ -37,11 +37,12 @@ from lightlike.errors import ConfigError, DataError
 log = logging.getLogger("lightlike")
 
 
-def epoch_steps(epochs: float, per_epoch: int) -> int:
-    """``floor(epochs * per_epoch)``: the optimizer steps of ``epochs`` epochs (2.5 epochs of 4
-    steps: 10), computed on the decimal the user wrote (``repr``), so that 2.3 epochs of 10 steps
-    are 23, not the 22 of the binary float's 22.999999999999996."""
-    return math.floor(Fraction(repr(float(epochs))) * per_epoch)
+def epoch_steps(epochs: float, per_epoch: int, less: int = 0) -> int:
+    """``floor((epochs - less) * per_epoch)``: the optimizer steps of ``epochs`` epochs (2.5
+    epochs of 4 steps: 10), less ``less`` whole epochs (negative within the last, fractional
+    one), computed on the decimal the user wrote (``repr``), so that 2.3 epochs of 10 steps are
+    23, not the 22 of the binary float's 22.999999999999996 (nor 2.3 - 2 the 0.2999...8)."""
+    return math.floor((Fraction(repr(float(epochs))) - less) * per_epoch)
 
 
 @dataclass
@@ -159,7 +160,7 @@ class TrainData:
             # (mid-epoch the ranks have taken the same batches: a replay keeps the world size)
             left = max(0, batches - resumed.batches_in_epoch)
         # (a fractional last epoch: the steps taken of it are counted as a negative rest of epochs)
-        rest = -(-left // accum) + epoch_steps(max_epochs - resumed.epoch_index - 1, per_epoch)  # type: ignore[operator]
+        rest = -(-left // accum) + epoch_steps(max_epochs, per_epoch, resumed.epoch_index + 1)  # type: ignore[arg-type]
         return resumed.global_step + max(0, rest), max_epochs  # type: ignore[return-value]
 
     def position(self, start: int, batches_in_epoch: int, world_size: int) -> EpochPosition:

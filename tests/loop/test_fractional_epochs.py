@@ -41,6 +41,8 @@ def test_epoch_steps_reads_the_decimal_written():
     assert epoch_steps(2.5, 5) == 12 and epoch_steps(2.5, 4) == 10 and epoch_steps(3, 7) == 21
     assert epoch_steps(2.3, 10) == 23  # 2.3 * 10 is 22.999999999999996 in binary floats
     assert epoch_steps(0.5, 1) == 0
+    # resumed in epoch 1 of 2.3: the epochs after it, 0.3 of 10 steps, are 3 (in floats 2.3 - 2 is 0.2999...8)
+    assert epoch_steps(2.3, 10, 2) == 3 and epoch_steps(2.5, 3, 3) == -2  # half of epoch 2, less the whole of it
 
 
 def test_fractional_epochs_refused_where_they_make_no_step(tmp_path):
