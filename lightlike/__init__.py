@@ -4,6 +4,7 @@ from lightlike.callbacks import Callback, EarlyStopping
 from lightlike.config import FitConfig
 from lightlike.errors import (
     AllStepsSkippedError,
+    CallbackReturnError,
     CheckpointError,
     ConfigError,
     DataError,
@@ -26,6 +27,7 @@ __version__ = "0.1.0"
 __all__ = [
     "AllStepsSkippedError",
     "Callback",
+    "CallbackReturnError",
     "CheckpointError",
     "ConfigError",
     "Control",

@@ -85,6 +85,8 @@ class Option:
         return bool(others & {"int", "float"}) and _is_number(token)
 
     def metavar(self) -> str:
+        if {"int", "float"} <= self.kinds and "bool" not in self.kinds:  # max_epochs: 2 or 2.5
+            return "NUMBER"
         for kind, name in (("bool", "BOOL"), ("int", "INT"), ("float", "FLOAT"), ("list", "LIST"),
                            ("dict", "JSON"), ("str", "STR")):
             if kind in self.kinds:

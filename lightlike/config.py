@@ -71,7 +71,9 @@ class FitConfig:
     precision: Any = _f("auto", "Precision name ('32-true', 'bf16-mixed', ...) or an instance.")
     accelerator: str = _f("auto", "'auto', 'cpu' or 'cuda' (each process its local GPU); 'cuda:N' on one process.")
     # -- length of training --------------------------------------------------------------------
-    max_epochs: int | None = _f(None, "Stop after this many epochs over the training data.")
+    max_epochs: int | float | None = _f(
+        None, "Stop after this many epochs over the training data; a fraction (2.5, HF's num_train_epochs) stops "
+        "after floor(2.5 * optimizer steps per epoch) steps, the schedule's total too.")
     max_steps: int | None = _f(None, "Stop after this many optimizer steps (wins over max_epochs).")
     # -- data ----------------------------------------------------------------------------------
     batch_size: int = _f(8, "Items per micro-batch on each process.")
@@ -222,9 +224,11 @@ class FitConfig:
             if value is None and f.default_factory is not dataclasses.MISSING:  # for the None hint only
                 default = f.default_factory()
             _check_type(f.name, value, str(f.type), default)
-        for name in ("max_epochs", "max_steps"):
-            v = getattr(self, name)
-            need(v is None or (isinstance(v, int) and v > 0), f"{name} must be a positive int, got {v!r}", name)
+        need(self.max_steps is None or self.max_steps > 0, f"max_steps must be a positive int, got {self.max_steps!r}",
+             "max_steps")
+        v = self.max_epochs
+        need(v is None or (math.isfinite(v) and v > 0),
+             f"max_epochs must be a number of epochs > 0 (2 or 2.5), got {v!r}", "max_epochs")
         for name in ("batch_size", "grad_accum_steps", "log_every"):
             v = getattr(self, name)
             need(isinstance(v, int) and v > 0, f"{name} must be a positive int, got {v!r}", name)
@@ -501,7 +505,7 @@ def _check_type(name: str, value: Any, annotation: str, default: Any) -> None:
     kinds = [k.strip() for k in annotation.split("|")]
     if any(_accepts(value, k) for k in kinds):
         return
-    takes = " or ".join(_TAKES.get(k, k) for k in kinds)
+    takes = " or ".join(_TAKES.get(k, k) for k in kinds if k != "int" or "float" not in kinds)  # a number: both
     hint = ""
     if value is None:
         shown = default if default is not dataclasses.MISSING else "its default"

@@ -31,6 +31,12 @@ class ModuleContractError(LightlikeError, TypeError):
     """A TaskModule hook returned something the Fitter cannot use."""
 
 
+class CallbackReturnError(LightlikeError, TypeError):
+    """A callback's handler returned something other than None, a ``Control``, or a mapping of
+    ``Control``'s flag names to True/False (the message names the callback, the event and, for
+    a mapping, the flag)."""
+
+
 class NonFiniteLossError(LightlikeError, FloatingPointError):
     """A training loss was NaN or infinite."""
 

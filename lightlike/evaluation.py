@@ -401,13 +401,16 @@ def run_evaluation(
     streaming: bool = False,
     keep_outputs: bool = False,
     compiled: Any = None,
+    on_batch: Callable[[str, int, int | None], None] | None = None,
 ) -> tuple[dict[str, float], Any, Any]:
     """Evaluate one set. Returns ``(metrics, predictions, labels)``; predictions/labels are
     collected (on CPU, in dataset order) when ``keep_outputs`` (predict) or when the module
     defines ``compute_metrics`` and streaming is off. With ``keep_outputs``, batches whose
     ``labels(batch)`` is None are unlabelled: no loss, no metrics, only predictions.
     ``compiled``: a fit's ``CompiledStep`` (``compile=True``), which computes forward, loss and
-    metrics as one compiled function."""
+    metrics as one compiled function. ``on_batch(prefix, i, num_batches)``: called after each of
+    this rank's batches (the callbacks' ``on_eval_batch_end``; a progress bar)."""
+    num_batches = _num_batches(loader) if on_batch is not None else None
     streaming, streams, wants_whole_set = _streams_for(module, strategy, streaming)
     collect = keep_outputs or (wants_whole_set and not streaming)
     tally = _Tally(strategy.root_device, prefix)
@@ -424,6 +427,8 @@ def run_evaluation(
                                               else ((b, True) for b in batches)):
                 _evaluate_batch(model, module, strategy, strategy.batch_to_device(batch), real, i, tally,
                                 streams, collect, keep_outputs, compiled)
+                if on_batch is not None and real:
+                    on_batch(prefix, i, num_batches)
         finally:
             model.train(was_training)  # the module's own train() runs, as eval() did
             for m, mode in modes:
@@ -436,6 +441,14 @@ def run_evaluation(
     if streams and tally.labelled:
         metrics.update({f"{prefix}/{k}": _as_float(s.compute(), k) for k, s in streams.items()})
     return metrics, predictions, label_set
+
+
+def _num_batches(loader: Any) -> int | None:
+    """This rank's batches in ``loader``; None when it has no length (an IterableDataset)."""
+    try:
+        return len(loader)
+    except TypeError:
+        return None
 
 
 def _evaluate_batch(model: Any, module: Any, strategy: Strategy, batch: Any, real: bool, i: int, tally: _Tally,

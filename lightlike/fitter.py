@@ -505,7 +505,8 @@ class Fitter:
         with rng_kept():
             for name, loader in run.eval_sets.items():
                 m, _, _ = run_evaluation(run.model, run.module, loader, self.strategy, name,
-                                         streaming=self.config.eval_streaming, compiled=run.compiled)
+                                         streaming=self.config.eval_streaming, compiled=run.compiled,
+                                         on_batch=self.callbacks.eval_batch_hook(self))  # a progress bar
                 metrics.update(m)
         state = self.state
         state.last_eval_step = state.global_step

@@ -1,24 +1,29 @@
-"""Callbacks: eleven events, one mutable ``Control``, the read-mostly ``FitState``.
+"""Callbacks: twelve events, one mutable ``Control``, the read-mostly ``FitState``.
 
 Every event receives ``(fitter, state, control)`` plus its payload. Callbacks steer the loop
-only through ``control`` flags; they may read ``fitter.module`` and ``fitter.config``.
+only through ``control`` flags: set them on ``control``, or return them (a ``Control``, or a
+mapping of flag names to True/False, as in the HF Trainer's docs); they may read
+``fitter.module`` and ``fitter.config``.
 Callbacks with state (counters, best values) implement ``state_dict``/``load_state_dict`` and
 that state is saved in checkpoints under ``state_key``.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import warnings
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from lightlike.errors import ConfigError
+from lightlike.errors import CallbackReturnError, ConfigError
+from lightlike.state import Control
 
 if TYPE_CHECKING:
     import torch
 
     from lightlike.fitter import Fitter
-    from lightlike.state import Control, FitState
+    from lightlike.state import FitState
 
 EVENTS = (
     "on_fit_start",
@@ -30,6 +35,7 @@ EVENTS = (
     "on_before_optimizer_step",
     "on_log",
     "on_evaluate",
+    "on_eval_batch_end",
     "on_save",
     "on_exception",
 )
@@ -57,6 +63,12 @@ class Callback:
     def on_log(self, fitter: Fitter, state: FitState, control: Control, metrics: dict[str, float]) -> None: ...
     def on_evaluate(self, fitter: Fitter, state: FitState, control: Control, metrics: dict[str, float]) -> None: ...
     def on_save(self, fitter: Fitter, state: FitState, control: Control, path: str) -> None: ...
+
+    def on_eval_batch_end(self, fitter: Fitter, state: FitState, control: Control, name: str, batch: int,
+                          num_batches: int | None) -> None:
+        """After batch ``batch`` (from 0) of evaluation set ``name`` (``"val"``), of this rank's
+        ``num_batches`` (None when the loader has no length); during a fit's evaluations only.
+        Called only when a callback overrides it, so an evaluation nobody watches pays nothing."""
     def on_exception(self, fitter: Fitter, state: FitState, control: Control, error: BaseException) -> None: ...
 
     def state_dict(self) -> dict[str, Any]:
@@ -64,6 +76,42 @@ class Callback:
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         pass
+
+
+#: the flags a callback may set, by name: ``Control``'s fields, which are the HF Trainer's names
+FLAGS = tuple(f.name for f in dataclasses.fields(Control))
+
+
+def apply_returned(returned: Any, control: Control, handler: Any, event: str) -> None:
+    """Act on what a callback's handler returned (not None): a ``Control`` sets the flags it has
+    set (the loop's own ``control`` returned, as HF callbacks do, changes nothing; a fresh one's
+    unset flags clear none another callback set); a mapping sets each named flag to its value
+    (``{"should_training_stop": True}``). Anything else, a name that is no flag, or a value that
+    is not True/False, is a ``CallbackReturnError`` naming the callback and the event: a return
+    value the loop ignored would be a stop, save or evaluation silently not done."""
+    owner = f"{type(getattr(handler, '__self__', handler)).__name__}.{event}"
+    if isinstance(returned, Control):
+        for name in FLAGS:
+            if getattr(returned, name):
+                setattr(control, name, True)
+        return
+    if not isinstance(returned, Mapping):
+        shown = repr(returned)
+        shown = shown if len(shown) <= 60 else shown[:57] + "..."
+        raise CallbackReturnError(f"{owner} returned {shown} ({type(returned).__name__}): a callback returns None, "
+                                  "a Control, or a mapping of flag names to True/False such as "
+                                  "{'should_training_stop': True}; or set the flag on control")
+    for name, value in returned.items():
+        if name not in FLAGS:
+            close = difflib.get_close_matches(str(name), FLAGS, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise CallbackReturnError(f"{owner} returned the flag {name!r}, which is not one{hint}; the flags are: "
+                                      f"{', '.join(FLAGS)}")
+        if not isinstance(value, bool):
+            raise CallbackReturnError(f"{owner} returned {name}={value!r} ({type(value).__name__}): a flag is True "
+                                      f"or False; write {{{name!r}: True}}")
+    for name, value in returned.items():  # all checked first: a bad mapping sets nothing
+        setattr(control, name, value)
 
 
 def _overrides(cb: Callback, event: str) -> bool:
@@ -90,7 +138,20 @@ class CallbackList:
 
     def call(self, event: str, fitter: Fitter, state: FitState, control: Control, *args: Any) -> None:
         for handler in self._handlers[event]:
-            handler(fitter, state, control, *args)
+            returned = handler(fitter, state, control, *args)
+            if returned is not None:  # the one test a handler that returns nothing costs
+                apply_returned(returned, control, handler, event)
+
+    def eval_batch_hook(self, fitter: Fitter) -> Any:
+        """What evaluation calls after each batch, ``hook(name, batch, num_batches)``: the
+        ``on_eval_batch_end`` handlers, or None where no callback listens (no call per batch)."""
+        if not self._handlers["on_eval_batch_end"]:
+            return None
+
+        def hook(name: str, batch: int, num_batches: int | None) -> None:
+            self.call("on_eval_batch_end", fitter, fitter.state, fitter.control, name, batch, num_batches)
+
+        return hook
 
     def handlers(self, event: str) -> list[Any]:
         """The callbacks' handlers of ``event``, in order: the loop calls those of the per-step
@@ -104,7 +165,9 @@ class CallbackList:
         names = ("should_log", "should_evaluate", "should_save", "should_epoch_stop")
         for handler in self._handlers["on_save"]:
             before = [getattr(control, n) for n in names]
-            handler(fitter, state, control, path)
+            returned = handler(fitter, state, control, path)
+            if returned is not None:
+                apply_returned(returned, control, handler, "on_save")
             late = [n for n, was in zip(names, before, strict=True) if getattr(control, n) and not was]
             if late:
                 for n in late:

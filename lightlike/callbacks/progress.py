@@ -1,8 +1,9 @@
-"""A tqdm progress bar over optimizer steps; off when the stream is not a terminal (unless forced).
+"""A tqdm progress bar over optimizer steps, and a second one over each evaluation's batches; off
+when the stream is not a terminal (unless forced).
 
-tqdm is imported in ``on_fit_start`` only when the bar is active, so a disabled bar works
-without tqdm installed. While the bar is drawn on stdout or stderr, log lines (lightlike's and
-the console handlers of the application's root logger) are written above it. Python's
+tqdm is a dependency of lightlike, imported in ``on_fit_start`` only when the bar is active
+(``import lightlike`` does not load it). While the bar is drawn on stdout or stderr, log lines
+(lightlike's and the console handlers of the application's root logger) are written above it. Python's
 warnings are left alone: ``warnings.showwarning`` stays the application's (routed through
 logging, ``logging.captureWarnings(True)`` with a console handler on the root logger, they go
 above the bar too).
@@ -24,7 +25,7 @@ if TYPE_CHECKING:
     from lightlike.state import Control, FitState
 
 log = logging.getLogger("lightlike")
-INSTALL_HINT = "pip install 'lightlike[progress]'"
+INSTALL_HINT = "pip install tqdm (a dependency of lightlike: the install is incomplete)"
 # logged keys shown in the bar's postfix, under a short name, in this order
 POSTFIX_KEYS = (("train/loss", "loss"), ("train/lr", "lr"), ("train/grad_norm", "grad_norm"))
 
@@ -49,7 +50,10 @@ def _nothing() -> None:
 
 class ProgressBar(Callback):
     """One bar over optimizer steps. It never reads a tensor: the postfix shows the numbers of
-    the last log step, so the bar costs no host-device synchronisation.
+    the last log step, so the bar costs no host-device synchronisation. During an evaluation a
+    second bar counts the set's batches (this rank's, out of the loader's length), as the HF
+    Trainer and Lightning show one; it is removed when the evaluation ends (its metrics are
+    written above the bar), or when the fit ends or fails.
 
     ``enabled``: True forces the bar, False turns it off, None (default) shows it only when the
     output stream is a terminal. ``file``: the stream (default ``sys.stderr``).
@@ -59,6 +63,10 @@ class ProgressBar(Callback):
         self.enabled = enabled
         self.file = file
         self.bar: Any = None
+        self.eval_bar: Any = None  # the evaluation's bar, while one runs
+        self._eval_name: str | None = None  # the set eval_bar counts
+        self._tqdm: Any = None
+        self._width: dict[str, Any] = {}
         self._restore_console = _nothing
 
     @property
@@ -93,9 +101,9 @@ class ProgressBar(Callback):
             dynamic = os.get_terminal_size(self.stream.fileno()).columns > 0
         except (AttributeError, OSError, ValueError):  # not a real terminal (a forced bar on a buffer)
             dynamic = True
+        self._tqdm, self._width = tqdm, {"dynamic_ncols": dynamic, "ncols": None if dynamic else 100}
         self.bar = tqdm(total=total, initial=min(state.global_step, total or state.global_step),
-                        unit="step", desc="fit", file=self.stream, dynamic_ncols=dynamic,
-                        ncols=None if dynamic else 100, leave=True)
+                        unit="step", desc="fit", file=self.stream, leave=True, **self._width)
         if self.stream in (sys.stderr, sys.stdout):  # log lines (the application's console handlers too)
             self._restore_console = console_lines_above_bar(self.bar, on_stderr=self.stream is sys.stderr)
 
@@ -109,12 +117,34 @@ class ProgressBar(Callback):
             if shown:
                 self.bar.set_postfix(shown, refresh=False)  # drawn at the next refresh/close
 
+    def on_eval_batch_end(self, fitter: Fitter, state: FitState, control: Control, name: str, batch: int,
+                          num_batches: int | None) -> None:
+        if self.bar is None:
+            return
+        if self.eval_bar is None or name != self._eval_name:  # the first batch of a set
+            self._close_eval()
+            self.eval_bar = self._tqdm(total=num_batches, unit="batch", desc=f"evaluate {name}", file=self.stream,
+                                       leave=False, **self._width)
+            self._eval_name = name
+        self.eval_bar.update(1)
+        if num_batches is not None and batch + 1 == num_batches:
+            self.eval_bar.refresh()  # drawn complete once (tqdm redraws at most every 0.1 s)
+
     def on_evaluate(self, fitter: Fitter, state: FitState, control: Control, metrics: dict[str, float]) -> None:
+        self._close_eval()
         if self.bar is not None:
             text = "  ".join(f"{k}={_fmt(v)}" for k, v in metrics.items())
             self.bar.write(f"step {state.global_step}: {text}", file=self.stream)
 
+    def _close_eval(self) -> None:
+        if self.eval_bar is not None:
+            try:
+                self.eval_bar.close()  # leave=False: its line is cleared
+            finally:
+                self.eval_bar, self._eval_name = None, None
+
     def _close(self) -> None:
+        self._close_eval()
         if self.bar is not None:
             self._restore_console()
             self._restore_console = _nothing

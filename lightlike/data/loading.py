@@ -6,6 +6,7 @@ import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import Any
 
 import torch
@@ -34,6 +35,14 @@ from lightlike.data.workers import end_with_parent, start_workers
 from lightlike.errors import ConfigError, DataError
 
 log = logging.getLogger("lightlike")
+
+
+def epoch_steps(epochs: float, per_epoch: int, less: int = 0) -> int:
+    """``floor((epochs - less) * per_epoch)``: the optimizer steps of ``epochs`` epochs (2.5
+    epochs of 4 steps: 10), less ``less`` whole epochs (negative within the last, fractional
+    one), computed on the decimal the user wrote (``repr``), so that 2.3 epochs of 10 steps are
+    23, not the 22 of the binary float's 22.999999999999996 (nor 2.3 - 2 the 0.2999...8)."""
+    return math.floor((Fraction(repr(float(epochs))) - less) * per_epoch)
 
 
 @dataclass
@@ -112,7 +121,7 @@ class TrainData:
             return dataset.batches(self.loader.batch_size or 1, self.loader.drop_last, self.loader.num_workers)
         return len(self.loader)
 
-    def step_budget(self, max_steps: int | None, max_epochs: int | None, accum: int,
+    def step_budget(self, max_steps: int | None, max_epochs: float | None, accum: int,
                     resumed: Any = None) -> tuple[int, float]:
         """(optimizer steps to take, epochs to stop after): ``max_steps`` wins; epochs are counted
         too when only ``max_epochs`` is set (``should_epoch_stop`` ends one early). ``resumed``:
@@ -129,9 +138,16 @@ class TrainData:
         if max_steps is not None:
             return max_steps, math.inf
         if batches is None:
-            raise ConfigError("the training data has no length (IterableDataset): set max_steps")
+            whole = float(max_epochs).is_integer()  # type: ignore[arg-type]
+            raise ConfigError("the training data has no length (IterableDataset): set max_steps" + (
+                "" if whole else f"; max_epochs={max_epochs!r} is a fraction of an epoch's optimizer steps, whose "
+                "number is not known without the data's length"), settings=("max_epochs", "max_steps"))
         per_epoch = -(-batches // accum)
-        total = max_epochs * per_epoch  # type: ignore[operator]
+        total = epoch_steps(max_epochs, per_epoch)  # type: ignore[arg-type]
+        if total == 0:
+            raise ConfigError(f"max_epochs={max_epochs!r} of {per_epoch} optimizer step(s) per epoch is no step "
+                              f"(floor({max_epochs!r} * {per_epoch}) = 0): raise max_epochs to at least "
+                              f"{1 / per_epoch:.4g}, or set max_steps", settings=("max_epochs",))
         if resumed is None or resumed.max_steps == total:
             return total, max_epochs  # type: ignore[return-value]
         # the epochs' steps changed since the checkpoint (batch size, accumulation, world size,
@@ -143,7 +159,8 @@ class TrainData:
         elif resumed.samples_in_epoch and self.replays():  # read again up to the position, not trained on
             # (mid-epoch the ranks have taken the same batches: a replay keeps the world size)
             left = max(0, batches - resumed.batches_in_epoch)
-        rest = -(-left // accum) + (max_epochs - resumed.epoch_index - 1) * per_epoch  # type: ignore[operator]
+        # (a fractional last epoch: the steps taken of it are counted as a negative rest of epochs)
+        rest = -(-left // accum) + epoch_steps(max_epochs, per_epoch, resumed.epoch_index + 1)  # type: ignore[arg-type]
         return resumed.global_step + max(0, rest), max_epochs  # type: ignore[return-value]
 
     def position(self, start: int, batches_in_epoch: int, world_size: int) -> EpochPosition:

@@ -34,8 +34,10 @@ def test_event_order(tmp_path):
     data, val = DictDataset(n=12), DictDataset(n=6, seed=1)
     fit(tmp_path, [rec], max_epochs=1, grad_accum_steps=2, log_every=1, eval_every=1).fit(Classifier(), data, val)
     # 12 items / batch 4 = 3 batches; accumulation 2 -> steps of 2 and 1 micro-batches
+    # 6 evaluation items / batch 4 -> 2 evaluation batches
     step = lambda s: [("on_step_start", s - 1), ("on_before_optimizer_step", s - 1),  # noqa: E731
-                      ("on_step_end", s), ("on_log", s), ("on_evaluate", s)]
+                      ("on_step_end", s), ("on_log", s), ("on_eval_batch_end", s), ("on_eval_batch_end", s),
+                      ("on_evaluate", s)]
     expected = [("on_fit_start", 0), ("on_epoch_start", 0), *step(1), *step(2),
                 ("on_epoch_end", 2), ("on_fit_end", 2)]
     assert rec.events == expected

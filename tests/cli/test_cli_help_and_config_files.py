@@ -185,6 +185,19 @@ def test_none_words_and_bad_json(capsys):
     assert "argument --loggers: not valid JSON (" in line and "'[csv'" in line
 
 
+def test_fractional_max_epochs_on_the_command_line(capsys):
+    """--max_epochs takes 2 (an int) or 2.5, and --help says NUMBER, not INT."""
+    for raw, value in (("2", 2), ("2.5", 2.5)):
+        code, out, err = run_cli(capsys, "config", TARGET, "--max_epochs", raw, "--format", "json")
+        assert code == 0, err
+        got = json.loads(out)["max_epochs"]
+        assert got == value and type(got) is type(value)
+    with pytest.raises(SystemExit) as e:
+        main(["fit", TARGET, "--help"])
+    out = capsys.readouterr().out
+    assert e.value.code == 0 and "--max_epochs NUMBER" in out and "--max_steps INT" in out
+
+
 def test_a_stray_argument_and_several_unknown_flags(capsys):
     line = one_line_error(capsys, "fit", TARGET, "stray", "--max_steps", "1")
     assert "unexpected argument 'stray' (see lightlike fit --help)" in line

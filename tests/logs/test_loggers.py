@@ -473,7 +473,7 @@ def test_progress_bar_without_tqdm():
     out = run_python(code)
     assert out.returncode == 0, out.stderr
     assert "AUTO None" in out.stdout and "tqdm is not installed: no progress bar" in out.stderr
-    assert "ERR ProgressBar(enabled=True) needs tqdm: pip install 'lightlike[progress]'" in out.stdout
+    assert "ERR ProgressBar(enabled=True) needs tqdm: pip install tqdm" in out.stdout
 
 
 def test_importing_loggers_and_progress_loads_neither_tensorboard_nor_tqdm():

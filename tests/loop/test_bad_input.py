@@ -77,7 +77,7 @@ def test_unknown_keyword_to_fit_config_itself_names_closest():
     ("momentum", -0.1, r"momentum must be >= 0, got -0.1"),
     ("num_workers", -1, r"num_workers must be >= 0, got -1"),
     ("max_steps", 0, r"max_steps must be a positive int, got 0"),
-    ("max_epochs", 0, r"max_epochs must be a positive int, got 0"),
+    ("max_epochs", 0, r"max_epochs must be a number of epochs > 0 \(2 or 2.5\), got 0"),
     ("warmup_ratio", 1.0, r"warmup_ratio must be in \[0, 1\), got 1.0"),
     ("warmup_ratio", -0.1, r"warmup_ratio must be in \[0, 1\), got -0.1"),
 ])
