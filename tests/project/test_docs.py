@@ -174,3 +174,14 @@ def test_every_test_a_page_cites_exists():
             elif name and not re.search(rf"^def {name.replace('*', '[A-Za-z0-9_]*')}\(", source.read_text(), re.M):
                 missing.append(f"{page.name}: {path}::{name}")
     assert not missing, missing
+
+
+def test_the_migration_page_names_every_other_frameworks_name():
+    """Every HF Trainer / Lightning name the config's error hints know (``config.OTHER_NAMES``) is
+    in docs/migrating.md's tables, inside backticks, so the page and the hints agree."""
+    from lightlike.config import OTHER_NAMES
+
+    text = (ROOT / "docs" / "migrating.md").read_text()
+    quoted = " ".join(re.findall(r"`([^`\n]+)`", text))
+    missing = [name for name in OTHER_NAMES if not re.search(rf"\b{name}\b", quoted)]
+    assert not missing, f"docs/migrating.md does not name {missing}"
