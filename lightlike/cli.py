@@ -48,6 +48,7 @@ from lightlike.cli_args import (
     read_config_file,
     split_config,
 )
+from lightlike.cli_objects import build, collect
 from lightlike.cli_targets import call_with_known, load_target
 from lightlike.config import FitConfig
 from lightlike.errors import CheckpointError, ConfigError, DataError, LightlikeError, OutputDirError
@@ -91,6 +92,10 @@ def _cli_options(cmd: str) -> list[tuple[str, dict[str, Any]]]:
         ("config", dict(metavar="FILE", help="settings from a TOML, YAML or JSON file (flags win); the "
                         "module's constructor arguments go in its 'model' table")),
     ]
+    opts.append(("callbacks", dict(metavar="LIST", help=(
+        "callbacks to add: class paths (my_pkg.MyCallback,lightlike.callbacks.EarlyStopping) or JSON "
+        "[{\"class_path\": ..., \"init_args\": {...}}]; replaces the config file's 'callbacks' list. "
+        "Loggers take the same entries in 'loggers', beside the built-in names"))))
     if cmd in RUNS:
         opts.append(("data", dict(metavar="FILE.py:FUNCTION", help=(
             "take the data from FUNCTION instead of the module's <role>_data() methods; it returns "
@@ -225,11 +230,14 @@ def _parse(cmd: str, argv: list[str]) -> dict[str, Any]:
     # settings: defaults < config file < flags
     file_fit: dict[str, Any] = {}
     file_model: dict[str, Any] = {}
+    file_callbacks = None
     if given.get("cli_config"):
         data = read_config_file(given["cli_config"])
+        file_callbacks = data.pop("callbacks", None)  # not a FitConfig field: class paths (cli_objects.py)
         file_fit, file_model = split_config(data, given["cli_config"], fit_opts,
                                             model_opts if cls is not None else None, var_kw)
     values = {**file_fit, **{k: v for k, v in given.items() if k in fit_opts}}
+    entries = collect(given, file_callbacks, values)  # callbacks and loggers by class path, checked
     try:
         config = FitConfig.from_dict(values)
         if cmd == "fit":  # said before the module, the data and the processes are set up
@@ -244,7 +252,7 @@ def _parse(cmd: str, argv: list[str]) -> dict[str, Any]:
     checkpoint = _resolve_checkpoint(given["cli_checkpoint"], config) if given.get("cli_checkpoint") else None
     model = (_constructor_args(cls, model_list, model_opts, var_kw, checkpoint, file_model, given)
              if cls is not None or file_model else None)
-    return {"config": config, "cls": cls, "model": model, "checkpoint": checkpoint, "args": given,
+    return {"config": config, "cls": cls, "model": model, "checkpoint": checkpoint, "args": given, "entries": entries,
             "fit_help": {k: o.help for k, o in fit_opts.items()},
             "model_help": {k: o.help for k, o in model_opts.items()},
             "defaults": {**{k: o.default for k, o in fit_opts.items()}, **{k: o.default for k, o in model_opts.items()}}}
@@ -317,13 +325,17 @@ def _cmd_run(cmd: str, argv: list[str]) -> int:
         helps = None
         if r["args"]["cli_comments"]:
             helps = {**r["fit_help"], **{k: v for k, v in r["model_help"].items() if v}}
-        sys.stdout.write(dump_config(r["config"].to_dict(), r["model"], r["args"]["cli_format"], helps, r["defaults"]))
+        fit = {**r["config"].to_dict(), **{k: v for k, (v, _) in r["entries"].items()}}
+        sys.stdout.write(dump_config(fit, r["model"], r["args"]["cli_format"], helps, r["defaults"]))
         return 0
     config, cls, kwargs, args = r["config"], r["cls"], r["model"], r["args"]
     if cmd == "predict":  # where the predictions go is checked before anything is built or predicted
         path = Path(args.get("cli_predictions_file") or Path(config.output_dir) / "predictions.pt")
         _check_predictions_path(path, named=bool(args.get("cli_predictions_file")))
-    fitter = Fitter(config)
+    made = {key: build(key, entries, source) for key, (entries, source) in r["entries"].items()}
+    if "loggers" in made:
+        config = config.replace(loggers=made["loggers"])
+    fitter = Fitter(config, callbacks=made.get("callbacks"))
     if cmd == "fit":
         with fitter.init_module():  # FSDP: on the meta device; ZeRO-3: partitioned as built
             module = cls(**kwargs)

@@ -426,9 +426,9 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
     text = p.read_text()
     try:
         if suffix == ".toml":
-            import tomllib
+            from lightlike.utils import toml
 
-            data = tomllib.loads(text)
+            data = toml.loads(text)
         elif suffix in (".yaml", ".yml"):
             data = _yaml().safe_load(text)
         elif suffix == ".json":

@@ -17,11 +17,13 @@ from lightlike.cli_args import nearest
 from lightlike.errors import ConfigError
 
 
-def load_target(spec: str, what: str, want: type | None = None) -> Any:
-    """The object ``spec`` names. Without ``:Name``, the one subclass of ``want`` defined in it."""
+def load_target(spec: str, what: str, want: type | None = None, shown: str | None = None) -> Any:
+    """The object ``spec`` names. Without ``:Name``, the one subclass of ``want`` defined in it.
+    ``shown``: how errors name the spec (the user's own spelling, where ``spec`` was rewritten)."""
     where, sep, name = spec.rpartition(":") if ":" in spec else (spec, "", "")
     if len(where) == 1 and sep and os.sep == "\\":  # a Windows drive letter, not a separator
         where, name = spec, ""
+    spec = shown or spec
     module = _import(where, what, spec)
     if not name:
         found = [v for v in vars(module).values() if isinstance(v, type) and want is not None
@@ -40,6 +42,20 @@ def load_target(spec: str, what: str, want: type | None = None) -> Any:
     if want is None and not callable(obj):
         raise ConfigError(f"{what} {spec!r}: {name} is not callable")
     return obj
+
+
+def load_class_path(path: str, what: str, want: type) -> type:
+    """The subclass of ``want`` a ``class_path`` names: ``package.module.ClassName`` (as
+    LightningCLI writes it), ``package.module:ClassName`` or ``path/to/file.py:ClassName``."""
+    if not isinstance(path, str) or not path.strip():
+        raise ConfigError(f"{what}: expected a class path such as package.module.ClassName, got {path!r}")
+    if ":" in path or path.endswith(".py") or "/" in path:
+        return load_target(path, what, want)
+    module, _, name = path.rpartition(".")
+    if not module or not name:
+        raise ConfigError(f"{what} {path!r}: give the module too: package.module.ClassName "
+                          "(or path/to/file.py:ClassName)")
+    return load_target(f"{module}:{name}", what, want, shown=path)
 
 
 def _import(where: str, what: str, spec: str) -> types.ModuleType:

@@ -383,10 +383,10 @@ class FitConfig:
 
     @classmethod
     def from_toml(cls, path_or_text: str | Path) -> FitConfig:
-        import tomllib
+        from lightlike.utils import toml
 
         text = _read_if_path(path_or_text)
-        return cls.from_dict(tomllib.loads(text))
+        return cls.from_dict(toml.loads(text))
 
     def replace(self, **changes: Any) -> FitConfig:
         check_keys(changes, type(self))

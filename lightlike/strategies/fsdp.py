@@ -129,9 +129,9 @@ class FSDPStrategy(ParallelStrategy):
         """Options from a TOML file such as ``strategies/fsdp.toml``: the preset its ``strategy``
         line names (``fsdp``, ``fsdp_offload`` or ``hsdp``; default ``fsdp``), refined by its
         ``[fsdp]`` table."""
-        import tomllib
+        from lightlike.utils import toml
 
-        doc = tomllib.loads(Path(path).read_text())
+        doc = toml.loads(Path(path).read_text())
         named = doc.get("strategy", "fsdp")
         if named not in PRESETS:
             raise ConfigError(f"{path}: strategy = {named!r}, but a .toml strategy file describes FSDP "

@@ -89,6 +89,52 @@ def test_docs_site_builds(tmp_path):
     assert p.returncode == 0, p.stderr[-4000:]
     api = (tmp_path / "site" / "api" / "index.html").read_text()
     assert "init_module" in api and "save_checkpoint_state" in api  # docstrings made it in
+    assert "mkdocs-material-" in (tmp_path / "site" / "index.html").read_text()  # the theme mkdocs.yml names
+
+
+#: The packages whose ``__all__`` is public API, and ``lightlike.errors`` (every exception class).
+PUBLIC = ("lightlike", "lightlike.callbacks", "lightlike.loggers", "lightlike.data", "lightlike.strategies",
+          "lightlike.precision", "lightlike.checkpoint", "lightlike.interop", "lightlike.search")
+
+
+def public_names() -> dict[str, object]:
+    import importlib
+
+    import lightlike.errors
+
+    names = {}
+    for package in PUBLIC:
+        module = importlib.import_module(package)
+        for name in module.__all__:
+            names[f"{package}.{name}"] = getattr(module, name)
+    for name, obj in vars(lightlike.errors).items():
+        if isinstance(obj, type) and issubclass(obj, Exception) and obj.__module__ == "lightlike.errors":
+            names[f"lightlike.errors.{name}"] = obj
+    return names
+
+
+def test_the_api_reference_covers_every_public_name():
+    """Each class and function of ``public_names()`` has a ``::: path`` entry in docs/api.md that
+    imports as that very object; each constant (a tuple, a pattern, a file name) is named in the
+    page's text."""
+    import importlib
+
+    text = (ROOT / "docs" / "api.md").read_text()
+    documented = []
+    for path in re.findall(r"^::: ([\w.]+)\s*$", text, re.M):
+        module, _, name = path.rpartition(".")
+        try:
+            documented.append(getattr(importlib.import_module(module), name))
+        except (ImportError, AttributeError):  # a module documented whole
+            documented.append(importlib.import_module(path))
+    missing = []
+    for full, obj in public_names().items():
+        if callable(obj):
+            if not any(obj is d for d in documented):
+                missing.append(full)
+        elif f"`{full}`" not in text and f"`{full.rsplit('.', 1)[1]}`" not in text:
+            missing.append(full)
+    assert not missing, f"docs/api.md has no entry for {missing}"
 
 
 def config_table() -> str:
@@ -128,3 +174,14 @@ def test_every_test_a_page_cites_exists():
             elif name and not re.search(rf"^def {name.replace('*', '[A-Za-z0-9_]*')}\(", source.read_text(), re.M):
                 missing.append(f"{page.name}: {path}::{name}")
     assert not missing, missing
+
+
+def test_the_migration_page_names_every_other_frameworks_name():
+    """Every HF Trainer / Lightning name the config's error hints know (``config.OTHER_NAMES``) is
+    in docs/migrating.md's tables, inside backticks, so the page and the hints agree."""
+    from lightlike.config import OTHER_NAMES
+
+    text = (ROOT / "docs" / "migrating.md").read_text()
+    quoted = " ".join(re.findall(r"`([^`\n]+)`", text))
+    missing = [name for name in OTHER_NAMES if not re.search(rf"\b{name}\b", quoted)]
+    assert not missing, f"docs/migrating.md does not name {missing}"

@@ -9,7 +9,6 @@ import math
 from pathlib import Path
 
 import pytest
-import tomllib
 import torch
 from helpers import Classifier
 from launching import FSDP_ARGS, REF_8_STEPS, assert_close, launch, moved_share, run_ok, weights
@@ -19,6 +18,7 @@ from torch import nn
 
 from lightlike.errors import CheckpointError, ConfigError
 from lightlike.strategies import get_strategy
+from lightlike.utils import toml
 
 ROOT = Path(__file__).resolve().parents[2]
 #: the DDP reference and the sharded runs compared with it (checkpoints at 2, 4, 6 and the last, 7);
@@ -313,7 +313,7 @@ def test_preset_files_agree_with_named_presets(tmp_path):
     for f in files:
         from_file, named = FSDPStrategy.from_file(f), FSDPStrategy.from_preset(f.stem)
         assert {k: getattr(from_file, k) for k in fields} == {k: getattr(named, k) for k in fields}, f.name
-        assert tomllib.loads(f.read_text())["strategy"] == f.stem
+        assert toml.loads(f.read_text())["strategy"] == f.stem
         # a path works wherever a strategy name does (Fitter keyword, config file, --strategy)
         via_path = get_strategy(str(f), "cpu", None)
         assert {k: getattr(via_path, k) for k in fields} == {k: getattr(named, k) for k in fields}, f.name
