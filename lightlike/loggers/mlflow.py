@@ -14,12 +14,14 @@ refuses its file store ``./mlruns`` unless ``MLFLOW_ALLOW_FILE_STORE=true``).
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 import time
 from collections.abc import Mapping
 from typing import Any
 
+from lightlike.errors import ConfigError
 from lightlike.loggers.params import flat_params
 from lightlike.loggers.tracker import TrackerLogger, import_library
 
@@ -49,14 +51,21 @@ class MLflowLogger(TrackerLogger):
     def resolved_tracking_uri(self) -> str:
         """The store this logger writes to: the option, else MLflow's own setting, else the
         SQLite file in the run's ``logs/``."""
+        from mlflow.tracking import get_tracking_uri, is_tracking_uri_set
+
         if self.tracking_uri:
             return self.tracking_uri
-        if self.mlflow.is_tracking_uri_set():  # MLFLOW_TRACKING_URI or mlflow.set_tracking_uri()
-            return self.mlflow.get_tracking_uri()
-        if self.log_dir is None:
-            return self.mlflow.get_tracking_uri()  # used outside a fit: MLflow's default
+        if is_tracking_uri_set() or self.log_dir is None:  # MLFLOW_TRACKING_URI, mlflow.set_tracking_uri()
+            return get_tracking_uri()
+        path = (self.log_dir / "mlflow.db").resolve()
+        missing = [lib for lib in ("sqlalchemy", "alembic") if importlib.util.find_spec(lib) is None]
+        if missing:  # mlflow-skinny leaves out what its SQLite store needs
+            raise ConfigError(f"the mlflow logger's default store, sqlite:///{path}, needs {' and '.join(missing)}, "
+                              "which mlflow-skinny does not install: pip install 'lightlike[mlflow]', or set "
+                              "MLFLOW_TRACKING_URI (or MLflowLogger(tracking_uri=...)) to a store of yours",
+                              settings=("loggers",))
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        return "sqlite:///" + str((self.log_dir / "mlflow.db").resolve())
+        return f"sqlite:///{path}"
 
     def start(self) -> str:
         from mlflow.exceptions import MlflowException

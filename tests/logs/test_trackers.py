@@ -230,3 +230,17 @@ def test_a_missing_library_names_the_extra(library, monkeypatch, tmp_path):
     with pytest.raises(ConfigError, match=rf"needs the {library} package, which is not installed: "
                                           rf"pip install 'lightlike\[{library}\]'"):
         build_loggers([library], tmp_path)
+
+
+def test_the_default_mlflow_store_without_sqlalchemy_names_the_extra(monkeypatch, tmp_path):
+    """mlflow-skinny alone lacks what the default SQLite store needs: said at set-up, naming the
+    store and the two ways out, instead of MLflow's ModuleNotFoundError at the first record."""
+    pytest.importorskip("mlflow")
+    from lightlike.loggers import build_loggers
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.setitem(sys.modules, "sqlalchemy", None)
+    with pytest.raises(ConfigError, match=r"default store, sqlite:///.*/logs/mlflow.db, needs sqlalchemy, which "
+                                          r"mlflow-skinny does not install: pip install 'lightlike\[mlflow\]', or set "
+                                          r"MLFLOW_TRACKING_URI"):
+        build_loggers(["mlflow"], tmp_path, hyperparams={"a": 1})
