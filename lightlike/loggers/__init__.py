@@ -20,6 +20,7 @@ from lightlike.errors import ConfigError
 from lightlike.loggers.base import Logger
 from lightlike.loggers.csv import CSVLogger, JSONLLogger
 from lightlike.loggers.mlflow import MLflowLogger
+from lightlike.loggers.tracker import TrackerLogger
 from lightlike.loggers.wandb import WandbLogger
 
 LOGGER_NAMES = ("csv", "jsonl", "tensorboard", "wandb", "mlflow")
@@ -122,9 +123,10 @@ def build_loggers(spec: Any, output_dir: str | Path, enabled: bool = True, *, re
     """
     if not enabled:
         if not (isinstance(spec, str) and spec.strip().lower() == "auto"):  # no warning on every rank
-            _normalise(spec)
+            _check_one_run_each(_normalise(spec))
         return []
     items = _normalise(spec)
+    _check_one_run_each(items)
     log_dir = Path(output_dir) / "logs"
     loggers = [item if isinstance(item, Logger) else _by_name(item, log_dir) for item in items]
     resumes = _record_resume(log_dir, resume_step) if resume_step is not None and (loggers or log_dir.is_dir()) else []
@@ -135,6 +137,19 @@ def build_loggers(spec: Any, output_dir: str | Path, enabled: bool = True, *, re
         if hyperparams is not None:
             lg.log_hyperparams(hyperparams)
     return loggers
+
+
+def _check_one_run_each(items: list[str | Logger]) -> None:
+    """Two trackers of one kind (``"wandb"`` and a ``WandbLogger``, say) would share the one run
+    id a checkpoint keeps for that kind, so a resumed fit would continue one of their runs in
+    both: refused (on every rank, before anything is constructed)."""
+    kinds = [item.run_key if isinstance(item, TrackerLogger) else item for item in items
+             if isinstance(item, TrackerLogger) or item in (WandbLogger.run_key, MLflowLogger.run_key)]
+    twice = sorted({k for k in kinds if kinds.count(k) > 1})
+    if twice:
+        raise ConfigError(f"loggers holds two {twice[0]} loggers; a checkpoint keeps one {twice[0]} run id, so a "
+                          f"resumed fit could not continue both runs: pass one (the name {twice[0]!r} or one "
+                          "instance with its options)", settings=("loggers",))
 
 
 def log_result(loggers: list[Logger], result: Any) -> None:

@@ -42,16 +42,14 @@ class TrackerLogger(Logger):
         self.log_dir: Path | None = None
         self.runs: dict[str, str] = {}
         self.run_id: str | None = None  #: the id of the run this logger is writing to (None: none open)
-        self.resume_step: int | None = None
         self.succeeded = False
 
     def attach(self, log_dir: Path, runs: dict[str, str]) -> None:
         self.log_dir, self.runs = Path(log_dir), runs
 
     def resume(self, step: int) -> None:
-        # a tracker cannot take back what it recorded after ``step``: the resumed fit records
-        # those steps again (see docs/logging.md), in the run the checkpoint names
-        self.resume_step = int(step)
+        """Nothing to drop: a tracker cannot take back what it recorded after ``step``. The resumed
+        fit records those steps again, in the run the checkpoint names (docs/logging.md)."""
 
     def saved_run_id(self) -> str | None:
         """The id of the run to continue: the one the checkpoint holds (None on a fresh fit)."""

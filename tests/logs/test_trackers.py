@@ -244,3 +244,14 @@ def test_the_default_mlflow_store_without_sqlalchemy_names_the_extra(monkeypatch
                                           r"mlflow-skinny does not install: pip install 'lightlike\[mlflow\]', or set "
                                           r"MLFLOW_TRACKING_URI"):
         build_loggers(["mlflow"], tmp_path, hyperparams={"a": 1})
+
+
+def test_two_trackers_of_one_kind_are_refused(tmp_path):
+    """A checkpoint keeps one run id per kind of tracker: two W&B loggers would both continue one run."""
+    pytest.importorskip("wandb")
+    from lightlike.loggers import WandbLogger, build_loggers
+
+    with pytest.raises(ConfigError, match=r"loggers holds two wandb loggers; a checkpoint keeps one wandb run id"):
+        build_loggers(["wandb", WandbLogger(project="other")], tmp_path)
+    with pytest.raises(ConfigError, match="two wandb loggers"):  # on every rank alike
+        build_loggers([WandbLogger(), WandbLogger(project="other")], tmp_path, enabled=False)
