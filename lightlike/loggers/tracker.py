@@ -10,6 +10,7 @@ instead of starting another one.
 from __future__ import annotations
 
 import importlib
+import logging
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -17,6 +18,8 @@ from typing import Any
 from lightlike.errors import ConfigError
 from lightlike.loggers.base import Logger
 from lightlike.loggers.params import result_numbers
+
+log = logging.getLogger("lightlike")
 
 
 def import_library(name: str, extra: str, logger: str) -> ModuleType:
@@ -69,11 +72,18 @@ class TrackerLogger(Logger):
         self.succeeded = True
 
     def finalize(self) -> None:
-        if self.run_id is not None:
-            try:
-                self.end(self.succeeded)
-            finally:
-                self.run_id = None
+        """Close the run. A tracker that fails to (its server unreachable, say) is warned about,
+        not raised: ``finalize`` runs while a fit's own error propagates, which it must not hide,
+        and a fit that returned has trained and checkpointed what it returns."""
+        if self.run_id is None:
+            return
+        try:
+            self.end(self.succeeded)
+        except Exception as e:
+            log.warning("the %s run %s could not be closed as %s: %s: %s", self.run_key, self.run_id,
+                        "a success" if self.succeeded else "failed", type(e).__name__, e)
+        finally:
+            self.run_id = None
 
     def start(self) -> str:
         raise NotImplementedError

@@ -69,7 +69,7 @@ def wandb_run(run_dir: Path) -> dict:
     for rec in wandb_records(run_dir):
         kind = rec.WhichOneof("record_type")
         if kind == "run":
-            out["id"] = rec.run.run_id
+            out["id"], out["project"], out["tags"] = rec.run.run_id, rec.run.project, list(rec.run.tags)
             out["config"].update({u.key: json.loads(u.value_json) for u in rec.run.config.update})
         elif kind == "config":
             out["config"].update({u.key: json.loads(u.value_json) for u in rec.config.update})
@@ -113,6 +113,7 @@ def test_wandb_run_holds_config_metrics_by_step_and_result(wandb_fits):
     [run_dir] = (root / "elsewhere" / "wandb").glob("offline-run-*")  # WANDB_DIR was respected
     run = wandb_run(run_dir)
     assert run["id"] == r1.state.tracker_runs["wandb"] == run_dir.name.rsplit("-", 1)[1]
+    assert run["project"] == "lightlike-test" and run["tags"] == ["a", "b"]  # the instance's options
     config = ll.FitConfig(output_dir=str(root / "out"), max_steps=4, loggers=["csv", "WandbLogger"], **FIT).to_dict()
     assert {k: run["config"][k] for k in config} == json.loads(json.dumps(config))
     rows = run["history"]
@@ -196,6 +197,26 @@ def test_mlflow_options_and_a_failed_fit(mlflow_fits):
     assert run.info.run_name == "tiny" and run.data.tags["team"] == "x" and run.info.status == "FAILED"
     assert [m.step for m in client.get_metric_history(run.info.run_id, "train/loss")] == [1, 2]
     assert "result/global_step" not in run.data.metrics  # no result: the fit did not return one
+
+
+def test_a_run_that_cannot_be_closed_does_not_hide_the_fits_error(mlflow_fits, caplog):
+    """The run deleted in the store (as by another user) and then the fit fails: closing the run
+    fails too. The fit's own error is the one raised; a warning names the run."""
+    from lightlike.loggers import MLflowLogger
+
+    root, _, _, client = mlflow_fits
+
+    class DeleteRunThenFail(ll.Callback):
+        def on_fit_end(self, fitter, state, control):
+            client.delete_run(state.tracker_runs["mlflow"])
+            raise RuntimeError("the fit's own error")
+
+    logger = MLflowLogger(tracking_uri=client.tracking_uri, experiment_name="unclosable")
+    with caplog.at_level("WARNING", logger="lightlike"), pytest.raises(RuntimeError, match="the fit's own error"):
+        ll.Fitter(output_dir=str(root / "unclosable"), max_steps=2, loggers=[logger], callbacks=[DeleteRunThenFail()],
+                  **ONE).fit(Classifier(), DictDataset(32))
+    [closing] = [r.getMessage() for r in caplog.records if "could not be closed" in r.getMessage()]
+    assert closing.startswith("the mlflow run ") and "as failed: MlflowException" in closing
 
 
 # -- TensorBoard's HPARAMS tab -----------------------------------------------------------------
