@@ -295,6 +295,8 @@ def test_custom_logger_contract():
     Broken().resume(3)  # the other hooks default to no-ops
     Broken().log_text("t", "x", 1)
     Broken().log_hyperparams({})
+    Broken().attach(Path("logs"), {})
+    Broken().log_result(None)
     Broken().finalize()
 
 
