@@ -35,7 +35,7 @@ from lightlike.data.loading import build_train_data
 from lightlike.errors import ConfigError, DataError
 from lightlike.evaluation import run_evaluation
 from lightlike.lazy import materialise_lazy_modules
-from lightlike.loggers import build_loggers
+from lightlike.loggers import build_loggers, log_result
 from lightlike.loggers.console import setup_logging
 from lightlike.loggers.summary import model_summary
 from lightlike.loop import Due, Run, save_due, warn_eval_every_past_the_end
@@ -131,10 +131,12 @@ class Fitter:
             self._end_fit(run)
             run.nonfinite.check_trained()  # a fit whose every step was skipped raises
             self.callbacks.call("on_fit_end", self, state, control)
+            result = self._result(run)
+            log_result(self.loggers, result)  # the trackers record its numbers, their runs end as a success
         finally:
             for lg in self.loggers:
                 lg.finalize()
-        return self._result(run)
+        return result
 
     def _train(self, run: Run) -> None:
         """The loop: epochs of optimizer steps, each followed by its step boundary."""
@@ -366,7 +368,7 @@ class Fitter:
         self.state.max_steps = run.max_steps
         self.loggers = build_loggers(cfg.loggers, cfg.output_dir, enabled=strategy.is_global_zero,
                                      resume_step=self.state.global_step if resume_from else None,
-                                     hyperparams=cfg.to_dict())
+                                     hyperparams=cfg.to_dict(), runs=self.state.tracker_runs)
         if cfg.model_summary and strategy.is_global_zero and resume_from is None:
             log.info("model summary\n%s", model_summary(module))
         if strategy.root_device.type == "cuda":

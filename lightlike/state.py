@@ -28,6 +28,8 @@ class FitState:
     best_checkpoint: str | None = None
     last_eval_step: int = -1
     last_save_step: int = -1
+    # the trackers' run ids ({"wandb": id, "mlflow": id}): a resumed fit continues those runs
+    tracker_runs: dict[str, str] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -1,7 +1,7 @@
-"""Loggers: CSV/JSONL metrics files, TensorBoard; Python logging; the model summary.
+"""Loggers: CSV/JSONL metrics files, TensorBoard, W&B and MLflow; Python logging; the model summary.
 
-Importing this package imports neither tensorboard nor tqdm: the TensorBoard logger and the
-progress bar import them when constructed / started.
+Importing this package imports neither tensorboard, tqdm, wandb nor mlflow: each logger and the
+progress bar import theirs when constructed / started.
 """
 
 from __future__ import annotations
@@ -19,8 +19,11 @@ from typing import Any
 from lightlike.errors import ConfigError
 from lightlike.loggers.base import Logger
 from lightlike.loggers.csv import CSVLogger, JSONLLogger
+from lightlike.loggers.mlflow import MLflowLogger
+from lightlike.loggers.tracker import TrackerLogger
+from lightlike.loggers.wandb import WandbLogger
 
-LOGGER_NAMES = ("csv", "jsonl", "tensorboard")
+LOGGER_NAMES = ("csv", "jsonl", "tensorboard", "wandb", "mlflow")
 #: ``logs/`` file recording each resume's step and time (``build_loggers``)
 RESUMES = "resumes.jsonl"
 #: The files lightlike's own loggers write in ``logs/`` (and their temp files): what
@@ -95,37 +98,65 @@ def _by_name(name: str, log_dir: Path) -> Logger:
         return CSVLogger(log_dir)
     if name == "jsonl":
         return JSONLLogger(log_dir)
+    if name == "wandb":
+        return WandbLogger()
+    if name == "mlflow":
+        return MLflowLogger()
     from lightlike.loggers.tensorboard import TensorBoardLogger
 
     return TensorBoardLogger(log_dir)
 
 
 def build_loggers(spec: Any, output_dir: str | Path, enabled: bool = True, *, resume_step: int | None = None,
-                  hyperparams: dict[str, Any] | None = None) -> list[Logger]:
+                  hyperparams: dict[str, Any] | None = None, runs: dict[str, str] | None = None) -> list[Logger]:
     """The loggers of a run, writing under ``output_dir/logs/``.
 
     ``spec``: ``'auto'`` (CSV, plus TensorBoard when installed, else a warning), a list/tuple of
-    names among ``csv``, ``jsonl``, ``tensorboard`` and/or ``Logger`` instances, or ``[]``/None
-    for none. The spec is checked on every process (an invalid one fails everywhere alike); only
+    names among ``csv``, ``jsonl``, ``tensorboard``, ``wandb``, ``mlflow`` and/or ``Logger``
+    instances, or ``[]``/None for none. The spec is checked on every process (an invalid one fails everywhere alike); only
     where ``enabled`` (the main process) are loggers constructed. ``resume_step``: a resumed run,
-    whose logs drop what was written after that step's checkpoint; ``hyperparams`` are logged.
+    whose logs drop what was written after that step's checkpoint; ``hyperparams`` are logged;
+    ``runs`` is ``FitState.tracker_runs`` (the trackers' run ids, checkpointed), given to every
+    logger's ``attach``.
     A resume is recorded in ``logs/resumes.jsonl`` (its step and time), so that a logger left out
     of a resumed run and enabled again later also drops what it logged past that run's step.
     """
     if not enabled:
         if not (isinstance(spec, str) and spec.strip().lower() == "auto"):  # no warning on every rank
-            _normalise(spec)
+            _check_one_run_each(_normalise(spec))
         return []
     items = _normalise(spec)
+    _check_one_run_each(items)
     log_dir = Path(output_dir) / "logs"
     loggers = [item if isinstance(item, Logger) else _by_name(item, log_dir) for item in items]
     resumes = _record_resume(log_dir, resume_step) if resume_step is not None and (loggers or log_dir.is_dir()) else []
     for lg in loggers:
+        lg.attach(log_dir, runs if runs is not None else {})
         if resume_step is not None:
             lg.resume(_drop_after(lg, resume_step, resumes))
         if hyperparams is not None:
             lg.log_hyperparams(hyperparams)
     return loggers
+
+
+def _check_one_run_each(items: list[str | Logger]) -> None:
+    """Two trackers of one kind (``"wandb"`` and a ``WandbLogger``, say) would share the one run
+    id a checkpoint keeps for that kind, so a resumed fit would continue one of their runs in
+    both: refused (on every rank, before anything is constructed)."""
+    kinds = [item.run_key if isinstance(item, TrackerLogger) else item for item in items
+             if isinstance(item, TrackerLogger) or item in (WandbLogger.run_key, MLflowLogger.run_key)]
+    twice = sorted({k for k in kinds if kinds.count(k) > 1})
+    if twice:
+        raise ConfigError(f"loggers holds two {twice[0]} loggers; a checkpoint keeps one {twice[0]} run id, so a "
+                          f"resumed fit could not continue both runs: pass one (the name {twice[0]!r} or one "
+                          "instance with its options)", settings=("loggers",))
+
+
+def log_result(loggers: list[Logger], result: Any) -> None:
+    """Give every logger the ``FitResult`` of a fit that ended normally (the trackers record its
+    numbers and close their runs as a success)."""
+    for lg in loggers:
+        lg.log_result(result)
 
 
 def _record_resume(log_dir: Path, step: int) -> list[tuple[int, int]]:
@@ -159,5 +190,5 @@ def _drop_after(lg: Logger, step: int, resumes: list[tuple[int, int]]) -> int:
     return min([step] + [s for s, t in resumes if t > written])
 
 
-__all__ = ["LOGGER_NAMES", "OWN_LOG_FILES", "CSVLogger", "JSONLLogger", "Logger", "build_loggers", "own_log_files",
-           "tensorboard_available"]
+__all__ = ["LOGGER_NAMES", "OWN_LOG_FILES", "CSVLogger", "JSONLLogger", "Logger", "MLflowLogger", "WandbLogger",
+           "build_loggers", "log_result", "own_log_files", "tensorboard_available"]

@@ -12,6 +12,10 @@ The event file is created on the first write, so that ``resume(step)`` (called b
 write) can open it with a purge marker at ``step + 1``. TensorBoard then discards every event of
 an earlier file whose step is ``>= step + 1``: a resumed run shows each step once, with the
 values of the resumed run.
+
+``log_hyperparams`` writes the config twice, at the step the run (or its resumed part) starts
+from: as a text table (the TEXT tab) and as the hparams plugin's session start info (the
+HPARAMS tab, next to the other runs of the logdir).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from lightlike.loggers.base import Logger
+from lightlike.loggers.params import flat_params
 
 INSTALL_HINT = "pip install 'lightlike[tensorboard]'"
 _file_ids = itertools.count()
@@ -45,6 +50,18 @@ def _cell(value: Any) -> str:
     except Exception:  # a broken __repr__ must not break logging
         text = f"<{type(value).__name__}>"
     return text.replace("\\", "\\\\").replace("|", "\\|").replace("\n", " ")
+
+
+def hparams_summary(params: dict[str, Any]) -> Any:
+    """The HPARAMS tab's record of this run: the hparams plugin's session start info (its own
+    ``hparams_pb``), the config flattened to bool, number and string values. No experiment
+    summary is written: without one, TensorBoard builds the tab from every run's session start
+    info under its logdir and takes each run's scalars (``train/loss``, ``val/...``) as the metric
+    columns. An experiment summary would fix the metrics before any is logged, and where several
+    runs share a logdir TensorBoard would show one run's summary and hide the other runs' hparams."""
+    from tensorboard.plugins.hparams.summary_v2 import hparams_pb
+
+    return hparams_pb(flat_params(params))
 
 
 class TensorBoardLogger(Logger):
@@ -129,6 +146,7 @@ class TensorBoardLogger(Logger):
         # (step 0) nor survives a later purge of the steps it belongs to.
         rows = "\n".join(f"| {_cell(k)} | {_cell(v)} |" for k, v in sorted(params.items(), key=lambda kv: str(kv[0])))
         self.log_text("config", "| key | value |\n|---|---|\n" + rows, self._start_step)
+        self._write(self._start_step, summary=hparams_summary(params))
         self.flush()
 
     def log_text(self, tag: str, text: str, step: int) -> None:
