@@ -260,7 +260,8 @@ class NormStack(Stack):
 
 def test_activation_checkpointing_per_block_on_one_device_trains_the_same_weights(tmp_path):
     """SingleDeviceStrategy(activation_checkpointing=True) recomputes each block in backward (its
-    forward runs twice per micro-batch), with the same weights and running statistics."""
+    forward runs twice per micro-batch), with the same weights and running statistics. A later
+    compiled fit of the module is refused by name (its blocks keep the eager hooks)."""
     _, plain, _ = fit(tmp_path, NormStack, "plain")
     plain_forwards = len(FORWARD_CALLS)
     FORWARD_CALLS.clear()
@@ -268,6 +269,11 @@ def test_activation_checkpointing_per_block_on_one_device_trains_the_same_weight
     assert len(FORWARD_CALLS) == 2 * plain_forwards - 8  # (8 of them Stack.forward's own, not recomputed)
     for k, v in plain.state_dict().items():
         assert torch.equal(ckpt.state_dict()[k], v), k
+    # its blocks hold the eager checkpoint's hooks, which torch.compile cannot trace: a compiled fit says so
+    with pytest.raises(ll.ConfigError, match=r"checkpointed by hooks by an earlier fit of this module without compile"):
+        ll.Fitter(max_steps=1, compile=True, output_dir=str(tmp_path / "again"), loggers=[], save_strategy="no",
+                  strategy=SingleDeviceStrategy("cpu", activation_checkpointing=True)).fit(
+            ckpt, DictDataset(n=4, dtype=torch.float64))
 
 
 class QuietNormBlock(Block):
