@@ -87,7 +87,10 @@ def checkpoint_blocks(module: nn.Module, blocks: list[nn.Module], compiled: bool
 def _checkpointed(block: nn.Module, *args: Any, **kwargs: Any) -> Any:
     """The call of a checkpointed block (``checkpoint_wrapper``'s ``checkpoint_fn``): eagerly with
     the running statistics kept on recompute; while torch.compile traces, without (it takes no
-    ``context_fn`` of this kind, and the compiled backward recomputes no buffer update)."""
+    ``context_fn`` of this kind, and the compiled backward recomputes no buffer update). A Python
+    side effect in the block's forward breaks the graph at this checkpoint; torch then runs it
+    eagerly as traced, without the context, so running statistics in such a block are updated
+    twice (documented in concepts.md, Compilation)."""
     from torch.utils.checkpoint import checkpoint
 
     from lightlike.utils.buffers import buffers_kept_on_recompute
