@@ -19,6 +19,7 @@ their drivers' processes; a driver whose package is missing is skipped with a no
     python benchmarks/gpt_peers.py --preset 0.9b        # issue 33's model: 16 x 2048, 2048 tokens
     python benchmarks/gpt_peers.py --tiny               # CPU smoke run
     python benchmarks/gpt_peers.py --drivers hand,lightlike
+    python benchmarks/gpt_peers.py --drivers lightlike,lightlike-regions --ac   # per-block checkpointing
 """
 
 from __future__ import annotations
@@ -114,6 +115,7 @@ def _lightlike(args: argparse.Namespace, data: Any, cuda: bool) -> tuple[float, 
     from gpt_throughput import _model
 
     import lightlike as ll
+    from lightlike.strategies import SingleDeviceStrategy
 
     clock = Clock(args.warmup, args.steps)
 
@@ -124,9 +126,11 @@ def _lightlike(args: argparse.Namespace, data: Any, cuda: bool) -> tuple[float, 
     torch.manual_seed(0)
     model = _model(args)
     compiled = args.compile and (cuda or args.compile_cpu)
+    strategy = SingleDeviceStrategy(activation_checkpointing=True) if args.ac else "auto"
     with tempfile.TemporaryDirectory() as out:
-        result = ll.Fitter(precision="bf16-mixed" if cuda else "32-true", compile=compiled,
+        result = ll.Fitter(precision="bf16-mixed" if cuda else "32-true", compile=compiled, strategy=strategy,
                            compile_regions=compiled and args.driver == "lightlike-regions",
+                           compile_mode=args.compile_mode if compiled else None,
                            max_steps=args.steps, batch_size=args.batch_size, learning_rate=3e-4, output_dir=out,
                            loggers=[], progress_bar=False, model_summary=False, log_level="warning",
                            save_strategy="no", callbacks=[Timed()]).fit(model, data)
@@ -220,6 +224,9 @@ def main() -> None:
     p.add_argument("--peak-tflops", type=float, default=None)
     p.add_argument("--no-compile", action="store_true", help="no torch.compile anywhere (on CUDA it is on)")
     p.add_argument("--compile-cpu", action="store_true", help="torch.compile on the CPU too")
+    p.add_argument("--ac", action="store_true", help="lightlike drivers: per-block activation checkpointing "
+                   "(SingleDeviceStrategy(activation_checkpointing=True)), compiled with the step or each block")
+    p.add_argument("--compile-mode", default=None, help="lightlike drivers: compile_mode (e.g. max-autotune-no-cudagraphs)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds each driver may take")
     p.add_argument("--driver", help=argparse.SUPPRESS)  # internal: run one driver, print its result
     args = p.parse_args()
@@ -279,7 +286,7 @@ def _print_row(args: argparse.Namespace, r: dict[str, Any], header: bool) -> Non
         print(f"| driver | ms/step | tokens/s | MFU | {memory} | process s |")
         print("|---|---|---|---|---|---|")
     mfu = f"{100 * r['mfu']:.1f} %" if "mfu" in r else "-"
-    name = r["driver"] + (f" (compile {r['compile_seconds']:.1f} s)" if r.get("compile_seconds") else "")
+    name = r["driver"] + (" + ac" if args.ac and r["driver"].startswith("lightlike") else "") + (f" (compile {r['compile_seconds']:.1f} s)" if r.get("compile_seconds") else "")
     print(f"| {name} | {r['ms_per_step']:.2f} | {r['tokens_per_s']:,.0f} | {mfu} | "
           f"{r['peak_bytes'] / 2**30:.2f} GiB | {r['process_seconds']:.0f} |", flush=True)
 

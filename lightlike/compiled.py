@@ -17,6 +17,11 @@ What the loop checks of the loss (a scalar that requires grad: ``check_loss``) a
 that name a batch key the forward or the loss read and the batch lacks happen outside the
 compiled function, on what it returns or raises. ``compile_seconds`` is the wall time of the
 first call of each compiled function, backward graph included (it is lowered at once there).
+
+The strategies' per-block activation checkpointing (``activation_checkpointing=True``) works
+here: under ``compile=True`` they checkpoint each block in the form torch.compile traces (torch's
+``checkpoint_wrapper``: ``lightlike.blocks.checkpoint_blocks``), so the compiled backward
+recomputes the blocks' activations, in the whole step and in each compiled block alike.
 """
 
 from __future__ import annotations
@@ -32,7 +37,6 @@ import torch
 from torch import nn
 
 from lightlike.blocks import find_blocks
-from lightlike.errors import ConfigError
 from lightlike.evaluation import call_hook, call_loss, check_loss, error_naming_the_batch
 
 log = logging.getLogger("lightlike")
@@ -44,13 +48,6 @@ def compile_run(run: Any, config: Any, strategy: Any) -> None:
     eager ``forward_loss``, no extra cost per step)."""
     if not config.compile:
         return
-    if strategy.checkpoints_activations:
-        raise ConfigError(
-            f"strategy={strategy.name!r} checkpoints the activations of the module's blocks (activation_checkpointing, "
-            "or FSDP's with gradient_checkpointing=True) with hooks that torch.compile cannot trace through (torch's "
-            "recomputation then fails): checkpoint inside the module instead, with self.maybe_checkpoint(block, x) "
-            "and gradient_checkpointing=True (torch.compile traces it), the strategy's activation_checkpointing=False; "
-            "or drop compile", settings=("compile", "gradient_checkpointing"))
     options = {"mode": config.compile_mode, "fullgraph": config.compile_fullgraph, "dynamic": config.compile_dynamic}
     run.compiled = CompiledStep(run.module, options, regions=config.compile_regions)
     run.forward_loss = run.compiled.forward_loss

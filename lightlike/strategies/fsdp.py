@@ -116,6 +116,7 @@ class FSDPStrategy(ParallelStrategy):
         self._checkpoint_group: Any = None
         self.mesh: Any = None
         self._syncing: bool | None = None
+        self.compiled = False
         self.name = "hsdp" if hybrid else "fsdp"
 
     @classmethod
@@ -147,6 +148,7 @@ class FSDPStrategy(ParallelStrategy):
         self.async_save = self.async_save or bool(config.async_save)
         if self.activation_checkpointing is None:
             self.activation_checkpointing = bool(config.gradient_checkpointing)
+        self.compiled = bool(getattr(config, "compile", False))  # units checkpointed in the form compile traces
 
     # -- processes, devices, mesh ----------------------------------------------------------------
     def setup_environment(self) -> None:
@@ -220,17 +222,13 @@ class FSDPStrategy(ParallelStrategy):
 
                 _sync_module_states(module, group.WORLD, 250 * 1024 * 1024, 0, set())  # type: ignore[arg-type]
         units = self._units(module)
-        if self.activation_checkpointing:
-            from torch.distributed._composable.checkpoint_activation import checkpoint
+        if self.activation_checkpointing and units:  # (without units the module's maybe_checkpoint does it)
+            from lightlike.blocks import checkpoint_blocks
 
-            from lightlike.utils.buffers import buffers_kept_on_recompute
-
-            for unit in units:  # hooks, no wrapper module: parameter names stay the same
-                checkpoint(unit, context_fn=buffers_kept_on_recompute(unit))  # statistics updated once
-            if units:  # checkpointed here, so not twice (without units the module's maybe_checkpoint does it)
-                if hasattr(module, "gradient_checkpointing_disable"):
-                    module.gradient_checkpointing_disable()
-                self.checkpoints_activations = True
+            units = checkpoint_blocks(module, units, compiled=self.compiled)  # before sharding, as torchtitan
+            if hasattr(module, "gradient_checkpointing_disable"):  # checkpointed here, so not twice
+                module.gradient_checkpointing_disable()
+            self.checkpoints_activations = True
         compute = getattr(self.precision, "compute_dtype", None)
         mp = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32) if compute else MixedPrecisionPolicy()
         offload = CPUOffloadPolicy() if self.offload else OffloadPolicy()

@@ -18,7 +18,9 @@ class SingleDeviceStrategy(Strategy):
     """Everything on one device: ``cpu``, ``cuda`` or ``cuda:N``. ``activation_checkpointing=True``
     checkpoints each of the module's repeated blocks (found as for ``compile_regions``:
     ``lightlike.blocks.find_blocks``), as FSDP checkpoints its shard units: their activations
-    are recomputed in backward instead of kept."""
+    are recomputed in backward instead of kept. With ``compile=True`` too (whole step or
+    ``compile_regions``): the checkpoint is then traced into the compiled graphs
+    (``lightlike.blocks.checkpoint_blocks``)."""
 
     name = "single"
 
@@ -27,6 +29,10 @@ class SingleDeviceStrategy(Strategy):
         super().__init__(accelerator, precision)
         self.root_device = resolve_device(accelerator)
         self.activation_checkpointing = activation_checkpointing
+        self.compiled = False  # compile=True: the blocks are checkpointed in the form torch.compile traces
+
+    def configure(self, config: Any) -> None:
+        self.compiled = bool(getattr(config, "compile", False))
 
     def setup_environment(self) -> None:
         import os
@@ -56,7 +62,7 @@ class SingleDeviceStrategy(Strategy):
         if self.activation_checkpointing:
             from lightlike.blocks import checkpoint_blocks, find_blocks
 
-            checkpoint_blocks(find_blocks(module))
+            checkpoint_blocks(module, find_blocks(module), compiled=self.compiled)
             if hasattr(module, "gradient_checkpointing_disable"):  # checkpointed here, so not twice
                 module.gradient_checkpointing_disable()
             self.checkpoints_activations = True

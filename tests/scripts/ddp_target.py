@@ -261,6 +261,22 @@ class ListBlocks(Classifier):
         return self.net[1](x)
 
 
+class QuietBlock(Block):
+    """Block without the Python side effect (the call count): torch.compile traces a checkpoint
+    only over code without one (else its graph breaks there)."""
+
+    def forward(self, x):
+        return torch.tanh(self.lin(x))
+
+
+class QuietBlocks(ListBlocks):
+    """ListBlocks of QuietBlocks (compile_regions, with activation checkpointing or without)."""
+
+    def __init__(self, width=16):
+        super().__init__(width=width)
+        self.blocks = nn.ModuleList([QuietBlock(width), QuietBlock(width)])
+
+
 class F1NormBlocks(F1Module):
     """F1Blocks whose units hold BatchNorm statistics."""
 
@@ -352,7 +368,8 @@ def main() -> None:
         return
     module_cls = {"token": TokenClassifier, "inttoken": IntTokenClassifier, "blocks": F1Blocks, "norm-blocks": F1NormBlocks,
                   "maybe-checkpointed": MaybeCheckpointed, "frozen-first": FrozenFirst,
-                  "only-module": OnlyModule, "dropout": DropoutClassifier, "list-blocks": ListBlocks}.get(args.task, Classifier)
+                  "only-module": OnlyModule, "dropout": DropoutClassifier, "list-blocks": ListBlocks,
+                  "quiet-blocks": QuietBlocks}.get(args.task, Classifier)
     if args.mode == "oom":
         module_cls = OutOfMemoryOnRank1
     dtype = getattr(torch, args.dtype)
@@ -439,6 +456,8 @@ def main() -> None:
         (out / f"served-{'resumed' if args.resume else 'first'}-rank{fitter.strategy.global_rank}.json").write_text(
             json.dumps(Recording.served))
     (out / f"block-calls-rank{fitter.strategy.global_rank}.txt").write_text(str(Block.calls))
+    if isinstance(fitter.module, ListBlocks):  # what the module now calls as its blocks (wrapped by checkpointing?)
+        (out / "block-types.txt").write_text(" ".join(type(b).__name__ for b in fitter.module.blocks))
     # the last preemption vote was waited for and dropped: no collective handle outlives the fit
     assert fitter.preemption.vote is None, "a preemption vote is still in flight after fit()"
     strategy = fitter.strategy

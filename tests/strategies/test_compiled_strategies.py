@@ -35,11 +35,29 @@ def test_compiled_ddp_trains_the_eager_weights(shared_run, tmp_path):
     assert_close(got[0], weights(eager), tol=1e-10)
 
 
+#: FSDP2 with compile_regions: two blocks in an nn.ModuleList (shard units and compiled regions)
+FSDP_REGIONS = [*COMMON[2:], "--task", "quiet-blocks", "--strategy", "fsdp"]
+
+
 @pytest.mark.slow
-def test_compiled_fsdp_blocks_train_the_eager_weights(tmp_path):
+def test_compiled_fsdp_blocks_train_the_eager_weights(shared_run, tmp_path):
     """compile=True, compile_regions=True under FSDP2: each block compiled after fully_shard (as
     torchtitan does), the loss compiled: the eager FSDP run's weights to 1e-10 (float64)."""
-    args = [*COMMON[2:], "--task", "list-blocks", "--strategy", "fsdp"]
-    run_ok(2, tmp_path / "eager", *args)
-    run_ok(2, tmp_path / "compiled", *args, "--compile", "regions")
-    assert_close(weights(tmp_path / "compiled"), weights(tmp_path / "eager"), tol=1e-10)
+    run_ok(2, tmp_path / "eager", *FSDP_REGIONS)
+    compiled = shared_run(2, *FSDP_REGIONS, "--compile", "regions")
+    assert_close(weights(compiled), weights(tmp_path / "eager"), tol=1e-10)
+
+
+@pytest.mark.slow
+def test_compiled_fsdp_blocks_with_activation_checkpointing_train_the_same_weights(shared_run, tmp_path):
+    """compile=True, compile_regions=True and per-block activation checkpointing under FSDP2 (it
+    was refused): each block checkpointed by torch's checkpoint_wrapper before fully_shard, then
+    compiled (torchtitan's order): the weights of the same compiled FSDP fit without
+    checkpointing (the test above's), bit for bit, with the wrappers in place of the blocks."""
+    plain = shared_run(2, *FSDP_REGIONS, "--compile", "regions")
+    run_ok(2, tmp_path / "ckpt", *FSDP_REGIONS, "--compile", "regions", "--gradient-checkpointing")
+    assert (plain / "block-types.txt").read_text().split() == ["FSDPQuietBlock"] * 2
+    assert (tmp_path / "ckpt" / "block-types.txt").read_text().split() == ["FSDPCheckpointWrapper"] * 2
+    got, ref = weights(tmp_path / "ckpt"), weights(plain)
+    assert list(got) == list(ref)
+    assert [k for k in ref if not torch.equal(got[k], ref[k])] == []
