@@ -37,7 +37,7 @@ def test_event_order(tmp_path):
     step = lambda s: [("on_step_start", s - 1), ("on_before_optimizer_step", s - 1),  # noqa: E731
                       ("on_step_end", s), ("on_log", s), ("on_evaluate", s)]
     expected = [("on_fit_start", 0), ("on_epoch_start", 0), *step(1), *step(2),
-                ("on_epoch_end", 2), ("on_fit_end", 2)]
+                ("on_epoch_end", 2), ("on_save", 2), ("on_fit_end", 2)]  # the fit's last step is saved
     assert rec.events == expected
 
 
