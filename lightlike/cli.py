@@ -32,7 +32,6 @@ from lightlike.checkpoint import (
     export_weights,
     find_latest_valid,
     is_checkpoint_dir,
-    list_checkpoints,
     verify_checkpoint,
 )
 from lightlike.cli_args import (
@@ -343,10 +342,9 @@ def _cmd_run(cmd: str, argv: list[str]) -> int:
         train, val = _fit_data(args.get("cli_data"), module, config)
         result = fitter.fit(module, train, val, resume=args.get("cli_resume"))
         if fitter.strategy.is_global_zero:  # type: ignore[union-attr]
-            found = list_checkpoints(config.output_dir)
             _print_json({"global_step": result.global_step, "training_loss": result.training_loss,
                          "metrics": result.metrics, "best_checkpoint": result.best_checkpoint,
-                         "last_checkpoint": str(found[-1]) if found else None, "output_dir": config.output_dir})
+                         "last_checkpoint": result.last_checkpoint, "output_dir": config.output_dir})
         return 0
 
     module = cls(**kwargs)

@@ -137,9 +137,12 @@ class FitConfig:
         "warning", "Python logging level of lightlike on the other processes (ranks 1, 2, ...)."
     )
     # -- checkpoints ---------------------------------------------------------------------------
-    save_strategy: str = _f("steps", "When to save: 'steps', 'epoch', 'best' or 'no'.")
-    save_every: int | None = _f(None, "With save_strategy='steps': save every this many steps and at the end. "
-                                      "None: no periodic checkpoint (a preemption signal still saves one).")
+    save_strategy: str = _f("steps", "When to save: 'steps' (every save_every steps), 'epoch' (at epoch ends), "
+                                     "'best' (when metric_for_best improves), each also at the end of the fit "
+                                     "(the trained model is kept); 'no': no checkpoint at all (a preemption signal "
+                                     "still saves one).")
+    save_every: int | None = _f(None, "With save_strategy='steps': save every this many steps. None: no periodic "
+                                      "checkpoint, only the one at the end of the fit.")
     save_total_limit: int | None = _f(None, "Keep at most this many checkpoints (best is kept).")
     save_only_model: bool = _f(False, "Save weights only (no optimizer/scheduler/RNG: no resume).")
     verify_hashes: bool = _f(True, "Verify file hashes when loading a checkpoint (sizes always).")
@@ -152,15 +155,16 @@ class FitConfig:
                           "committed at the next save or the end of the fit, invisible until then "
                           "(a fit that fails commits one whose files were all written, except FSDP's).")
     metric_for_best: str | None = _f(None, "Metric key that decides the best checkpoint: '<set>/<name>', e.g. "
-                                           "'val/loss' or 'val/accuracy' (checked against the sets at set-up and "
-                                           "the metrics at the first evaluation, after that step's checkpoint).")
+                                           "'val/loss' or 'val/accuracy', or a name alone ('accuracy', HF's "
+                                           "'eval_accuracy') for the one evaluation metric of that name (checked "
+                                           "against the sets at set-up and the metrics at the first evaluation, "
+                                           "after that step's checkpoint).")
     greater_is_better: bool | None = _f(None, "Whether larger metric_for_best is better. None: from the name: lower "
                                               "for a name ending in 'loss' or with the word error, err, perplexity, "
                                               "ppl, wer, cer, mse, rmse, mae, nll (or errors); higher otherwise.")
     load_best_at_end: bool = _f(
-        False, "Load the best checkpoint's weights when fit ends. Every evaluation must have a checkpoint: "
-        "save_strategy='best'; 'steps' with eval_every a multiple of save_every; or 'epoch' with "
-        "eval_on_epoch_end=True and no eval_every."
+        False, "Load the best checkpoint's weights when fit ends. Every evaluation that improves metric_for_best "
+        "is saved too, whatever save_every says, so the best is always on disk (and never rotated away)."
     )
     # -- preemption -------------------------------------------------------------------------------
     preemption_signals: list = _f(
@@ -288,12 +292,9 @@ class FitConfig:
                 "save_strategy='best' and load_best_at_end need metric_for_best (e.g. 'val/loss')",
                 "save_strategy", "load_best_at_end", "metric_for_best",
             )
-        if self.load_best_at_end:
-            try:
-                self._check_best_has_checkpoint()
-            except ConfigError as e:
-                raise ConfigError(str(e), settings=("load_best_at_end", "save_strategy", "save_every", "eval_every",
-                                                    "eval_on_epoch_end")) from None
+        need(not (self.load_best_at_end and self.save_strategy == "no"),
+             "load_best_at_end=True but save_strategy='no' saves no checkpoint to load: use save_strategy='steps' "
+             "(the default), 'epoch' or 'best', or drop load_best_at_end", "load_best_at_end", "save_strategy")
 
     def _check_compile_options(self) -> None:
         """The compile_* options act with ``compile=True`` only: one set without it is an error
@@ -306,35 +307,6 @@ class FitConfig:
         if given:
             raise ConfigError(f"{', '.join(given)} set but compile=False: these options act on torch.compile only; "
                               "set compile=True, or drop them", settings=("compile", *(g.split("=")[0] for g in given)))
-
-    def _check_best_has_checkpoint(self) -> None:
-        """``load_best_at_end``: the best evaluation must have a checkpoint to load. The best is
-        chosen among all evaluations, so every evaluation step must also be a save step (the
-        HF Trainer's "load_best_model_at_end requires the save and eval strategy to match")."""
-        s, ev, sv = self.save_strategy, self.eval_every, self.save_every
-        fix = "or use save_strategy='best' (saves whenever metric_for_best improves)"
-        if s == "no":
-            raise ConfigError("load_best_at_end=True but save_strategy='no' saves no checkpoint to load: use "
-                              "save_strategy='best' (saves whenever metric_for_best improves), 'steps' or 'epoch'")
-        if s == "steps":
-            if sv is None:
-                raise ConfigError("load_best_at_end=True with save_strategy='steps' needs save_every=N (with eval_every "
-                                  f"a multiple of N), {fix}")
-            if ev is not None and ev % sv != 0:
-                raise ConfigError(f"load_best_at_end=True with save_strategy='steps': eval_every={ev} is not a multiple "
-                                  f"of save_every={sv}, so an evaluation (the best, maybe) can fall on a step without a "
-                                  f"checkpoint; set save_every to a divisor of eval_every (e.g. save_every={ev}), "
-                                  f"{fix}")
-            if self.eval_on_epoch_end:
-                raise ConfigError("load_best_at_end=True with save_strategy='steps' and eval_on_epoch_end=True: the "
-                                  "evaluation at an epoch's end may fall on a step without a checkpoint; use "
-                                  f"save_strategy='epoch' without eval_every, set eval_on_epoch_end=False, {fix}")
-        if s == "epoch":
-            if not self.eval_on_epoch_end or ev is not None:
-                raise ConfigError(f"load_best_at_end=True with save_strategy='epoch' saves at epoch ends only, but "
-                                  f"eval_on_epoch_end={self.eval_on_epoch_end} and eval_every={ev}: set "
-                                  f"eval_on_epoch_end=True and eval_every=None so every evaluation has a checkpoint, "
-                                  f"{fix}")
 
     # -- serialisation ---------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:

@@ -334,6 +334,7 @@ class Fitter:
             peak_memory_bytes=peak_memory_bytes(self.strategy.root_device),
             skipped_steps=state.skipped_steps,
             best_checkpoint=state.best_checkpoint,
+            last_checkpoint=self.checkpointer.final_checkpoint(),  # type: ignore[union-attr]
             state=state,
             compile_seconds=run.compiled.compile_seconds if run.compiled is not None else None,
         )

@@ -94,18 +94,20 @@ class Due(NamedTuple):
 
 def save_due(config: FitConfig, state: FitState, control: Control, epoch_ended: bool, final: bool) -> bool:
     """Whether to save at this step boundary: asked by a callback, or due by ``save_strategy``
-    (every ``save_every`` steps, at an epoch's end, at a new best, at the end); never twice at
-    one step (a flag asked for then is spent)."""
+    (every ``save_every`` steps, at an epoch's end, at a new best), at a new best with
+    ``load_best_at_end`` (the best is always on disk to load), and at the end unless
+    ``save_strategy='no'`` (the trained model is kept); never twice at one step (a flag asked
+    for then is spent)."""
     step = state.global_step
     if state.last_save_step == step:
         control.should_save = False
         return False
     every = config.save_every if config.save_strategy == "steps" else None
+    new_best = state.best_step == step
     return (control.should_save or bool(every and step % every == 0)
             or (config.save_strategy == "epoch" and epoch_ended)
-            or (config.save_strategy == "best" and state.best_step == step)
-            or (final and every is not None)
-            or (final and config.load_best_at_end and state.best_step == step))  # the best must be loadable
+            or (new_best and (config.save_strategy == "best" or config.load_best_at_end))
+            or (final and config.save_strategy != "no"))
 
 
 def warn_eval_every_past_the_end(config: FitConfig, max_steps: int) -> None:

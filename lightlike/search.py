@@ -28,7 +28,7 @@ from dataclasses import fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from lightlike.best import greater_is_better
+from lightlike.best import greater_is_better, key_candidates
 from lightlike.callbacks.base import Callback
 from lightlike.config import FitConfig
 from lightlike.errors import ConfigError, OutputDirError
@@ -49,13 +49,12 @@ class PruningCallback(Callback):
         self.pruned_at: int | None = None
 
     def on_evaluate(self, fitter: Fitter, state: Any, control: Any, metrics: dict[str, float]) -> None:
-        if self.metric not in metrics:
-            raise ConfigError(f"search metric {self.metric!r} is not among the evaluation metrics {sorted(metrics)}")
+        key = searched_key(self.metric, metrics, "the evaluation metrics")
         strategy = fitter.strategy
         assert strategy is not None
         prune = False
         if self.trial is not None:  # rank 0
-            self.trial.report(metrics[self.metric], step=state.global_step)
+            self.trial.report(metrics[key], step=state.global_step)
             prune = self.trial.should_prune()
         if strategy.world_size > 1:
             prune = strategy.collectives.broadcast_object(prune)
@@ -107,6 +106,18 @@ def search(fitter: Fitter, module_factory: Callable[..., Any], space: Any, n_tri
         trials.between.uninstall()
 
 
+def searched_key(metric: str, metrics: dict[str, float], where: str) -> str:
+    """The evaluation metric that ``metric`` names: itself, or for a name alone (``accuracy``,
+    ``eval_loss``, as ``metric_for_best`` takes it) the one metric of that name
+    (``lightlike.best.key_candidates``). A ``ConfigError`` when there is none, or several."""
+    found = key_candidates(metric, [k for k in metrics if not k.startswith("train/")])
+    if len(found) == 1:
+        return found[0]
+    if found:
+        raise ConfigError(f"search metric {metric!r} matches several evaluation metrics {found}: name its set")
+    raise ConfigError(f"search metric {metric!r} is not among {where} {sorted(metrics)}")
+
+
 class _Trials:
     """Runs one trial's fit on this rank: a fresh Fitter with the trial's overrides and its own
     ``output_dir``, a fresh module from the factory, and the pruning callback."""
@@ -143,10 +154,11 @@ class _Trials:
                 "search, pass study= its optuna study (with its storage): new trials get new numbers",
                 offers=("overwrite_output_dir=True",)) from None
         _stop_if_preempted(self.strategy, [self.between, trial_fitter.preemption], f"during trial {number}")
-        if self.metric not in result.metrics:
-            raise ConfigError(f"search metric {self.metric!r} is not among the fit's metrics "
-                              f"{sorted(result.metrics)}; pass val=... (and eval_every for pruning)")
-        return (None if pruning.pruned_at is not None else result.metrics[self.metric]), result, pruning
+        try:
+            key = searched_key(self.metric, result.metrics, "the fit's metrics")
+        except ConfigError as error:
+            raise ConfigError(f"{error}; pass val=... (and eval_every for pruning)") from None
+        return (None if pruning.pruned_at is not None else result.metrics[key]), result, pruning
 
 
 def _lead(trials: _Trials, study: Any, space: Any, n_trials: int, timeout: float | None) -> Any:

@@ -92,6 +92,9 @@ class FitResult:
     peak_memory_bytes: int | None  # device peak (CUDA) or host max RSS (CPU)
     skipped_steps: int = 0
     best_checkpoint: str | None = None
+    # the checkpoint of the last step: the final weights (unless load_best_at_end loaded the best's
+    # into the module); None with save_strategy='no'
+    last_checkpoint: str | None = None
     state: FitState | None = None
     # compile=True: seconds the first call of each compiled function took (training step and
     # evaluation step: tracing and compiling, forward and backward); None without compile

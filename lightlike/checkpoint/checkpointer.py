@@ -70,6 +70,7 @@ class Checkpointer:
         self.in_flight: tuple[CheckpointWriter, Any, Any] | None = None  # (writer, shards' future, seal's future)
         self.resumed_from: str | None = None
         self.written: set[Path] = set()  # the checkpoints this fit committed: the only ones a save replaces
+        self.latest: Path | None = None  # the checkpoint last committed or resumed from
 
     # -- saving ---------------------------------------------------------------------------------
     def save(self, wait: bool = True, full: bool | None = None) -> Path | None:
@@ -195,7 +196,16 @@ class Checkpointer:
             self.rotate(keep_resume_source=self.config.auto_find_batch_size)  # a retry starts from it again
             log.info("saved checkpoint %s", path)
         strategy.collectives.barrier("save")
+        self.latest = path
         return path
+
+    def final_checkpoint(self) -> str | None:
+        """The checkpoint holding the fit's final weights: the one of its last step, committed by
+        this fit or resumed from; None when that step has none (``save_strategy='no'``)."""
+        state = self.loop.state
+        if self.latest is None or state.last_save_step != state.global_step:
+            return None
+        return str(self.latest)
 
     @contextlib.contextmanager
     def _named_disk_errors(self, step: int) -> Iterator[None]:
@@ -281,7 +291,7 @@ class Checkpointer:
         choose_best_again(cfg, state, path)  # metric_for_best or greater_is_better changed
         self._load_rng(path, saved.get("world_size", 1))
         apply_changed_settings(cfg, self.module, self.optimizer, self.scheduler, path, order)
-        self.resumed_from = str(path)
+        self.resumed_from, self.latest = str(path), path
         if strategy.is_global_zero:
             tidy_output_dir(cfg.output_dir, state.global_step, path)
         log.info("resumed from %s at step %d (epoch %d, %d samples into it)", path, state.global_step,
@@ -319,8 +329,7 @@ class Checkpointer:
         state = self.loop.state
         if resolve_best(path.parent, str(path), state.best_step) is None:
             log.warning("load_best_at_end: the best evaluation (step %s) has no checkpoint of its own (%s is "
-                        "another step's); keeping the final weights. Save at every evaluation step (save_every "
-                        "a multiple of eval_every) to load the best", state.best_step, path.name)
+                        "another step's); keeping the final weights", state.best_step, path.name)
             state.best_checkpoint = None
             return
         verify_checkpoint(path, hashes=self.config.verify_hashes)

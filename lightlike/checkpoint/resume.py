@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from lightlike.best import greater_is_better, is_improvement
+from lightlike.best import greater_is_better, is_improvement, key_candidates
 from lightlike.checkpoint.atomic import cleanup_stale_temps, move_into_new_dir
 from lightlike.checkpoint.lock import LOCK_NAME
 from lightlike.checkpoint.manifest import CHECKPOINT_DIR_NAME, MANIFEST, checkpoint_step, find_latest_valid
@@ -172,8 +172,10 @@ def choose_best_again(cfg: FitConfig, state: FitState, path: Path) -> None:
     state.best_metric = state.best_step = state.best_checkpoint = None
     if key is not None:
         for row in state.log_history:
-            if key in row and is_improvement(row[key], state.best_metric, bool(way)):
-                state.best_metric, state.best_step = row[key], int(row["step"])
+            # a set-less key ("accuracy"): the one evaluation metric it names (training rows' keys are train/...)
+            found = key_candidates(key, (k for k in row if k != "step" and not k.startswith("train/")))
+            if len(found) == 1 and is_improvement(row[found[0]], state.best_metric, bool(way)):
+                state.best_metric, state.best_step = row[found[0]], int(row["step"])
         if state.best_step is not None:
             state.best_checkpoint = resolve_best(cfg.output_dir, f"checkpoint-{state.best_step}", state.best_step)
     if key is None:

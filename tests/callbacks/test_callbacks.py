@@ -39,7 +39,7 @@ def test_event_order(tmp_path):
                       ("on_step_end", s), ("on_log", s), ("on_eval_batch_end", s), ("on_eval_batch_end", s),
                       ("on_evaluate", s)]
     expected = [("on_fit_start", 0), ("on_epoch_start", 0), *step(1), *step(2),
-                ("on_epoch_end", 2), ("on_fit_end", 2)]
+                ("on_epoch_end", 2), ("on_save", 2), ("on_fit_end", 2)]  # the fit's last step is saved
     assert rec.events == expected
 
 

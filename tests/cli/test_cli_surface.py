@@ -352,8 +352,8 @@ def test_a_bool_or_value_argument_takes_the_next_word(capsys, tmp_path, monkeypa
     ('max_steps = "abc"\n', [], "c.toml: max_steps='abc' (str) is not valid"),
     ('max_steps = 2\nlr_scheduler = "cosin"\n', [], "c.toml: lr_scheduler='cosin' is not valid (did you mean 'cosine'?)"),
     ("max_steps = 2\nwarmup_ratio = 1.5\n", [], "c.toml: warmup_ratio must be in [0, 1), got 1.5"),
-    ('max_steps = 3\nload_best_at_end = true\nmetric_for_best = "val/loss"\nsave_strategy = "steps"\n', [],
-     "c.toml: load_best_at_end=True with save_strategy='steps' needs save_every=N"),
+    ('max_steps = 3\nload_best_at_end = true\nmetric_for_best = "val/loss"\nsave_strategy = "no"\n', [],
+     "c.toml: load_best_at_end=True but save_strategy='no' saves no checkpoint to load"),
     # the flag's value is the bad one: no file named
     ("max_steps = 3\n", ["--max_steps", "-2"], "error: max_steps must be a positive int, got -2"),
     ("max_steps = -3\n", ["--max_steps", "-2"], "error: max_steps must be a positive int, got -2"),

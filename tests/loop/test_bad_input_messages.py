@@ -26,12 +26,13 @@ def fitter(tmp_path, **kw):
 
 # -- 1: a metric_for_best the evaluation does not have --------------------------------------------
 def test_metric_for_best_of_no_evaluation_set_is_refused_at_set_up(tmp_path):
-    """Every evaluation metric is '<set>/<name>': an HF-style 'eval_accuracy' (or a set that is
-    not there) is refused before any step, not after training up to the first evaluation."""
+    """Every evaluation metric is '<set>/<name>': a key whose set is not there is refused before
+    any step, not after training up to the first evaluation (a name alone, HF's 'eval_accuracy',
+    names the one metric of that name: tests/checkpoint/test_defaults.py)."""
     with pytest.raises(ll.ConfigError) as caught:
-        fitter(tmp_path, metric_for_best="eval_accuracy", eval_every=2, save_every=2).fit(
+        fitter(tmp_path, metric_for_best="eval/accuracy", eval_every=2, save_every=2).fit(
             Classifier(), DictDataset(n=16), DictDataset(n=8, seed=1))
-    assert str(caught.value) == ("metric_for_best='eval_accuracy' names no evaluation set of this fit: evaluation "
+    assert str(caught.value) == ("metric_for_best='eval/accuracy' names no evaluation set of this fit: evaluation "
                                  "metrics are '<set>/<name>' with the sets ['val'] (e.g. 'val/loss')")
     assert caught.value.settings == ("metric_for_best",)
     assert not list((tmp_path / "run").glob("checkpoint-*"))

@@ -52,6 +52,16 @@ def test_search_direction_follows_greater_is_better_of_its_metric(tmp_path, metr
     assert refit.metrics[searched] == study.best_value
 
 
+def test_a_metric_for_best_named_alone_is_the_searched_metric(tmp_path):
+    """metric_for_best='eval_loss' (the HF Trainer's spelling of val/loss): the study minimises it
+    and each evaluation reports it; the trial's value is the refit's val/loss."""
+    study = tiny_search(tiny_fitter(tmp_path / "s", metric_for_best="eval_loss"), LR)
+    assert study.direction == MIN and study.trials[0].state == optuna.trial.TrialState.COMPLETE
+    refit = tiny_fitter(tmp_path / "refit", **study.best_params).fit(Classifier(), DictDataset(16),
+                                                                   DictDataset(8, seed=1))
+    assert study.trials[0].intermediate_values[2] == refit.metrics["val/loss"] == study.best_value
+
+
 def test_an_explicit_direction_wins(tmp_path):
     fitter = tiny_fitter(tmp_path / "s", metric_for_best="val/accuracy", greater_is_better=True)
     assert tiny_search(fitter, LR, direction="minimize").direction == MIN
