@@ -73,7 +73,7 @@ class FitConfig:
     # -- length of training --------------------------------------------------------------------
     max_epochs: int | float | None = _f(
         None, "Stop after this many epochs over the training data; a fraction (2.5, HF's num_train_epochs) stops "
-        "after floor(2.5 * optimizer steps per epoch) steps, the schedule's total too.")
+        "after ceil(2.5 * optimizer steps per epoch) steps (the HF Trainer's count), the schedule's total too.")
     max_steps: int | None = _f(None, "Stop after this many optimizer steps (wins over max_epochs).")
     # -- data ----------------------------------------------------------------------------------
     batch_size: int = _f(8, "Items per micro-batch on each process.")

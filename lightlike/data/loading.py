@@ -38,11 +38,12 @@ log = logging.getLogger("lightlike")
 
 
 def epoch_steps(epochs: float, per_epoch: int, less: int = 0) -> int:
-    """``floor((epochs - less) * per_epoch)``: the optimizer steps of ``epochs`` epochs (2.5
-    epochs of 4 steps: 10), less ``less`` whole epochs (negative within the last, fractional
-    one), computed on the decimal the user wrote (``repr``), so that 2.3 epochs of 10 steps are
-    23, not the 22 of the binary float's 22.999999999999996 (nor 2.3 - 2 the 0.2999...8)."""
-    return math.floor((Fraction(repr(float(epochs))) - less) * per_epoch)
+    """``ceil((epochs - less) * per_epoch)``: the optimizer steps of ``epochs`` epochs (2.5
+    epochs of 5 steps: 13, the HF Trainer's count for ``num_train_epochs=2.5``), less ``less``
+    whole epochs (negative within the last, fractional one), computed on the decimal the user
+    wrote (``repr``), so that 2.2 epochs of 25 steps are 55, not the 56 of the binary float's
+    55.00000000000001 (nor 2.3 - 2 the 0.2999...8)."""
+    return math.ceil((Fraction(repr(float(epochs))) - less) * per_epoch)
 
 
 @dataclass
@@ -143,11 +144,7 @@ class TrainData:
                 "" if whole else f"; max_epochs={max_epochs!r} is a fraction of an epoch's optimizer steps, whose "
                 "number is not known without the data's length"), settings=("max_epochs", "max_steps"))
         per_epoch = -(-batches // accum)
-        total = epoch_steps(max_epochs, per_epoch)  # type: ignore[arg-type]
-        if total == 0:
-            raise ConfigError(f"max_epochs={max_epochs!r} of {per_epoch} optimizer step(s) per epoch is no step "
-                              f"(floor({max_epochs!r} * {per_epoch}) = 0): raise max_epochs to at least "
-                              f"{1 / per_epoch:.4g}, or set max_steps", settings=("max_epochs",))
+        total = epoch_steps(max_epochs, per_epoch)  # type: ignore[arg-type]  # (>= 1: max_epochs > 0)
         if resumed is None or resumed.max_steps == total:
             return total, max_epochs  # type: ignore[return-value]
         # the epochs' steps changed since the checkpoint (batch size, accumulation, world size,
