@@ -29,11 +29,11 @@ def as_json(params: dict[str, Any]) -> dict[str, Any]:
 
 def flat_params(params: dict[str, Any], prefix: str = "") -> dict[str, bool | int | float | str]:
     """``params`` flattened: ``{"a": {"b": 1}}`` as ``{"a.b": 1}``; bool, int, float and str kept,
-    anything else (None, lists) as its JSON text."""
+    anything else (None, lists, an empty dict, which has no name to flatten into) as its JSON text."""
     out: dict[str, bool | int | float | str] = {}
     for key, value in as_json(params).items():
         name = f"{prefix}{key}"
-        if isinstance(value, dict):
+        if isinstance(value, dict) and value:
             out.update(flat_params(value, prefix=name + "."))
         elif isinstance(value, (bool, int, float, str)):
             out[name] = value
