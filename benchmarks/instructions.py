@@ -32,7 +32,7 @@ void cg_stop(void) { CALLGRIND_TOGGLE_COLLECT; CALLGRIND_DUMP_STATS_AT("window")
 """
 
 LOOPS = {  # name: (what runs, the hand loop's gradient-norm variant)
-    "hand-norm": "hand loop, same work (the global gradient norm every step)",
+    "hand-norm": "hand loop, same work (gradient norm, window-mean loss)",
     "hand": "hand loop without the norm",
     "fitter": "lightlike Fitter, defaults",
 }
@@ -56,7 +56,8 @@ def child(loop: str, steps: int, warmup: int, library: str) -> None:
     if loop == "fitter":
         with_fitter(data, args, mark=lambda what: mark[what]())
     else:
-        hand_written(data, args, mark=lambda what: mark[what](), norm="foreach" if loop == "hand-norm" else "none")
+        same = loop == "hand-norm"
+        hand_written(data, args, mark=lambda what: mark[what](), norm="foreach" if same else "none", window=same)
 
 
 def count(loop: str, steps: int, warmup: int, library: str, work: Path) -> float:
@@ -64,7 +65,7 @@ def count(loop: str, steps: int, warmup: int, library: str, work: Path) -> float
     cmd = ["valgrind", "--tool=callgrind", "--collect-atstart=no", "--instr-atstart=no",
            f"--callgrind-out-file={out}", sys.executable, __file__, "--child", loop,
            "--steps", str(steps), "--warmup", str(warmup), "--library", library]
-    run = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    run = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONWARNINGS": "ignore", "PYTHONHASHSEED": "0"})
     found = re.search(r"Collected : (\d+)", run.stderr)
     if run.returncode or not found:
         raise SystemExit(f"{loop}: valgrind failed (rc {run.returncode}):\n{run.stderr[-2000:]}")

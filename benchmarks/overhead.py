@@ -10,8 +10,10 @@ no progress bar when not a TTY). Two hand-written loops run beside it:
   the global gradient norm of every step, which the Fitter's defaults take (it is checked for
   NaN/inf and logged as ``train/grad_norm``, as the HF Trainer logs ``grad_norm``), with the
   same arithmetic (one ``_foreach_norm``, the norm of the norms) over a parameter list built
-  once. The same loop without the norm is timed too (``no norm``): the ratio against it is
-  what the norm and the loop together cost;
+  once; and the logged loss the mean of the 100 steps since the last log, as the Fitter
+  (``log_every=100``) and the HF Trainer log it (each step's loss detached and kept, read at
+  once). The loop without either (``no norm``: the last step's loss read every 50 steps) is
+  timed too: the ratio against it is what the norm, the window mean and the loop together cost;
 - a **typical** hand loop, ``torch.optim.AdamW(model.parameters(), lr=...)`` with torch's
   defaults (weight decay 0.01, no fused kernel on the CPU): what the Fitter's defaults are
   compared with by someone who does not pick the optimizer's kernel.
@@ -66,12 +68,15 @@ class MLP(ll.TaskModule):
         return nn.functional.cross_entropy(outputs, batch["y"])
 
 
-def hand_written(data: Data, args: argparse.Namespace, same_work: bool = True, mark=None, norm: str = "none") -> float:
+def hand_written(data: Data, args: argparse.Namespace, same_work: bool = True, mark=None, norm: str = "none",
+                 window: bool = False) -> float:
     """Seconds per step over steps warmup+1..steps; ``mark('start'/'stop')`` at those points
     (benchmarks/counters.py counts hardware events between them). ``norm``: the global gradient
     norm every step, as the Fitter's defaults take it (logged as ``train/grad_norm``, checked for
     NaN/inf): "torch" with ``torch.nn.utils.get_total_norm``, "foreach" with the arithmetic the
-    Fitter uses on one device, "none" not at all."""
+    Fitter uses on one device, "none" not at all. ``window``: log the mean loss of the 100 steps
+    since the last log, as the Fitter (``log_every=100``) and the HF Trainer do (each step's
+    loss detached and kept, read at once at the log step); else the last step's loss every 50."""
     torch.manual_seed(0)
     device = torch.device(args.device)
     model = MLP(args.features, args.width).to(device)
@@ -83,7 +88,7 @@ def hand_written(data: Data, args: argparse.Namespace, same_work: bool = True, m
     params = list(model.parameters())  # (the norm's list, built once)
     grad_norm = None
     step, epoch = 0, 0
-    logged = []
+    logged, pending = [], []
     t0 = 0.0
     while step < args.steps:
         order = torch.randperm(len(data), generator=torch.Generator().manual_seed(epoch))
@@ -106,7 +111,12 @@ def hand_written(data: Data, args: argparse.Namespace, same_work: bool = True, m
                 t0 = time.perf_counter()
                 if mark:
                     mark("start")
-            if step % 50 == 0:  # a fair hand loop also looks at its loss now and then
+            if window:
+                pending.append(loss.detach())
+                if step % 100 == 0:
+                    logged.append((torch.stack(pending).mean().item(), grad_norm.item() if grad_norm is not None else None))
+                    pending.clear()
+            elif step % 50 == 0:  # a fair hand loop also looks at its loss now and then
                 logged.append(loss.item() if grad_norm is None else (loss.item(), grad_norm.item()))
             if step == args.steps:
                 _sync(device)
@@ -180,7 +190,7 @@ def main() -> None:
     runs: dict[str, list[float]] = {"hand-written, same work": [], "lightlike Fitter": [],
                                     "hand-written, no norm": [], "hand-written, typical": []}
     for _ in range(args.repeats):
-        runs["hand-written, same work"].append(hand_written(data, args, norm="foreach"))
+        runs["hand-written, same work"].append(hand_written(data, args, norm="foreach", window=True))
         runs["lightlike Fitter"].append(with_fitter(data, args))
         runs["hand-written, no norm"].append(hand_written(data, args))
         runs["hand-written, typical"].append(hand_written(data, args, same_work=False))

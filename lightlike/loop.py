@@ -80,7 +80,8 @@ class Due(NamedTuple):
         return self.epoch_done or control.should_epoch_stop
 
     def ends_run(self, control: Control) -> bool:
-        return self.last_step or control.should_training_stop or (self.ends_epoch(control) and self.last_epoch)
+        return self.last_step or control.should_training_stop or (
+            self.last_epoch and (self.epoch_done or control.should_epoch_stop))
 
     def log(self, control: Control) -> bool:
         """A training row: scheduled, asked for, or the run's last step."""

@@ -52,9 +52,9 @@ def read_pending(pending: list[Pending], device: torch.device, raise_nonfinite: 
     if any(isinstance(n, torch.Tensor) for n in counts):  # token counts on the device
         items = torch.stack([torch.as_tensor(n, device=device) for n in counts]).double().tolist()
     else:
-        items = [float(n) for n in counts]
+        items = list(map(float, counts))
     values = list(zip(losses, items, steps, micros, strict=True))
-    if raise_nonfinite:
+    if raise_nonfinite and not (all(map(math.isfinite, losses)) and all(map(math.isfinite, norm_values))):
         check_finite(values, [(v, step) for v, (_, step) in zip(norm_values, norms, strict=True)])
     return values
 

@@ -70,11 +70,13 @@ class CheckedDataset(Dataset):
                 raise self._past_the_end(f"dataset.__getitems__({indices})", e) from e
             return indexed(items, indices) if isinstance(items, list) else items
         try:  # one read per item, with no frame of ours around each
-            return indexed(map(self.dataset.__getitem__, indices), indices)
+            batch = IndexedItems(map(self.dataset.__getitem__, indices))
         except IndexError:
             for i in indices:  # which one: the first that fails again names the index
                 self[i]
             raise
+        batch.indices = indices
+        return batch
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("__") or name in ("dataset", "what"):  # (unpickling: not set yet)

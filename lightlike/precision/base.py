@@ -17,6 +17,10 @@ from torch import nn
 from lightlike.errors import ConfigError
 from lightlike.utils.batches import map_tensors
 
+#: the context of a forward pass or micro-step that needs none: one instance, reused (a
+#: ``nullcontext`` holds no state, so it may be entered any number of times, also nested)
+NO_CONTEXT = contextlib.nullcontext()
+
 
 class Precision:
     """Full fp32 (``32-true``): the base every plugin refines."""
@@ -61,7 +65,7 @@ class Precision:
 
     def autocast(self) -> contextlib.AbstractContextManager:
         """The context a forward pass runs in: none in fp32."""
-        return contextlib.nullcontext()
+        return NO_CONTEXT
 
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()

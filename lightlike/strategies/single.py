@@ -11,6 +11,7 @@ from torch import nn
 
 from lightlike.errors import ConfigError
 from lightlike.precision import Precision
+from lightlike.precision.base import NO_CONTEXT
 from lightlike.strategies.base import Strategy, clip_gradients, load_full_state, save_full_state
 
 
@@ -75,7 +76,7 @@ class SingleDeviceStrategy(Strategy):
         return model, optimizer
 
     def no_sync(self, module: nn.Module, enabled: bool) -> contextlib.AbstractContextManager:
-        return contextlib.nullcontext()  # no other rank to synchronise with
+        return NO_CONTEXT  # no other rank to synchronise with
 
     def backward(self, loss: torch.Tensor, module: nn.Module) -> None:
         self.precision.backward(loss)
