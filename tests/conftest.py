@@ -2,6 +2,7 @@ import logging
 import os
 import signal
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,14 @@ sys.path.insert(0, str(Path(__file__).parent))
 # Set before anything initialises CUDA; the processes the tests start inherit it.
 if os.environ.get("LIGHTLIKE_TEST_GPU") != "1":
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
+
+# Each test worker (pytest-xdist) compiles into an inductor cache of its own: two workers
+# compiling the same kernel into the one shared /tmp/torchinductor_<user> raced, and one loaded
+# the other's half-written library ("ImportError: ... main.so: file too short"). The processes
+# a test starts inherit it.
+_worker = os.environ.get("PYTEST_XDIST_WORKER")
+if _worker and "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(tempfile.gettempdir(), f"torchinductor_lightlike_{_worker}")
 
 
 def pytest_addoption(parser):
