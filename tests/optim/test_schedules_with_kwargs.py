@@ -17,17 +17,22 @@ from tests.helpers import Classifier, DictDataset, StopAt
 LR = 1e-3
 
 
-def trace(name, steps, kwargs, **fields):
-    """The lr of every step 0..steps of lightlike's schedule ``name``."""
-    cfg = ll.FitConfig(max_steps=steps, learning_rate=LR, lr_scheduler=name, lr_scheduler_kwargs=kwargs, **fields)
-    opt = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=LR)
-    sched = build_scheduler(opt, cfg, steps)
+def lrs(opt, sched, steps):
+    """The lr at every step 0..steps of ``sched``, stepping it as a loop does."""
     out = []
     for _ in range(steps + 1):
         out.append(sched.get_last_lr()[0])
         opt.step()
         sched.step()
     return out
+
+
+def trace(name, steps, kwargs, **fields):
+    """The lr of every step 0..steps of lightlike's schedule ``name``."""
+    cfg = ll.FitConfig(max_steps=steps, learning_rate=LR, lr_scheduler=name, lr_scheduler_kwargs=kwargs, **fields)
+    opt = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=LR)
+    sched = build_scheduler(opt, cfg, steps)
+    return lrs(opt, sched, steps)
 
 
 def hf_trace(name, steps, warmup, kwargs):
@@ -36,12 +41,7 @@ def hf_trace(name, steps, warmup, kwargs):
     opt = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=LR)
     sched = transformers.get_scheduler(name, opt, num_warmup_steps=warmup, num_training_steps=steps,
                                        scheduler_specific_kwargs=kwargs)
-    out = []
-    for _ in range(steps + 1):
-        out.append(sched.get_last_lr()[0])
-        opt.step()
-        sched.step()
-    return out
+    return lrs(opt, sched, steps)
 
 
 def test_cosine_with_min_lr_by_hand():
