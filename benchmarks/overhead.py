@@ -27,6 +27,7 @@ Instruction counts (callgrind, ``benchmarks/instructions.py``) repeat exactly on
     python benchmarks/overhead.py                 # defaults: width 32, batch 16, 2000 steps x 5
     python benchmarks/overhead.py --width 256 --steps 1000
     python benchmarks/overhead.py --device cuda   # on a GPU: both loops there, the clocks synchronised
+    python benchmarks/overhead.py --fabric        # and the same-work loop through Lightning Fabric
 """
 
 from __future__ import annotations
@@ -69,7 +70,7 @@ class MLP(ll.TaskModule):
 
 
 def hand_written(data: Data, args: argparse.Namespace, same_work: bool = True, mark=None, norm: str = "none",
-                 window: bool = False) -> float:
+                 window: bool = False, fabric: bool = False) -> float:
     """Seconds per step over steps warmup+1..steps; ``mark('start'/'stop')`` at those points
     (benchmarks/counters.py counts hardware events between them). ``norm``: the global gradient
     norm every step, as the Fitter's defaults take it (logged as ``train/grad_norm``, checked for
@@ -85,6 +86,13 @@ def hand_written(data: Data, args: argparse.Namespace, same_work: bool = True, m
     else:  # torch's defaults
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: max(0.0, 1 - s / args.steps))
+    backward = torch.Tensor.backward
+    if fabric:  # imported here only: the package never imports Lightning
+        from lightning.fabric import Fabric
+
+        runner = Fabric(accelerator=device.type, devices=1, precision="32-true")
+        model, opt = runner.setup(model, opt)
+        backward = runner.backward
     params = list(model.parameters())  # (the norm's list, built once)
     grad_norm = None
     step, epoch = 0, 0
@@ -97,7 +105,7 @@ def hand_written(data: Data, args: argparse.Namespace, same_work: bool = True, m
             if device.type != "cpu":  # as the Fitter moves it (an asynchronous copy)
                 batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
             loss = model.loss(model(batch), batch)
-            loss.backward()
+            backward(loss)
             if norm == "torch":
                 grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
             elif norm == "foreach":
@@ -181,11 +189,15 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--warmup", type=int, default=100, help="steps before the clock starts (both loops)")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--fabric", action="store_true",
+                   help="also time the same-work loop through Lightning Fabric (needs lightning installed)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     data = Data(args.samples, args.features)
     short = argparse.Namespace(**{**vars(args), "steps": 200, "warmup": 100})
     hand_written(data, short)  # warm caches and imports
+    if args.fabric:
+        hand_written(data, short, norm="foreach", window=True, fabric=True)
     with_fitter(data, short)
     runs: dict[str, list[float]] = {"hand-written, same work": [], "lightlike Fitter": [],
                                     "hand-written, no norm": [], "hand-written, typical": []}
@@ -194,6 +206,9 @@ def main() -> None:
         runs["lightlike Fitter"].append(with_fitter(data, args))
         runs["hand-written, no norm"].append(hand_written(data, args))
         runs["hand-written, typical"].append(hand_written(data, args, same_work=False))
+        if args.fabric:
+            runs.setdefault("Fabric, same work", []).append(hand_written(data, args, norm="foreach", window=True,
+                                                                        fabric=True))
     where = torch.cuda.get_device_name() if args.device.startswith("cuda") else "CPU"
     print(f"{where}, torch {torch.__version__}, threads {args.threads}, width {args.width}, batch {args.batch_size}, "
           f"{args.steps} steps x {args.repeats} repeats")
@@ -203,7 +218,10 @@ def main() -> None:
     f = runs["lightlike Fitter"]
     for label, name in (("overhead: fitter / same work", "hand-written, same work"),
                         ("fitter / hand loop, no norm", "hand-written, no norm"),
-                        ("defaults: fitter / typical loop", "hand-written, typical")):
+                        ("defaults: fitter / typical loop", "hand-written, typical"),
+                        ("fitter / Fabric, same work", "Fabric, same work")):
+        if name not in runs:
+            continue
         h = runs[name]
         print(f"{label:32}: {min(f) / min(h):.3f} (min)  {statistics.median(f) / statistics.median(h):.3f} (median)  "
               f"({(min(f) - min(h)) * 1e6:+.1f} us/step)")

@@ -224,13 +224,24 @@ class Fitter:
 
     # ---- the step boundary ----------------------------------------------------------------------
     def _step_boundary(self, run: Run, epoch_done: bool) -> bool:
-        """After a step: log, evaluate, end the epoch, save, and stop, when due, in that order, so
-        that a checkpoint taken here holds everything done at this step (a resumed run repeats
-        none of it). Flags callbacks set in ``on_log``, ``on_evaluate`` or ``on_epoch_end`` count
-        at this step. Returns whether the epoch's loop ends here."""
+        """After a step: what is due (``Due``) is done, then a preemption signal is acted on.
+        Returns whether the epoch's loop ends here."""
         state, control = self.state, self.control
         due = Due.at(state.global_step, self.config, max_steps=run.max_steps, epoch_done=epoch_done,
                      epoch_index=state.epoch_index, epoch_limit=run.epoch_limit, has_eval_sets=bool(run.eval_sets))
+        epoch_ended = stop = False
+        if not due.quiet(control):
+            epoch_ended, stop = self._act_on(run, due)
+        if self.preemption.stop_requested(self.strategy, state.global_step):
+            self._preempted(stop or control.should_training_stop)
+        return epoch_ended or control.should_training_stop
+
+    def _act_on(self, run: Run, due: Due) -> tuple[bool, bool]:
+        """Log, evaluate, end the epoch, save and stop, when due, in that order, so that a
+        checkpoint taken here holds everything done at this step (a resumed run repeats none of
+        it). Flags callbacks set in ``on_log``, ``on_evaluate`` or ``on_epoch_end`` count at this
+        step. Returns (whether the epoch ended, whether the run ends)."""
+        state, control = self.state, self.control
         if due.log(control):
             self._log_training(run)
         if due.evaluate(control, state):
@@ -244,9 +255,7 @@ class Fitter:
         if save_due(self.config, state, control, epoch_ended, final=stop):
             self._save(wait=False)
         run.best.raise_unknown(state, self._commit)  # a metric_for_best the evaluation lacks: after the save
-        if self.preemption.stop_requested(self.strategy, state.global_step):
-            self._preempted(stop or control.should_training_stop)
-        return epoch_ended or control.should_training_stop
+        return epoch_ended, stop
 
     def _data_ran_out(self, run: Run) -> None:
         """The epoch's data ended before a step (its length was not known, or drop_last): the

@@ -63,6 +63,7 @@ class Due(NamedTuple):
     step: int
     log_step: bool  # log_every divides the step
     eval_step: bool  # eval_every divides the step
+    save_step: bool  # save_every divides the step (save_strategy="steps")
     last_step: bool  # the step budget is spent
     epoch_done: bool  # the data of this epoch is used up
     last_epoch: bool  # the epoch being run is the last one
@@ -73,8 +74,16 @@ class Due(NamedTuple):
            epoch_limit: float, has_eval_sets: bool) -> Due:
         return cls(step=step, log_step=step % config.log_every == 0,
                    eval_step=bool(config.eval_every) and step % config.eval_every == 0,  # type: ignore[operator]
+                   save_step=saves_every_step(config, step),
                    last_step=step >= max_steps, epoch_done=epoch_done, last_epoch=epoch_index + 1 >= epoch_limit,
                    has_eval_sets=has_eval_sets)
+
+    def quiet(self, control: Control) -> bool:
+        """Nothing is due at this boundary and no callback asked for anything: no log, evaluation,
+        epoch end, save or stop (a new best needs an evaluation, so none either)."""
+        return not (self.log_step or self.eval_step or self.save_step or self.last_step or self.epoch_done
+                    or control.should_log or control.should_evaluate or control.should_save
+                    or control.should_epoch_stop or control.should_training_stop)
 
     def ends_epoch(self, control: Control) -> bool:
         return self.epoch_done or control.should_epoch_stop
@@ -103,12 +112,16 @@ def save_due(config: FitConfig, state: FitState, control: Control, epoch_ended: 
     if state.last_save_step == step:
         control.should_save = False
         return False
-    every = config.save_every if config.save_strategy == "steps" else None
     new_best = state.best_step == step
-    return (control.should_save or bool(every and step % every == 0)
+    return (control.should_save or saves_every_step(config, step)
             or (config.save_strategy == "epoch" and epoch_ended)
             or (new_best and (config.save_strategy == "best" or config.load_best_at_end))
             or (final and config.save_strategy != "no"))
+
+
+def saves_every_step(config: FitConfig, step: int) -> bool:
+    """Whether ``save_strategy="steps"`` saves at ``step`` (``save_every`` divides it)."""
+    return config.save_strategy == "steps" and bool(config.save_every) and step % config.save_every == 0  # type: ignore[operator]
 
 
 def warn_eval_every_past_the_end(config: FitConfig, max_steps: int) -> None:

@@ -329,6 +329,16 @@ def test_the_step_boundary_decision_is_a_value_of_the_schedule_and_the_live_flag
 
     control, state = Control(), FitState()
     plain = due(3)
+    assert plain.quiet(control)  # nothing scheduled, nothing asked for: the boundary does nothing
+    assert not any(due(step).quiet(control) for step in (5, 7, 12))  # a log, an evaluation, the last step
+    assert not due(3, epoch_done=True).quiet(control)
+    saving = ll.FitConfig(log_every=5, save_strategy="steps", save_every=4, max_steps=12)
+    assert not Due.at(8, saving, max_steps=12, epoch_done=False, epoch_index=0, epoch_limit=1,
+                      has_eval_sets=False).quiet(control)
+    for flag in ("should_log", "should_evaluate", "should_save", "should_epoch_stop", "should_training_stop"):
+        setattr(control, flag, True)
+        assert not plain.quiet(control), flag
+        setattr(control, flag, False)
     assert (plain.log(control), plain.evaluate(control, state), plain.ends_epoch(control), plain.ends_run(control)) \
         == (False, False, False, False)
     assert due(5).log(control) and not due(5).evaluate(control, state)
