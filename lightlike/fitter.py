@@ -47,7 +47,6 @@ from lightlike.preemption import PreemptionHandler, requeue_slurm_job, waiting_f
 from lightlike.state import Control, FitResult, FitState, PredictionResult
 from lightlike.strategies import Strategy, get_strategy
 from lightlike.utils.failfast import decided_on_main, failing_fast, guarded
-from lightlike.utils.memory import peak_memory_bytes
 from lightlike.utils.oom import OutOfMemoryRetry
 from lightlike.utils.seed import rng_kept, seed_everything
 
@@ -131,7 +130,7 @@ class Fitter:
             self._end_fit(run)
             run.nonfinite.check_trained()  # a fit whose every step was skipped raises
             self.callbacks.call("on_fit_end", self, state, control)
-            result = self._result(run)
+            result = run.result(state, self.strategy, self.checkpointer.final_checkpoint())  # type: ignore[union-attr]
             log_result(self.loggers, result)  # the trackers record its numbers, their runs end as a success
         finally:
             for lg in self.loggers:
@@ -328,25 +327,6 @@ class Fitter:
         self.phase = "end of fit"
         if self.config.load_best_at_end and state.best_checkpoint:
             self.checkpointer.load_weights(Path(state.best_checkpoint))  # type: ignore[union-attr]
-
-    def _result(self, run: Run) -> FitResult:
-        state, (start_time, start_step, start_samples) = self.state, run.start
-        runtime = time.perf_counter() - start_time
-        training_loss = run.losses.mean_loss(self.strategy)
-        return FitResult(
-            global_step=state.global_step,
-            training_loss=training_loss,
-            metrics={**run.last_metrics, "train/loss": training_loss},
-            runtime=runtime,
-            samples_per_second=(state.samples_seen - start_samples) / runtime if runtime else 0.0,
-            steps_per_second=(state.global_step - start_step) / runtime if runtime else 0.0,
-            peak_memory_bytes=peak_memory_bytes(self.strategy.root_device),
-            skipped_steps=state.skipped_steps,
-            best_checkpoint=state.best_checkpoint,
-            last_checkpoint=self.checkpointer.final_checkpoint(),  # type: ignore[union-attr]
-            state=state,
-            compile_seconds=run.compiled.compile_seconds if run.compiled is not None else None,
-        )
 
     # ---- set-up ---------------------------------------------------------------------------------
     def _set_up(self, module: TaskModule, train: Any, val: Any, resume: bool | str | None) -> Run:

@@ -7,6 +7,7 @@ is due at a step boundary (``Due``), and when a checkpoint is due (``save_due``)
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -19,7 +20,8 @@ from lightlike.data.loading import TrainData
 from lightlike.evaluation import forward_loss
 from lightlike.nonfinite import NonFiniteCheck
 from lightlike.pending import LossBuffer
-from lightlike.state import Control, FitState
+from lightlike.state import Control, FitResult, FitState
+from lightlike.utils.memory import peak_memory_bytes
 
 log = logging.getLogger("lightlike")
 
@@ -53,6 +55,27 @@ class Run:
     # evaluation calls too: ``compiled``), set by lightlike.compiled.compile_run
     forward_loss: Callable[..., torch.Tensor] = forward_loss
     compiled: Any = None
+
+    def result(self, state: FitState, strategy: Any, last_checkpoint: str | None) -> FitResult:
+        """What this fit returns: its numbers since the loop began, the mean training loss over
+        every rank (collective), and the checkpoints it leaves."""
+        start_time, start_step, start_samples = self.start
+        runtime = time.perf_counter() - start_time
+        training_loss = self.losses.mean_loss(strategy)
+        return FitResult(
+            global_step=state.global_step,
+            training_loss=training_loss,
+            metrics={**self.last_metrics, "train/loss": training_loss},
+            runtime=runtime,
+            samples_per_second=(state.samples_seen - start_samples) / runtime if runtime else 0.0,
+            steps_per_second=(state.global_step - start_step) / runtime if runtime else 0.0,
+            peak_memory_bytes=peak_memory_bytes(strategy.root_device),
+            skipped_steps=state.skipped_steps,
+            best_checkpoint=state.best_checkpoint,
+            last_checkpoint=last_checkpoint,
+            state=state,
+            compile_seconds=self.compiled.compile_seconds if self.compiled is not None else None,
+        )
 
 
 class Due(NamedTuple):
