@@ -12,6 +12,7 @@ and a C compiler; each loop takes about 2 minutes (the loops run in parallel, ``
 
     python benchmarks/instructions.py                    # 200 counted steps of each loop
     python benchmarks/instructions.py --steps 500 --loops fitter hand-norm
+    python benchmarks/instructions.py --loops hand-norm fitter fabric-norm   # with lightning installed
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ LOOPS = {  # name: (what runs, the hand loop's gradient-norm variant)
     "hand-norm": "hand loop, same work (gradient norm, window-mean loss)",
     "hand": "hand loop without the norm",
     "fitter": "lightlike Fitter, defaults",
+    "fabric-norm": "Lightning Fabric, same work (needs lightning)",
 }
 
 
@@ -56,8 +58,9 @@ def child(loop: str, steps: int, warmup: int, library: str) -> None:
     if loop == "fitter":
         with_fitter(data, args, mark=lambda what: mark[what]())
     else:
-        same = loop == "hand-norm"
-        hand_written(data, args, mark=lambda what: mark[what](), norm="foreach" if same else "none", window=same)
+        same = loop in ("hand-norm", "fabric-norm")
+        hand_written(data, args, mark=lambda what: mark[what](), norm="foreach" if same else "none", window=same,
+                     fabric=loop == "fabric-norm")
 
 
 def count(loop: str, steps: int, warmup: int, library: str, work: Path) -> float:
@@ -76,7 +79,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--warmup", type=int, default=100)
-    p.add_argument("--loops", nargs="+", default=list(LOOPS), choices=list(LOOPS))
+    p.add_argument("--loops", nargs="+", default=["hand-norm", "hand", "fitter"], choices=list(LOOPS))
     p.add_argument("--jobs", type=int, default=3)
     p.add_argument("--child", help=argparse.SUPPRESS)
     p.add_argument("--library", help=argparse.SUPPRESS)
@@ -96,7 +99,7 @@ def main() -> None:
     for loop, n in counts.items():
         print(f"{LOOPS[loop]:60}: {n:12,.0f}")
     if "fitter" in counts:
-        for base in ("hand-norm", "hand"):
+        for base in ("hand-norm", "hand", "fabric-norm"):
             if base in counts:
                 print(f"fitter / {base:10}: {counts['fitter'] / counts[base]:.3f}")
 

@@ -86,7 +86,7 @@ def hand_written(data: Data, args: argparse.Namespace, same_work: bool = True, m
     else:  # torch's defaults
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: max(0.0, 1 - s / args.steps))
-    backward = torch.Tensor.backward
+    backward, loss_of = torch.Tensor.backward, model.loss  # (the module's own loss: no wrapper attribute lookup)
     if fabric:  # imported here only: the package never imports Lightning
         from lightning.fabric import Fabric
 
@@ -104,7 +104,7 @@ def hand_written(data: Data, args: argparse.Namespace, same_work: bool = True, m
         for batch in loader:
             if device.type != "cpu":  # as the Fitter moves it (an asynchronous copy)
                 batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
-            loss = model.loss(model(batch), batch)
+            loss = loss_of(model(batch), batch)
             backward(loss)
             if norm == "torch":
                 grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
