@@ -112,7 +112,7 @@ def shared_run(tmp_path_factory):
     script (``scripts/ddp_target.py`` unless named), launched once per session however many tests
     compare against it (reference runs: same script, same arguments, same result). Tests only read
     it: anything that writes (a resume, an export) goes to the test's own folder."""
-    from launching import DDP_TARGET, launch
+    from launching import DDP_TARGET, launch, launch_each
 
     base = tmp_path_factory.mktemp("shared-runs")
     done: dict[tuple, Path] = {}
@@ -126,4 +126,17 @@ def shared_run(tmp_path_factory):
             done[key] = out
         return done[key]
 
+    def each(nproc: int, *arg_lists: list[str], script: Path = DDP_TARGET) -> list[Path]:
+        """``get`` for several runs, those not run yet launched together (``launch_each``: one
+        process group, one run after another), so one launch pays for all of them."""
+        keys = [(str(script), nproc, *args) for args in arg_lists]
+        todo = [k for k in dict.fromkeys(keys) if k not in done]
+        if todo:
+            outs = [base / f"run-{len(done) + i}" for i in range(len(todo))]
+            p = launch_each(nproc, [(out, list(k[2:])) for out, k in zip(outs, todo, strict=True)], script=script)
+            assert p.returncode == 0, p.stderr[-4000:]
+            done.update(zip(todo, outs, strict=True))
+        return [done[k] for k in keys]
+
+    get.each = each  # type: ignore[attr-defined]
     return get

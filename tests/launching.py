@@ -40,6 +40,24 @@ def launch(nproc, out, *args, timeout=240, script=DDP_TARGET):
     return run_killing_group(cmd, timeout=timeout)
 
 
+def launch_each(nproc, runs, timeout=240, script=DDP_TARGET):
+    """Several runs ``[(out, args), ...]`` of ``script`` in one launch, one after another in the
+    same processes (``OUT ARGS --then OUT ARGS ...``; ddp_target.py and manual_target.py): each
+    writes what a launch of its own writes, into its own ``out``. For runs that end normally
+    (a kill or a failure only in the last). The timeout is per run."""
+    argv: list[str] = []
+    for out, args in runs:
+        out.mkdir(parents=True, exist_ok=True)
+        argv += [*(["--then"] if argv else []), str(out), *args]
+    return launch(nproc, Path(argv[0]), *argv[1:], timeout=timeout * len(runs), script=script)
+
+
+def run_each_ok(nproc, runs, script=DDP_TARGET):
+    p = launch_each(nproc, runs, script=script)
+    assert p.returncode == 0, p.stderr[-4000:]
+    return p
+
+
 def run_ok(nproc, out, *args, script=DDP_TARGET):
     p = launch(nproc, out, *args, script=script)
     assert p.returncode == 0, p.stderr[-4000:]

@@ -1,6 +1,11 @@
 """A script the DDP tests launch with torchrun (or plain python for one process).
 
-    torchrun --nproc_per_node 2 ddp_target.py OUT --mode train|eval|fail [options]
+    torchrun --nproc_per_node 2 ddp_target.py OUT --mode train|eval|fail [options] [--then OUT2 [options] ...]
+
+``--then`` starts another run in the same launch (the same processes and process group), into
+its own OUT: each run as a launch of its own would do it (``each``). A launch costs more than
+the short runs here (torchrun, the imports, the group's start), so the tests launch several
+runs that need no fresh process at once (never a kill, a signal or a failure before the last).
 """
 
 from __future__ import annotations
@@ -285,7 +290,7 @@ class F1NormBlocks(F1Module):
         self.net = nn.Sequential(nn.Linear(8, width), NormBlock(width), NormBlock(width), nn.Linear(width, 3))
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     if os.environ.get("LIGHTLIKE_DUMP_AFTER"):  # a test's launcher: where this rank stands if it hangs
         import faulthandler
 
@@ -322,7 +327,7 @@ def main() -> None:
     p.add_argument("--log-every", type=int, default=1)
     p.add_argument("--rank-seed", action="store_true", help="each rank seeds its module's build with its rank")
     p.add_argument("--unreadable-on-rank1", default="", help="rank 1's checksum pass of this checkpoint fails (EIO)")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     rank = int(os.environ.get("RANK", "0"))
     if args.unreadable_on_rank1 and rank == 1:  # a transient read error, or a node's stale view of the files
         from lightlike.checkpoint import manifest
@@ -471,5 +476,25 @@ def main() -> None:
             {"class": type(scaler).__name__, "scale": scaler.get_scale(), "growth_interval": scaler._growth_interval}))
 
 
+def each(argv: list[str], run=None) -> None:
+    """``run`` (``main``) once per run of ``OUT ARGS [--then OUT ARGS ...]``, in order, each from
+    the counters a fresh process starts with (the seed is each run's own: ``main`` sets it)."""
+    runs: list[list[str]] = [[]]
+    for arg in argv:
+        if arg == "--then":
+            runs.append([])
+        else:
+            runs[-1].append(arg)
+    from lightlike.checkpoint import manifest
+
+    verify = manifest.verify_checkpoint  # --unreadable-on-rank1 replaces it for its run
+    for args in runs:
+        Block.calls = 0
+        Recording.served = []
+        OutOfMemoryOnRank1.forwards = 0
+        manifest.verify_checkpoint = verify
+        (run or main)(args)
+
+
 if __name__ == "__main__":
-    main()
+    each(sys.argv[1:])

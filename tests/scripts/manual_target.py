@@ -1,6 +1,10 @@
 """Manual optimization on several processes: the GAN of tests/helpers.py in float64.
 
     torchrun --nproc_per_node 2 manual_target.py OUT --batch 4 [--steps N] [--strategy S] [--stop K] [--resume]
+        [--then OUT2 ...]
+
+``--then`` starts another run in the same launch (processes, process group), into its own OUT,
+as ddp_target.py's does.
 
 Writes ``final-rank<r>.pt``: the weights and both optimizers' states.
 """
@@ -57,7 +61,7 @@ class StopAt(ll.Callback):
             control.should_training_stop = True
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser()
     p.add_argument("out")
     p.add_argument("--batch", type=int, default=4)
@@ -66,7 +70,7 @@ def main() -> None:
     p.add_argument("--stop", type=int, default=0, help="stop after this step (its checkpoint is saved)")
     p.add_argument("--resume", action="store_true")
     p.add_argument("--accumulate", action="store_true", help="AccumulatingGAN: ctx.no_sync() over half batches")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     out, rank = Path(args.out), int(os.environ.get("RANK", "0"))
     torch.manual_seed(0)
     module = (AccumulatingGAN if args.accumulate else ShardedGAN if args.strategy == "fsdp" else GAN)().double()
@@ -80,4 +84,11 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    runs: list[list[str]] = [[]]
+    for arg in sys.argv[1:]:
+        if arg == "--then":
+            runs.append([])
+        else:
+            runs[-1].append(arg)
+    for run in runs:
+        main(run)

@@ -98,7 +98,13 @@ class Fitter(ll.Fitter):
         super().__init__(config, callbacks=[*(callbacks or []), *probes], **kwargs)
 
 
+def main(argv: list[str]) -> None:
+    """One run: this script's options read from ``argv``, ddp_target's run with the rest."""
+    global EXTRA
+    EXTRA, rest = extra.parse_known_args(argv)
+    ddp_target.main(rest)
+
+
 if __name__ == "__main__":
-    sys.argv = [sys.argv[0], *REST]
     ll.Fitter = Fitter  # ddp_target builds ll.Fitter(...) at run time
-    ddp_target.main()
+    ddp_target.each(sys.argv[1:], run=main)  # [--then OUT ...]: several runs, as ddp_target's

@@ -14,28 +14,34 @@ from pathlib import Path
 
 import pytest
 import torch
-from launching import DDP_TARGET, REF_8_STEPS, assert_close, free_port, launch, weights
+from launching import DDP_TARGET, REF_8_STEPS, assert_close, free_port, launch, run_each_ok, weights
 from launching import check_nan_gradient_on_one_rank as check_nan_gradient
 
+DOUBLE_BATCH = [("plain", 1, "ddp"), ("plain", 2, "ddp"), ("token", 2, "ddp"), ("inttoken", 2, "ddp"),
+                ("token", 2, "ddp:static-graph")]
 
-@pytest.mark.parametrize("module,accum,strategy", [("plain", 1, "ddp"), ("plain", 2, "ddp"), ("token", 2, "ddp"),
-                                                   ("inttoken", 2, "ddp"), ("token", 2, "ddp:static-graph")])
-def test_two_processes_equal_one_with_double_batch(tmp_path, module, accum, strategy):
+
+def _double_batch_args(module, accum):
+    return ["--task", module, "--accum", str(accum), "--steps", "7", "--items", "46", "--max-grad-norm", "0.5"]
+
+
+@pytest.mark.parametrize("module,accum,strategy", DOUBLE_BATCH)
+def test_two_processes_equal_one_with_double_batch(shared_run, module, accum, strategy):
     """2 ranks x batch 4 == 1 rank x batch 8, in float64 (to 1e-12), with accumulation and
     uneven item counts (token module: each item holds 1-4 'tokens'); 46 items: a short last batch.
     static_graph=True with accumulation: its reducer must see a synchronised backward first (torch
     asserted at step 1 when the first micro-step ran under no_sync)."""
-    args = ["--task", module, "--accum", str(accum), "--steps", "7", "--items", "46", "--max-grad-norm", "0.5"]
-    p2 = launch(2, tmp_path / "ddp", "--batch", "4", "--strategy", strategy, *args)
-    assert p2.returncode == 0, p2.stderr[-3000:]
-    p1 = launch(1, tmp_path / "one", "--batch", "8", *args)
-    assert p1.returncode == 0, p1.stderr[-3000:]
-    ddp0, ddp1, one = weights(tmp_path / "ddp", 0), weights(tmp_path / "ddp", 1), weights(tmp_path / "one")
+    # every case's runs launched together, by the first case (one launch on 2 ranks, one on 1)
+    case = DOUBLE_BATCH.index((module, accum, strategy))
+    two_out = shared_run.each(2, *(["--batch", "4", "--strategy", st, *_double_batch_args(m, a)]
+                                   for m, a, st in DOUBLE_BATCH))[case]
+    one_out = shared_run.each(1, *(["--batch", "8", *_double_batch_args(m, a)] for m, a, _ in DOUBLE_BATCH))[case]
+    ddp0, ddp1, one = weights(two_out, 0), weights(two_out, 1), weights(one_out)
     assert all(torch.equal(ddp0[k], ddp1[k]) for k in ddp0), "ranks disagree"
     assert_close(ddp0, one)
     # the logged training loss is the mean over all ranks' items: the same numbers
-    logs = [[json.loads(x)["train/loss"] for x in (tmp_path / d / "logs" / "metrics.jsonl").read_text().splitlines()
-             if "train/loss" in x] for d in ("ddp", "one")]
+    logs = [[json.loads(x)["train/loss"] for x in (d / "logs" / "metrics.jsonl").read_text().splitlines()
+             if "train/loss" in x] for d in (two_out, one_out)]
     assert logs[0] == pytest.approx(logs[1], rel=1e-12)
 
 
@@ -71,20 +77,43 @@ def test_resume_on_another_world_size(shared_run, tmp_path, before, after):
     assert_close(weights(out), weights(ref), tol=1e-10)
 
 
-@pytest.mark.parametrize("before,after", [(1, 2), (2, 1)])
-def test_resume_on_another_world_size_with_the_same_per_rank_batch(tmp_path, before, after):
+PER_RANK_BATCH = [(1, 2), (2, 1)]
+PER_RANK_COMMON = ["--items", "40", "--batch", "4", "--save-every", "1", "--data", "recording"]
+
+
+def _per_rank_batch_steps(before, after):
+    first_steps = 3 if before == 1 else 2  # 12 or 16 of the 40 samples
+    done = 4 * before * first_steps
+    return first_steps, done, first_steps + -(-(40 - done) // (4 * after))  # to the end of the epoch
+
+
+@pytest.fixture(scope="module")
+def per_rank_batch(tmp_path_factory):
+    """Both cases below in three launches (not four): the 1-process first run; on 2 ranks the
+    other case's first run, then this case's resume; on 1 process that case's resume (each run
+    records what it was served into its own folder: ``--then``). {(before, after): folder}."""
+    base = tmp_path_factory.mktemp("per-rank-batch")
+    outs = {case: base / f"{case[0]}-{case[1]}" for case in PER_RANK_BATCH}
+
+    def first(case):
+        return outs[case], ["--steps", str(_per_rank_batch_steps(*case)[0]), *PER_RANK_COMMON]
+
+    def resume(case):
+        return outs[case], ["--steps", str(_per_rank_batch_steps(*case)[2]), "--resume", *PER_RANK_COMMON]
+
+    run_each_ok(1, [first((1, 2))])
+    run_each_ok(2, [first((2, 1)), resume((1, 2))])
+    run_each_ok(1, [resume((2, 1))])
+    return outs
+
+
+@pytest.mark.parametrize("before,after", PER_RANK_BATCH)
+def test_resume_on_another_world_size_with_the_same_per_rank_batch(per_rank_batch, before, after):
     """The global batch changes with the world size (4 per rank): the resumed run takes exactly
     the samples the first run left in the epoch, each once, and its checkpoints record the
     true global position."""
-    first_steps = 3 if before == 1 else 2  # 12 or 16 of the 40 samples
-    done = 4 * before * first_steps
-    steps = first_steps + -(-(40 - done) // (4 * after))  # to the end of the epoch
-    common = ["--items", "40", "--batch", "4", "--save-every", "1", "--data", "recording"]
-    out = tmp_path / "run"
-    p = launch(before, out, "--steps", str(first_steps), *common)
-    assert p.returncode == 0, p.stderr[-3000:]
-    p = launch(after, out, "--steps", str(steps), "--resume", *common)
-    assert p.returncode == 0, p.stderr[-3000:]
+    first_steps, done, steps = _per_rank_batch_steps(before, after)
+    out = per_rank_batch[before, after]
     first = sum((json.loads((out / f"served-first-rank{r}.json").read_text()) for r in range(before)), [])
     rest = sum((json.loads((out / f"served-resumed-rank{r}.json").read_text()) for r in range(after)), [])
     assert len(first) == done
@@ -248,20 +277,30 @@ def test_uneven_data_does_not_hang(tmp_path):
     assert all(torch.equal(w0[k], w1[k]) for k in w0), "ranks disagree"
 
 
+KILL_COMMON = ["--steps", "9", "--items", "40", "--batch", "4", "--accum", "2", "--save-every", "2", "--task", "token",
+               "--log-every", "4"]
+
+
+@pytest.fixture(scope="module")
+def killed_and_resumed(tmp_path_factory):
+    """A run killed after step 3 and one after step 6 (a launch each: the kill ends it), then both
+    resumes and the uninterrupted reference in one launch (``--then``). {kill step: (resumed
+    folder, reference folder, killed run's return code)}."""
+    base = tmp_path_factory.mktemp("kills")
+    ref = base / "ref"
+    killed = {step: launch(2, base / str(step), *KILL_COMMON, "--kill-step", str(step)).returncode for step in (3, 6)}
+    run_each_ok(2, [*((base / str(step), [*KILL_COMMON, "--resume"]) for step in (3, 6)), (ref, KILL_COMMON)])
+    return {step: (base / str(step), ref, killed[step]) for step in (3, 6)}
+
+
 @pytest.mark.parametrize("kill_step", [3, 6])
-def test_kill_one_rank_and_resume_is_bit_identical(shared_run, tmp_path, kill_step):
+def test_kill_one_rank_and_resume_is_bit_identical(killed_and_resumed, kill_step):
     """SIGKILL rank 1 mid-run (after step 3: mid-epoch; after 6: past an epoch boundary), let
     torchrun end rank 0, resume on 2 processes: the same weights, bit for bit, as without the kill,
     and the same logs: a log every 4 steps, so each checkpoint holds losses not yet logged, every
     rank's (only rank 0's were kept, so the resumed run logged a wrong mean)."""
-    common = ["--steps", "9", "--items", "40", "--batch", "4", "--accum", "2", "--save-every", "2", "--task", "token",
-              "--log-every", "4"]
-    ref = shared_run(2, *common)
-    out = tmp_path / "run"
-    killed = launch(2, out, *common, "--kill-step", str(kill_step))
-    assert killed.returncode != 0
-    resumed = launch(2, out, *common, "--resume")
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    out, ref, killed = killed_and_resumed[kill_step]
+    assert killed != 0
     for rank in (0, 1):
         a, b = weights(out, rank), weights(ref, rank)
         assert all(torch.equal(a[k], b[k]) for k in a), f"rank {rank} differs"
@@ -293,8 +332,6 @@ def test_preemption_signal_on_one_rank_stops_every_rank_at_the_same_step(tmp_pat
     from lightlike.checkpoint import list_checkpoints, verify_checkpoint
 
     common = ["--steps", "30", "--items", "48", "--batch", "4"]
-    ref = launch(2, tmp_path / "ref", *common)
-    assert ref.returncode == 0, ref.stderr[-3000:]
     out = tmp_path / "run"
     p = launch(2, out, *common, "--signal-step", "3", "--fail-rank", "1", timeout=120)
     assert p.returncode != 0
@@ -306,8 +343,7 @@ def test_preemption_signal_on_one_rank_stops_every_rank_at_the_same_step(tmp_pat
     assert "75" in codes and set(codes) <= {"75", "-15"}, p.stderr[-3000:]
     assert [c.name for c in list_checkpoints(out)] == ["checkpoint-20"]
     verify_checkpoint(out / "checkpoint-20")
-    resumed = launch(2, out, *common, "--resume")
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    run_each_ok(2, [(out, [*common, "--resume"]), (tmp_path / "ref", common)])  # the resume, then the reference
     for rank in (0, 1):
         a, b = weights(out, rank), weights(tmp_path / "ref", rank)
         assert all(torch.equal(a[k], b[k]) for k in a), f"rank {rank} differs"

@@ -21,7 +21,7 @@ import torch
 from helpers import Classifier
 from launching import check_nan_gradient_on_one_rank as check_nan_gradient
 from launching import launch as ddp_launch
-from launching import moved_share, weights
+from launching import launch_each, moved_share, weights
 
 from lightlike import FitConfig
 from lightlike.checkpoint.manifest import verify_checkpoint
@@ -71,12 +71,38 @@ def assert_close(a, b, tol=TOL):
         torch.testing.assert_close(a[k], b[k], rtol=tol, atol=tol, msg=k)
 
 
-@pytest.fixture(scope="module")
-def runs(shared_run):
-    """Uninterrupted 2-process runs with COMMON (``shared_run``: each launched once, when first asked for)."""
-    def get(strategy, *extra):
-        return shared_run(2, "--strategy", strategy, *COMMON, *SAVES, *extra, script=SCRIPT)
+def run_each_ok(nproc, runs):
+    p = launch_each(nproc, runs, script=SCRIPT)
+    assert p.returncode == 0, p.stderr[-4000:]
+    return p
 
+
+def bf16_mixed(stage):
+    return ["--strategy", f"deepspeed_zero{stage}", "--precision", "bf16-mixed", *COMMON]
+
+
+@pytest.fixture(scope="module")
+def runs(shared_run, no_persistence):
+    """Uninterrupted 2-process runs with COMMON (``shared_run``: each launched once, when first
+    asked for). The first call launches every run of this file's tests at once (one launch, one
+    run after another: ``--then``), a launch costing more than most runs here."""
+    known = [("ddp",), *((p,) for p in PRESETS),
+             ("deepspeed_zero3", "--ds-config", no_persistence, "--init-module"),
+             ("deepspeed_zero3", "--ds-config", no_persistence, "--roundtrip"),
+             ("deepspeed_zero2", "--precision", "bf16-true", "--roundtrip"), ("deepspeed_zero2", "--task", "norm-blocks"),
+             ("deepspeed_zero1", "--task", "frozen-first"), ("deepspeed_zero3", "--task", "frozen-first"),
+             ("deepspeed_zero2", "--task", "only-module")]
+
+    def args(strategy, *extra):
+        return ["--strategy", strategy, *COMMON, *SAVES, *extra]
+
+    def get(strategy, *extra):
+        if (strategy, *extra) in known:
+            shared_run.each(2, *(args(*k) for k in known), *(bf16_mixed(stage) for stage in (1, 2, 3)), script=SCRIPT)
+        return shared_run(2, *args(strategy, *extra), script=SCRIPT)
+
+    get.bf16_mixed = lambda stage: shared_run.each(  # type: ignore[attr-defined]
+        2, *(args(*k) for k in known), *(bf16_mixed(s) for s in (1, 2, 3)), script=SCRIPT)[len(known) + stage - 1]
     return get
 
 
@@ -156,32 +182,47 @@ def test_setting_full_weights_reaches_master_and_parameters(runs, no_persistence
 
 
 # -- resume ----------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def killed_and_resumed(tmp_path_factory):
+    """Three runs killed after step 5 (a launch each: the kill ends it): ZeRO-2, ZeRO-3, and ZeRO-2
+    with BatchNorm; then all three resumes in one launch (``--then``). {case: (folder, killed rc,
+    checkpoint-4 written and checkpoint-6 not, at the kill)}."""
+    base = tmp_path_factory.mktemp("kills")
+    cases = {"deepspeed_zero2": ["--strategy", "deepspeed_zero2", *COMMON, *SAVES],
+             "deepspeed_zero3": ["--strategy", "deepspeed_zero3", *COMMON, *SAVES],
+             "norm-blocks": ["--strategy", "deepspeed_zero2", *COMMON, *SAVES, "--task", "norm-blocks"]}
+    got = {}
+    for case, args in cases.items():
+        out = base / case
+        rc = launch(2, out, *args, "--kill-step", "5").returncode
+        got[case] = (out, rc, (out / "checkpoint-4" / "deepspeed_meta.json").is_file()
+                     and not (out / "checkpoint-6").exists())
+    run_each_ok(2, [(base / case, [*args, "--resume"]) for case, args in cases.items()])
+    return got
+
+
 @pytest.mark.parametrize("strategy", ["deepspeed_zero2", "deepspeed_zero3"])
-def test_kill_and_resume_is_bit_identical(runs, tmp_path, strategy):
+def test_kill_and_resume_is_bit_identical(runs, killed_and_resumed, strategy):
     """SIGKILL rank 1 after step 5 (torchrun ends rank 0), resume on 2 processes from checkpoint-4
     (one step into the second epoch: DeepSpeed's own partition files plus lightlike's RNG/data/scheduler state): the
     same weights on both ranks, bit for bit, and the same log as the uninterrupted run."""
     ref = runs(strategy)
-    out = tmp_path / "run"
-    killed = launch(2, out, "--strategy", strategy, *COMMON, *SAVES, "--kill-step", "5")
-    assert killed.returncode != 0
-    assert (out / "checkpoint-4" / "deepspeed_meta.json").is_file() and not (out / "checkpoint-6").exists()
-    run_ok(2, out, "--strategy", strategy, *COMMON, *SAVES, "--resume")
+    out, killed, checkpoints_at_kill = killed_and_resumed[strategy]
+    assert killed != 0
+    assert checkpoints_at_kill  # checkpoint-4 (DeepSpeed's files), not checkpoint-6
     for rank in (0, 1):
         a, b = weights(out, rank), weights(ref, rank)
         assert all(torch.equal(a[k], b[k]) for k in a), f"rank {rank} differs"
     assert (out / "logs" / "metrics.jsonl").read_text() == (ref / "logs" / "metrics.jsonl").read_text()
 
 
-def test_kill_and_resume_with_buffers_is_bit_identical(runs, tmp_path):
+def test_kill_and_resume_with_buffers_is_bit_identical(runs, killed_and_resumed):
     """BatchNorm statistics, which DeepSpeed leaves to each rank: the checkpoint holds rank 0's
     module state, so the resumed rank 1 differed from the uninterrupted one (until an evaluation
     gave it rank 0's). Every rank takes rank 0's buffers at a save."""
-    args = ["--strategy", "deepspeed_zero2", *COMMON, *SAVES, "--task", "norm-blocks"]
     ref = runs("deepspeed_zero2", "--task", "norm-blocks")
-    out = tmp_path / "run"
-    assert launch(2, out, *args, "--kill-step", "5").returncode != 0
-    run_ok(2, out, *args, "--resume")
+    out, killed, _ = killed_and_resumed["norm-blocks"]
+    assert killed != 0
     for rank in (0, 1):
         a, b = weights(out, rank), weights(ref, rank)
         assert [k for k in a if not torch.equal(a[k], b[k])] == [], f"rank {rank} differs"
@@ -209,19 +250,28 @@ def test_resume_two_ranks_on_one(runs, tmp_path, strategy):
     verify_checkpoint(out / "checkpoint-4", hashes=True)  # read, not modified
 
 
+@pytest.fixture(scope="module")
+def saved_and_resumed_on_one(tmp_path_factory):
+    """For ZeRO-2 and ZeRO-3: a 2-rank run with BatchNorm saved at its last step (both in one
+    launch), its checkpoint-3 resumed on one process (both in one launch). {strategy: (saved, resumed)}."""
+    args = ["--dtype", "float32", "--items", "24", "--accum", "1", "--steps", "3", "--save-every", "3",
+            "--task", "norm-blocks"]
+    base = tmp_path_factory.mktemp("buffers")
+    strategies = ["deepspeed_zero2", "deepspeed_zero3"]
+    run_each_ok(2, [(base / s / "two", ["--strategy", s, "--batch", "4", *args]) for s in strategies])
+    for s in strategies:
+        (base / s / "one").mkdir()
+        shutil.copytree(base / s / "two" / "checkpoint-3", base / s / "one" / "checkpoint-3")
+    run_each_ok(1, [(base / s / "one", ["--strategy", s, "--batch", "8", *args, "--resume"]) for s in strategies])
+    return {s: (base / s / "two", base / s / "one") for s in strategies}
+
+
 @pytest.mark.parametrize("strategy", ["deepspeed_zero2", "deepspeed_zero3"])
-def test_resume_on_another_world_size_keeps_the_buffers(tmp_path, strategy):
+def test_resume_on_another_world_size_keeps_the_buffers(saved_and_resumed_on_one, strategy):
     """DeepSpeed's universal load restores parameters and optimizer state only: BatchNorm's
     running statistics and batch count came back at their constructor values (0, 1, 0). Resumed
     on one process with nothing left to train, the module holds exactly what was saved."""
-    args = ["--dtype", "float32", "--items", "24", "--accum", "1", "--steps", "3", "--save-every", "3",
-            "--task", "norm-blocks"]
-    saved = tmp_path / "two"
-    run_ok(2, saved, "--strategy", strategy, "--batch", "4", *args)
-    out = tmp_path / "one"
-    out.mkdir()
-    shutil.copytree(saved / "checkpoint-3", out / "checkpoint-3")
-    run_ok(1, out, "--strategy", strategy, "--batch", "8", *args, "--resume")
+    saved, out = saved_and_resumed_on_one[strategy]
     want, got = weights(saved), weights(out)
     assert [int(want[k]) for k in want if k.endswith("num_batches_tracked")] == [3, 3]  # trained statistics
     for k in want:
@@ -288,15 +338,14 @@ def test_a_submodule_named_module_keeps_its_name(runs, tmp_path):
 
 
 # -- precision -------------------------------------------------------------------------------------
-def test_bf16_mixed_with_each_stage(runs, tmp_path):
+def test_bf16_mixed_with_each_stage(runs):
     """bf16-mixed (DeepSpeed's torch_autocast section) with ZeRO-1, 2, 3: the first loss is the
     same bf16 forward on every stage and differs from the fp32 run's; training stays near the fp32
     weights; 32-true is every other test here."""
     ref = runs("ddp")
     first = {}
     for stage in (1, 2, 3):
-        out = tmp_path / f"z{stage}"
-        run_ok(2, out, "--strategy", f"deepspeed_zero{stage}", "--precision", "bf16-mixed", *COMMON)
+        out = runs.bf16_mixed(stage)  # launched with the other runs
         got = weights(out)
         assert all(torch.equal(got[k], weights(out, 1)[k]) for k in got), "ranks disagree"
         assert_close(got, weights(ref), tol=0.05)

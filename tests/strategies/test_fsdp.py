@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
 from helpers import Classifier
-from launching import FSDP_ARGS, REF_8_STEPS, assert_close, launch, moved_share, run_ok, weights
+from launching import FSDP_ARGS, REF_8_STEPS, assert_close, launch, moved_share, run_each_ok, run_ok, weights
 from launching import FSDP_COMMON as COMMON
 from launching import check_nan_gradient_on_one_rank as check_nan_gradient
 from torch import nn
@@ -24,6 +25,30 @@ ROOT = Path(__file__).resolve().parents[2]
 #: the DDP reference and the sharded runs compared with it (checkpoints at 2, 4, 6 and the last, 7);
 #: launched once (``shared_run``) for every test that reads them
 DDP_RUN = ["--strategy", "ddp", "--batch", "4", *COMMON]
+#: the runs the tests below compare with the DDP reference, launched with it (one launch:
+#: ``shared_run.each``) by whichever test asks first
+SHARDED_RUNS = [["--strategy", "fsdp", *FSDP_ARGS], ["--strategy", "hsdp:1", *FSDP_ARGS],
+                ["--strategy", "fsdp:async", *FSDP_ARGS], ["--strategy", "fsdp", "--batch", "4", *COMMON, "--rank-seed"]]
+
+
+def _sharded(shared_run, args):
+    """The output of ``args`` (one of SHARDED_RUNS, or DDP_RUN), launched with the others."""
+    runs = [DDP_RUN, *SHARDED_RUNS]
+    return shared_run.each(2, *runs)[runs.index(args)]
+
+
+#: evaluations (validate and predict, no fit) on two ranks and the one-process references
+EVAL = ["--mode", "eval", "--batch", "4", "--task", "blocks"]
+TWO_RANK_EVALS = [[*EVAL, "--items", "9", "--strategy", "fsdp", "--rank-seed"], [*EVAL, "--items", "9", "--strategy", "fsdp"],
+                  [*EVAL, "--items", "1", "--strategy", "fsdp"]]
+
+
+def _evaluated(shared_run, items, strategy, *extra):
+    """eval.json of one process's evaluation of ``items`` items, and of two ranks' (``strategy``, ``extra``)."""
+    two = shared_run.each(2, *TWO_RANK_EVALS)[TWO_RANK_EVALS.index([*EVAL, "--items", str(items), "--strategy", strategy,
+                                                                    *extra])]
+    one = shared_run.each(1, [*EVAL, "--items", "9"], [*EVAL, "--items", "1"])[[9, 1].index(items)]
+    return (json.loads((d / "eval.json").read_text()) for d in (one, two))
 
 
 @pytest.mark.parametrize("strategy", ["fsdp", "hsdp:1"])
@@ -31,7 +56,7 @@ def test_same_weights_as_ddp(shared_run, strategy):
     """FSDP (shard over 2) and HSDP (replicate 2 × shard 1) against DDP on 2 ranks, float64,
     with accumulation, norm clipping, uneven item counts and a partial last window: to 1e-12.
     The logged training loss is the same too."""
-    ddp, fsdp = shared_run(2, *DDP_RUN), shared_run(2, "--strategy", strategy, *FSDP_ARGS)
+    ddp, fsdp = _sharded(shared_run, DDP_RUN), _sharded(shared_run, ["--strategy", strategy, *FSDP_ARGS])
     ref, got = weights(ddp), weights(fsdp)
     assert all(torch.equal(got[k], weights(fsdp, 1)[k]) for k in got), "ranks disagree"
     assert_close(got, ref, tol=1e-12)
@@ -40,30 +65,26 @@ def test_same_weights_as_ddp(shared_run, strategy):
     assert losses[1] == pytest.approx(losses[0], rel=1e-12)
 
 
-def test_ranks_that_built_other_weights_start_from_rank_0s(shared_run, tmp_path):
+def test_ranks_that_built_other_weights_start_from_rank_0s(shared_run):
     """Each rank seeds its module's build with its rank (rank 0 with 0, as the reference runs).
     DDP takes rank 0's weights as it wraps the module; FSDP kept each rank's own shard, a mix of
     two initialisations, in a fit and in a validate() outside one."""
-    run_ok(2, tmp_path / "fsdp", "--strategy", "fsdp", "--batch", "4", *COMMON, "--rank-seed")
-    assert_close(weights(tmp_path / "fsdp"), weights(shared_run(2, *DDP_RUN)), tol=1e-12)
-    args = ["--mode", "eval", "--items", "9", "--batch", "4", "--task", "blocks"]
-    run_ok(2, tmp_path / "two", *args, "--strategy", "fsdp", "--rank-seed")
-    one, two = (json.loads((d / "eval.json").read_text()) for d in (shared_run(1, *args), tmp_path / "two"))
+    seeded = _sharded(shared_run, ["--strategy", "fsdp", "--batch", "4", *COMMON, "--rank-seed"])
+    assert_close(weights(seeded), weights(_sharded(shared_run, DDP_RUN)), tol=1e-12)
+    one, two = _evaluated(shared_run, 9, "fsdp", "--rank-seed")
     assert two["predictions"] == one["predictions"]
     for k, v in one["metrics"].items():
         assert two["metrics"][k] == pytest.approx(v, rel=1e-9), k
 
 
 @pytest.mark.parametrize("strategy, items", [("fsdp", 9), ("fsdp", 1)])
-def test_exact_evaluation_when_ranks_hold_different_numbers_of_batches(shared_run, tmp_path, strategy, items):
+def test_exact_evaluation_when_ranks_hold_different_numbers_of_batches(shared_run, strategy, items):
     """9 items in batches of 4 on 2 ranks: rank 0 takes 2 batches, rank 1 one (1 item: rank 1
     none). A sharded forward gathers parameters collectively, so the rank that is done must keep
     the other company (it aborted on a collective mismatch); metrics and predictions equal one
     process's. (ZeRO-3 takes the same path, ``forward_is_collective``; checked by hand in a fit
     with partitioned parameters, not here: a validate() without fit does not partition them.)"""
-    args = ["--mode", "eval", "--items", str(items), "--batch", "4", "--task", "blocks"]
-    run_ok(2, tmp_path / "two", *args, "--strategy", strategy)
-    one, two = (json.loads((d / "eval.json").read_text()) for d in (shared_run(1, *args), tmp_path / "two"))
+    one, two = _evaluated(shared_run, items, strategy)
     assert two["predictions"] == one["predictions"] and two["labels"] == one["labels"]
     for k, v in one["metrics"].items():
         assert two["metrics"][k] == pytest.approx(v, rel=1e-6), k
@@ -82,8 +103,7 @@ def test_memory_per_rank_is_half_of_ddp(tmp_path):
     """Parameter + gradient + optimizer bytes held by each rank (its local shards), measured just
     before the last optimizer step: FSDP on 2 ranks ≤ (1/2 + 5 %) of DDP's."""
     args = ["--width", "256", "--steps", "2", "--items", "16", "--batch", "4", "--dtype", "float32"]
-    run_ok(2, tmp_path / "ddp", "--strategy", "ddp", *args)
-    run_ok(2, tmp_path / "fsdp", "--strategy", "fsdp", *args)
+    run_each_ok(2, [(tmp_path / "ddp", ["--strategy", "ddp", *args]), (tmp_path / "fsdp", ["--strategy", "fsdp", *args])])
     for rank in (0, 1):
         ddp = json.loads((tmp_path / "ddp" / f"footprint-rank{rank}.json").read_text())
         fsdp = json.loads((tmp_path / "fsdp" / f"footprint-rank{rank}.json").read_text())
@@ -92,22 +112,40 @@ def test_memory_per_rank_is_half_of_ddp(tmp_path):
         assert fsdp["params"] > 0.45 * ddp["params"]  # a shard, not nothing
 
 
-@pytest.mark.parametrize("strategy,kill_step,task", [("fsdp", 3, "token"), ("fsdp", 6, "token"),
-                                                     ("fsdp:async", 5, "token"), ("fsdp", 5, "norm-blocks")])
-def test_kill_and_resume_is_bit_identical(shared_run, tmp_path, strategy, kill_step, task):
+KILLS = [("fsdp", 3, "token"), ("fsdp", 6, "token"), ("fsdp:async", 5, "token"), ("fsdp", 5, "norm-blocks")]
+
+
+def _kill_common(strategy, task):
+    return ["--strategy", strategy, "--steps", "9", "--items", "40", "--batch", "4", "--accum", "2",
+            "--save-every", "2", "--task", task, "--dtype", "float32"]
+
+
+@pytest.fixture(scope="module")
+def killed_and_resumed(tmp_path_factory):
+    """Each case of KILLS killed (a launch each: the kill ends it), then every resume and every
+    uninterrupted reference in one launch: {case: (resumed folder, reference folder, killed rc)}."""
+    base = tmp_path_factory.mktemp("kills")
+    killed, runs, refs = {}, [], {}
+    for strategy, kill_step, task in KILLS:
+        common = _kill_common(strategy, task)
+        out = base / f"{strategy.replace(':', '-')}-{kill_step}-{task}"
+        killed[strategy, kill_step, task] = launch(2, out, *common, "--kill-step", str(kill_step)).returncode
+        runs.append((out, [*common, "--resume"]))
+        refs.setdefault((strategy, task), (base / f"ref-{strategy.replace(':', '-')}-{task}", common))
+    run_each_ok(2, [*runs, *refs.values()])
+    return {case: (out, refs[case[0], case[2]][0], killed[case]) for case, (out, _) in zip(KILLS, runs, strict=True)}
+
+
+@pytest.mark.parametrize("strategy,kill_step,task", KILLS)
+def test_kill_and_resume_is_bit_identical(killed_and_resumed, strategy, kill_step, task):
     """SIGKILL rank 1 after step 3 (mid-epoch) or 6 (past an epoch boundary); torchrun ends rank
     0; resume from the newest sharded checkpoint: the same weights and logs, bit for bit. With
     asynchronous saves, a checkpoint whose write was in flight at the kill is not committed and
     resume takes the one before. With BatchNorm in the shard units ("norm-blocks"), the buffers
     every rank holds: DCP wrote rank 1's copy, so the resumed rank 0 differed; the checkpoint
     holds rank 0's, which every rank takes at the save."""
-    common = ["--strategy", strategy, "--steps", "9", "--items", "40", "--batch", "4", "--accum", "2",
-              "--save-every", "2", "--task", task, "--dtype", "float32"]
-    ref = shared_run(2, *common)
-    out = tmp_path / "run"
-    killed = launch(2, out, *common, "--kill-step", str(kill_step))
-    assert killed.returncode != 0
-    run_ok(2, out, *common, "--resume")
+    out, ref, killed = killed_and_resumed[strategy, kill_step, task]
+    assert killed != 0
     for rank in (0, 1):
         a, b = weights(out, rank), weights(ref, rank)
         assert all(torch.equal(a[k], b[k]) for k in a), f"rank {rank} differs"
@@ -115,19 +153,47 @@ def test_kill_and_resume_is_bit_identical(shared_run, tmp_path, strategy, kill_s
     assert logs[0] == logs[1]
 
 
-@pytest.mark.parametrize("before,after,resume_strategy", [(2, 1, "fsdp"), (1, 2, "fsdp"), (2, 2, "ddp")])
-def test_resume_reshards(shared_run, tmp_path, before, after, resume_strategy):
+RESHARDS = [(2, 1, "fsdp"), (1, 2, "fsdp"), (2, 2, "ddp")]
+
+
+@pytest.fixture(scope="module")
+def resharded(tmp_path_factory):
+    """Each case of RESHARDS stopped at step 4 and resumed, in three launches (not six): the
+    2-rank stop, once, copied for each of its two resumes; then on one process the 1-rank stop
+    and the 1-rank resume; then on two ranks both 2-rank resumes. {case: (folder, its checkpoint-4
+    as the stop left it)}."""
+    common = ["--steps", "8", "--items", "40", "--save-every", "4"]
+    base = tmp_path_factory.mktemp("reshards")
+
+    def stop(before):
+        return ["--strategy", "fsdp", "--batch", str(8 // before), "--stop", "4", *common]
+
+    def resume(after, strategy):
+        return ["--strategy", strategy, "--batch", str(8 // after), "--resume", *common]
+
+    outs = {case: base / "-".join(map(str, case)) for case in RESHARDS}
+    stopped = base / "stopped-on-2"
+    run_ok(2, stopped, *stop(2))
+    for case in ((2, 1, "fsdp"), (2, 2, "ddp")):
+        shutil.copytree(stopped, outs[case])
+    run_each_ok(1, [(outs[1, 2, "fsdp"], stop(1)), (outs[2, 1, "fsdp"], resume(1, "fsdp"))])
+    stops = {case: base / f"checkpoint-4-{'-'.join(map(str, case))}" for case in RESHARDS}
+    for case in RESHARDS:  # as the stop left it (the resume adds checkpoint-8 beside it)
+        shutil.copytree(outs[case] / "checkpoint-4" if case[0] == 1 else stopped / "checkpoint-4", stops[case])
+    run_each_ok(2, [(outs[1, 2, "fsdp"], resume(2, "fsdp")), (outs[2, 2, "ddp"], resume(2, "ddp"))])
+    return {case: (outs[case], stops[case]) for case in RESHARDS}
+
+
+@pytest.mark.parametrize("before,after,resume_strategy", RESHARDS)
+def test_resume_reshards(shared_run, resharded, before, after, resume_strategy):
     """Stop at step 4 on `before` FSDP ranks, resume on `after` ranks (same global batch): DCP
     reshards weights and AdamW state onto the new layout, and the run ends where the
     uninterrupted one does. The sharded checkpoint also resumes under DDP (same names)."""
-    common = ["--steps", "8", "--items", "40", "--save-every", "4"]
     ref = shared_run(2, *REF_8_STEPS)
-    out = tmp_path / "run"
-    run_ok(before, out, "--strategy", "fsdp", "--batch", str(8 // before), "--stop", "4", *common)
-    manifest = json.loads((out / "checkpoint-4" / "manifest.json").read_text())
+    out, stopped = resharded[before, after, resume_strategy]
+    manifest = json.loads((stopped / "manifest.json").read_text())
     assert manifest["meta"]["state_format"] == "dcp"
-    assert not (out / "checkpoint-4" / "model.safetensors").exists()  # sharded: nothing gathered
-    run_ok(after, out, "--strategy", resume_strategy, "--batch", str(8 // after), "--resume", *common)
+    assert not (stopped / "model.safetensors").exists()  # sharded: nothing gathered
     assert_close(weights(out), weights(ref), tol=1e-10)
 
 
@@ -139,7 +205,7 @@ def test_export_consolidates_shards(shared_run, tmp_path):
 
     from safetensors.torch import load_file
 
-    out = shared_run(2, "--strategy", "fsdp", *FSDP_ARGS)
+    out = _sharded(shared_run, ["--strategy", "fsdp", *FSDP_ARGS])
     exported = tmp_path / "export"
     cli = subprocess.run([sys.executable, "-m", "lightlike.cli", "export", str(out / "checkpoint-7"), str(exported)],
                          capture_output=True, text=True)
@@ -153,36 +219,48 @@ def test_export_consolidates_shards(shared_run, tmp_path):
         Classifier().double().load_weights(out / "checkpoint-7")
 
 
-@pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed", "bf16-true"])
-def test_precisions(shared_run, tmp_path, precision):
+PRECISIONS = ["bf16-mixed", "16-mixed", "bf16-true"]
+PRECISION_ARGS = ["--strategy", "fsdp", "--dtype", "float32", "--batch", "4", "--steps", "6", "--items", "48"]
+OWN_16_MIXED = ["--strategy", "fsdp:own-16-mixed", "--dtype", "float32", "--steps", "4"]
+META_ARGS = ["--strategy", "fsdp", "--width", "64", "--steps", "3", "--batch", "4", "--dtype", "float32"]
+#: the float32 FSDP runs of the tests below, launched together by whichever asks first
+FLOAT32_RUNS = [PRECISION_ARGS, *([*PRECISION_ARGS, "--precision", p] for p in PRECISIONS), OWN_16_MIXED,
+                META_ARGS, [*META_ARGS, "--meta"], [*META_ARGS, "--init-module"]]
+
+
+def _float32(shared_run, args):
+    return shared_run.each(2, *FLOAT32_RUNS)[FLOAT32_RUNS.index(args)]
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_precisions(shared_run, precision):
     """Each precision this CPU supports trains under FSDP: finite losses, ranks agree, and the
     result is close to the fp32 run (the low-precision error, not a different computation): within
     a share of how far training moved the weights, which untrained weights (share 1) fail."""
-    args = ["--strategy", "fsdp", "--dtype", "float32", "--batch", "4", "--steps", "6", "--items", "48"]
-    run_ok(2, tmp_path / "low", *args, "--precision", precision)
-    got, ref = weights(tmp_path / "low"), weights(shared_run(2, *args))
-    assert all(torch.equal(got[k], weights(tmp_path / "low", 1)[k]) for k in got)
+    low = _float32(shared_run, [*PRECISION_ARGS, "--precision", precision])
+    got, ref = weights(low), weights(_float32(shared_run, PRECISION_ARGS))
+    assert all(torch.equal(got[k], weights(low, 1)[k]) for k in got)
     for k in ref:
         assert torch.isfinite(got[k]).all()
         torch.testing.assert_close(got[k].float(), ref[k], atol=0.05, rtol=0.05)
     share, largest = moved_share(got, ref, 16)
     assert 0 < largest < 0.2  # 6 AdamW steps at 1e-2 from the initial weights computed here
     assert 0 < share < 0.25, share  # observed 0.027 (16-mixed) to 0.066 (bf16-true)
-    losses = [json.loads(x)["train/loss"] for x in (tmp_path / "low" / "logs" / "metrics.jsonl").read_text().splitlines()
+    losses = [json.loads(x)["train/loss"] for x in (low / "logs" / "metrics.jsonl").read_text().splitlines()
               if "train/loss" in x]
     assert len(losses) == 6 and all(map(math.isfinite, losses))
 
 
-def test_a_strategy_instance_with_its_own_16_mixed(tmp_path):
+def test_a_strategy_instance_with_its_own_16_mixed(shared_run):
     """FSDPStrategy(precision=MixedPrecision("16", init_scale=2**10, growth_interval=1)) with the
     Fitter's precision left 'auto': it trains (the optimizer is unfused for the ShardedGradScaler,
     as under precision='16-mixed'), and the ShardedGradScaler keeps the plugin's settings. Before,
     the fused kernel failed at step 1 and the scaler fell back to torch's defaults (2**16, 2000)."""
-    run_ok(2, tmp_path, "--strategy", "fsdp:own-16-mixed", "--dtype", "float32", "--steps", "4")
-    scaler = json.loads((tmp_path / "scaler-rank0.json").read_text())
+    out = _float32(shared_run, OWN_16_MIXED)
+    scaler = json.loads((out / "scaler-rank0.json").read_text())
     assert scaler["class"] == "ShardedGradScaler" and scaler["growth_interval"] == 1
     assert scaler["scale"] == 2.0**14  # four finite steps, doubled after each
-    assert torch.isfinite(weights(tmp_path)["net.0.weight"]).all()
+    assert torch.isfinite(weights(out)["net.0.weight"]).all()
 
 
 def test_offload_on_cpu_is_a_clear_error(tmp_path):
@@ -192,14 +270,13 @@ def test_offload_on_cpu_is_a_clear_error(tmp_path):
 
 
 @pytest.mark.parametrize("how", ["--meta", "--init-module"])
-def test_meta_device_init_materialises_shards(shared_run, tmp_path, how):
+def test_meta_device_init_materialises_shards(shared_run, how):
     """A module built on the meta device (by hand, or in ``fitter.init_module()``) is sharded
     first, then each rank allocates and initialises only its shard, with exactly the values of
     ``torch.manual_seed(seed); Model()``: the run is bit-identical to one with an eagerly built
     module (on the CPU, DTensor random ops would give every shard the same values)."""
-    args = ["--strategy", "fsdp", "--width", "64", "--steps", "3", "--batch", "4", "--dtype", "float32"]
-    run_ok(2, tmp_path / "meta", *args, how)
-    w0, w1, eager = weights(tmp_path / "meta", 0), weights(tmp_path / "meta", 1), weights(shared_run(2, *args))
+    meta = _float32(shared_run, [*META_ARGS, how])
+    w0, w1, eager = weights(meta, 0), weights(meta, 1), weights(_float32(shared_run, META_ARGS))
     assert w0["net.0.weight"].shape == (64, 8)
     for k in eager:
         assert torch.equal(w0[k], w1[k]) and torch.equal(w0[k], eager[k]), k
@@ -247,22 +324,35 @@ print(all(torch.equal(eager[k], meta[k]) for k in eager))
     assert p.stdout.split()[-1] == "True"
 
 
-@pytest.mark.parametrize("task", ["blocks", "maybe-checkpointed", "norm-blocks"])
-def test_activation_checkpointing_gives_the_same_weights(tmp_path, task):
+CHECKPOINTED_TASKS = ["blocks", "maybe-checkpointed", "norm-blocks"]
+
+
+@pytest.fixture(scope="module")
+def checkpointing(tmp_path_factory):
+    """Every task of CHECKPOINTED_TASKS with activation checkpointing and without, in one launch
+    (each run counts its own block calls): its folder, and the launch's stderr."""
+    base = tmp_path_factory.mktemp("checkpointing")
+    runs = []
+    for task in CHECKPOINTED_TASKS:
+        args = ["--strategy", "fsdp", "--batch", "4", "--steps", "4", "--items", "32", "--task", task]
+        runs += [(base / task / "plain", args), (base / task / "ckpt", [*args, "--gradient-checkpointing"])]
+    return base, run_each_ok(2, runs).stderr
+
+
+@pytest.mark.parametrize("task", CHECKPOINTED_TASKS)
+def test_activation_checkpointing_gives_the_same_weights(checkpointing, task):
     """Activation checkpointing recomputes the forward in backward (counted: twice the forwards)
     and the numbers are the same as without it: applied to the shard units before sharding
     ("blocks"), or, for a module without units, by the module's own maybe_checkpoint (it used to
     be switched off there, so nothing was checkpointed; and the units' case warned falsely).
     "norm-blocks": units with BatchNorm, whose running statistics the recompute updated a second
     time (the weights file holds them)."""
-    args = ["--strategy", "fsdp", "--batch", "4", "--steps", "4", "--items", "32", "--task", task]
-    run_ok(2, tmp_path / "plain", *args)
-    p = run_ok(2, tmp_path / "ckpt", *args, "--gradient-checkpointing")
-    a, b = weights(tmp_path / "plain"), weights(tmp_path / "ckpt")
+    base, stderr = checkpointing
+    a, b = weights(base / task / "plain"), weights(base / task / "ckpt")
     assert all(torch.equal(a[k], b[k]) for k in a)
-    calls = [int((tmp_path / d / "block-calls-rank0.txt").read_text()) for d in ("plain", "ckpt")]
+    calls = [int((base / task / d / "block-calls-rank0.txt").read_text()) for d in ("plain", "ckpt")]
     assert calls[0] > 0 and calls[1] == 2 * calls[0], calls
-    assert "never called self.maybe_checkpoint" not in p.stderr
+    assert "never called self.maybe_checkpoint" not in stderr  # in no run of the launch
 
 
 # -- in-process: shard-unit choice and presets ------------------------------------------------
@@ -333,17 +423,17 @@ def test_preset_files_agree_with_named_presets(tmp_path):
         get_strategy(str(tmp_path / "missing.json"), "cpu", None)
 
 
-def test_async_save_commits_every_checkpoint(shared_run, tmp_path):
+def test_async_save_commits_every_checkpoint(shared_run):
     """With async_save, every checkpoint is committed (the last at the end of the fit), verifies,
     and holds the same shards as a synchronous save of the same run."""
     from lightlike.checkpoint.manifest import list_checkpoints, verify_checkpoint
 
-    sync = shared_run(2, "--strategy", "fsdp", *FSDP_ARGS)
-    run_ok(2, tmp_path / "async", "--strategy", "fsdp:async", *FSDP_ARGS)
-    done = [p.name for p in list_checkpoints(tmp_path / "async")]
+    sync = _sharded(shared_run, ["--strategy", "fsdp", *FSDP_ARGS])
+    asynchronous = _sharded(shared_run, ["--strategy", "fsdp:async", *FSDP_ARGS])
+    done = [p.name for p in list_checkpoints(asynchronous)]
     assert done == [p.name for p in list_checkpoints(sync)] == [f"checkpoint-{s}" for s in (2, 4, 6, 7)]
     for name in done:
-        a = verify_checkpoint(tmp_path / "async" / name)["files"]
+        a = verify_checkpoint(asynchronous / name)["files"]
         b = verify_checkpoint(sync / name)["files"]
         shards = [f for f in b if f.startswith("dcp/__")]
         assert shards and all(a[f]["crc32"] == b[f]["crc32"] for f in shards), name

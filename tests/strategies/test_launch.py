@@ -241,23 +241,34 @@ def test_slurm_nodelist(monkeypatch, nodelist, first):
     assert slurm_main_address(nodelist) == first
 
 
-def test_torchrun_recipe_runs(tmp_path):
+RESTART_COMMON = ["--steps", "9", "--save-every", "2", "--items", "40"]
+
+
+@pytest.fixture(scope="module")
+def recipe_run(tmp_path_factory):
+    """strategies/torchrun.sh running the script on 2 processes, uninterrupted (RESTART_COMMON):
+    the recipe's own test, and the reference of the restart test."""
+    out = tmp_path_factory.mktemp("recipe") / "ref"
     env = {**CLEAN, "NPROC": "2", "PATH": f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}"}
-    cmd = ["bash", str(ROOT / "strategies" / "torchrun.sh"), str(SCRIPT), str(tmp_path), "--steps", "3"]
-    p = run_killing_group(cmd, env=env, timeout=240)
+    cmd = ["bash", str(ROOT / "strategies" / "torchrun.sh"), str(SCRIPT), str(out), *RESTART_COMMON]
+    return out, run_killing_group(cmd, env=env, timeout=240)
+
+
+def test_torchrun_recipe_runs(recipe_run):
+    out, p = recipe_run
     assert p.returncode == 0, p.stderr[-3000:]
-    assert (tmp_path / "final-rank0.pt").exists() and (tmp_path / "final-rank1.pt").exists()
+    assert (out / "final-rank0.pt").exists() and (out / "final-rank1.pt").exists()
 
 
-def test_torchrun_restart_resumes_from_the_newest_checkpoint(tmp_path):
+def test_torchrun_restart_resumes_from_the_newest_checkpoint(recipe_run, tmp_path):
     """The recipe's promise: with MAX_RESTARTS and resume='auto', a failure restarts the job and
     it continues from the newest checkpoint, ending with the uninterrupted run's weights. torchrun's
     agent keeps one store across attempts; the restarted attempt read the dead one's keys (gloo
     dialled old addresses: 'connectFullMesh failed' or a hang)."""
     env = {**CLEAN, "NPROC": "2", "PATH": f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}"}
-    common = ["--steps", "9", "--save-every", "2", "--items", "40"]
+    common = RESTART_COMMON
     recipe = ["bash", str(ROOT / "strategies" / "torchrun.sh"), str(SCRIPT)]
-    p = run_killing_group([*recipe, str(tmp_path / "ref"), *common], env=env, timeout=240)
+    ref, p = recipe_run
     assert p.returncode == 0, p.stderr[-3000:]
     p = run_killing_group([*recipe, str(tmp_path / "run"), *common, "--mode", "fail-once", "--fail-step", "5",
                            "--resume", "auto"], env={**env, "MAX_RESTARTS": "1"}, timeout=240)
@@ -265,7 +276,7 @@ def test_torchrun_restart_resumes_from_the_newest_checkpoint(tmp_path):
     assert "injected failure on rank 1, first attempt only" in p.stderr
     for rank in (0, 1):
         a = torch.load(tmp_path / "run" / f"final-rank{rank}.pt", weights_only=True)
-        b = torch.load(tmp_path / "ref" / f"final-rank{rank}.pt", weights_only=True)
+        b = torch.load(ref / f"final-rank{rank}.pt", weights_only=True)
         assert all(torch.equal(a[k], b[k]) for k in a)
 
 
