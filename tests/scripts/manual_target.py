@@ -84,11 +84,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    runs: list[list[str]] = [[]]
-    for arg in sys.argv[1:]:
-        if arg == "--then":
-            runs.append([])
-        else:
-            runs[-1].append(arg)
-    for run in runs:
-        main(run)
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from ddp_target import each  # noqa: E402  (its split of OUT ARGS --then OUT ARGS ...)
+
+    each(sys.argv[1:], run=main)
