@@ -15,7 +15,7 @@ from lightlike.errors import (
     OutputDirError,
 )
 from lightlike.fitter import Fitter
-from lightlike.manual import StepContext
+from lightlike.step import StepContext
 from lightlike.module import TaskModule
 from lightlike.precision import Precision, get_precision
 from lightlike.state import Control, FitResult, FitState, PredictionResult

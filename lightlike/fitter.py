@@ -41,10 +41,11 @@ from lightlike.loggers.summary import model_summary
 from lightlike.loop import Due, Run, save_due, warn_eval_every_past_the_end
 from lightlike.module import TaskModule, check_task_module
 from lightlike.nonfinite import NonFiniteCheck
-from lightlike.pending import LossBuffer, weighted
+from lightlike.pending import LossBuffer
 from lightlike.precision import get_precision
 from lightlike.preemption import PreemptionHandler, requeue_slurm_job, waiting_for
 from lightlike.state import Control, FitResult, FitState, PredictionResult
+from lightlike.step import AutomaticStep, StepContext
 from lightlike.strategies import Strategy, get_strategy
 from lightlike.utils.failfast import decided_on_main, failing_fast, guarded
 from lightlike.utils.oom import OutOfMemoryRetry
@@ -128,7 +129,7 @@ class Fitter:
             run.start = (time.perf_counter(), state.global_step, state.samples_seen)
             self._train(run)
             self._end_fit(run)
-            run.nonfinite.check_trained()  # a fit whose every step was skipped raises
+            run.ctx.check.check_trained()  # a fit whose every step was skipped raises
             self.callbacks.call("on_fit_end", self, state, control)
             result = run.result(state, self.strategy, self.checkpointer.final_checkpoint())  # type: ignore[union-attr]
             log_result(self.loggers, result)  # the trackers record its numbers, their runs end as a success
@@ -174,42 +175,19 @@ class Fitter:
         return window
 
     def _training_step(self, run: Run, window: list[Any]) -> None:
-        """One optimizer step over ``window``; the scheduler steps when the update was applied."""
-        step = self.state.global_step + 1
-        if run.manual is not None:  # the module's own training_step (lightlike/manual.py)
-            run.manual.run_step(run, window, step)
-        elif self._accumulate_and_step(run, window, step) and run.scheduler is not None:
-            run.scheduler.step()
+        """One optimizer step over ``window``: the module's ``training_step``, or the automatic one
+        (``lightlike/step.py``), on the fit's step context."""
+        step, ctx, to_device = self.state.global_step + 1, run.ctx, self.strategy.batch_to_device
+        ctx.begin(step, run.module)
+        run.training_step([to_device(b) for b in window], ctx)
+        skipped, run.grad_norm = ctx.finish()  # the norm is read at the next log row
+        if skipped is not None:
+            self.state.skipped_steps += 1
         self.state.global_step = step
         self.phase = "step end"
 
-    def _accumulate_and_step(self, run: Run, window: list[Any], step: int) -> bool:
-        """Forward/backward every micro-batch of one optimizer step, then clip and step.
-
-        Micro-batch i is weighted by ``items_i / items_in_step``, so the step's gradient is the
-        gradient of the mean loss over every item in the step, whatever each micro-batch holds.
-        The losses and the global gradient norm go through the non-finite check
-        (``lightlike/nonfinite.py``). Returns whether the optimizer update was applied."""
-        strategy, model, state = self.strategy, run.model, self.state
-        batches = [strategy.batch_to_device(b) for b in window]
-        counts = [run.count_items(b) for b in batches]
-        normaliser = strategy.item_normaliser(counts, uniform=run.uniform_counts)
-        run.nonfinite.begin_step(run.module)
-        for i, batch in enumerate(batches):
-            with strategy.no_sync(model, enabled=i < len(batches) - 1):
-                with strategy.autocast():
-                    loss = run.forward_loss(model, run.module, batch, "at step {}, micro-batch {}", step, i)
-                strategy.backward(weighted(loss, counts[i], normaliser.total), model)
-            run.losses.add(loss, counts[i], step, i)
-        norm = strategy.clip_gradients(model, run.optimizer, self.config.max_grad_norm, self.config.max_grad_value,
-                                       want_norm=True)  # every step: logged, and checked for NaN/inf
-        if run.nonfinite.skipped(run, norm, len(batches), step):
-            return False
-        run.grad_norm = norm  # this step's, read at the next log row
-        self.callbacks.call("on_before_optimizer_step", self, state, self.control, run.optimizer)
-        stepped = strategy.optimizer_step(run.optimizer, model)
-        run.optimizer.zero_grad(set_to_none=True)
-        return run.nonfinite.applied(run, stepped, norm, len(batches), step)
+    def _before_update(self, optimizer: Any) -> None:
+        self.callbacks.call("on_before_optimizer_step", self, self.state, self.control, optimizer)
 
     def _advance(self, position: Any, micro_batches: int) -> bool:
         """Move the data position past this step's batches; whether the epoch's data is used up."""
@@ -385,13 +363,10 @@ class Fitter:
         resumed = saved_fit_state(resume_from, train_data, cfg.resume_data_changed, strategy.global_rank)
         max_steps, epoch_limit = train_data.step_budget(cfg.max_steps, cfg.max_epochs, cfg.grad_accum_steps, resumed)
         warn_eval_every_past_the_end(cfg, max_steps)
-        default_counts = type(module).num_items is TaskModule.num_items and "num_items" not in vars(module)
         losses = LossBuffer(strategy.root_device, raise_nonfinite=cfg.nonfinite_loss == "raise")
         return Run(module=module, model=None, optimizer=None, scheduler=None, train_data=train_data,
                    eval_sets=eval_sets, best=BestMetric(cfg, eval_sets), max_steps=max_steps, epoch_limit=epoch_limit,
-                   losses=losses, nonfinite=NonFiniteCheck(cfg.nonfinite_loss, strategy, self.state),
-                   count_items=module.num_items, uniform_counts=train_data.deals_evenly and default_counts,
-                   agree_on_data=agree_on_data, resume_from=resume_from)
+                   losses=losses, agree_on_data=agree_on_data, resume_from=resume_from)
 
     def _set_up_model(self, run: Run) -> None:
         """The module wrapped by the strategy, its optimizer and scheduler, and the checkpointer
@@ -406,7 +381,8 @@ class Fitter:
         materialise_lazy_modules(module, run.train_data.loader)  # nn.LazyLinear & co.: shaped before wrapping
         module.zero_grad(set_to_none=True)  # gradients left by an earlier fit that failed, or by the user
         if manual.is_manual(module):  # several optimizers, stepped by the module (lightlike/manual.py)
-            model, run.manual = manual.set_up(self, module, strategy)
+            model, pairs = manual.set_up(cfg, module, strategy)
+            run.manual = manual.ManualStep(module, module.num_items, pairs)
             optimizer, scheduler = run.manual.optimizers, run.manual.schedulers
         else:
             model = strategy.setup_module(module)
@@ -417,10 +393,21 @@ class Fitter:
                 optimizer = optim.build_optimizer(module, cfg, strategy.precision)
                 scheduler = optim.build_scheduler(optimizer, cfg, run.max_steps)
             model, optimizer = strategy.setup_optimizer(model, optimizer)
+            pairs = [(optimizer, scheduler)]
         self.model = run.model = model
         self.optimizer = run.optimizer = optimizer
         self.scheduler = run.scheduler = scheduler
         compile_run(run, cfg, strategy)  # compile=True: forward and loss as one compiled function
+        if run.manual is not None:
+            run.training_step = run.manual
+        else:  # lightlike's sampler deals every rank the same integer counts (with the default num_items)
+            default_counts = type(module).num_items is TaskModule.num_items and "num_items" not in vars(module)
+            run.training_step = AutomaticStep(module, run.forward_loss, module.num_items,
+                                              uniform_counts=run.train_data.deals_evenly and default_counts)
+        check = NonFiniteCheck(cfg.nonfinite_loss, strategy.collectives, strategy.root_device, self.state)
+        run.ctx = StepContext(strategy=strategy, model=model, pairs=pairs, check=check, losses=run.losses,
+                              before_update=self._before_update, max_norm=cfg.max_grad_norm,
+                              max_value=cfg.max_grad_value, log_every=cfg.log_every, max_steps=run.max_steps)
         self.resumed_from = None
         self.checkpointer = Checkpointer(cfg, strategy, module=module, model=model, optimizer=optimizer,
                                          scheduler=scheduler, callbacks=self.callbacks,

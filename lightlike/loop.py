@@ -18,7 +18,6 @@ from lightlike.best import BestMetric
 from lightlike.config import FitConfig
 from lightlike.data.loading import TrainData
 from lightlike.evaluation import forward_loss
-from lightlike.nonfinite import NonFiniteCheck
 from lightlike.pending import LossBuffer
 from lightlike.state import Control, FitResult, FitState
 from lightlike.utils.memory import peak_memory_bytes
@@ -41,12 +40,11 @@ class Run:
     max_steps: int
     epoch_limit: float  # epochs to run (inf when only max_steps bounds the fit)
     losses: LossBuffer
-    nonfinite: NonFiniteCheck  # the loss and gradient-norm check of every step
-    count_items: Callable[[Any], int | torch.Tensor]  # the module's num_items
-    uniform_counts: bool  # every rank holds the same integer counts each step (no count reduction)
     agree_on_data: bool  # several ranks whose shares may run out at different steps
     resume_from: Any = None  # the checkpoint this fit resumed from (a Path), or None
-    manual: Any = None  # a module's own training_step (lightlike.manual.ManualTraining), or None
+    ctx: Any = None  # the StepContext of every training step (lightlike/step.py)
+    training_step: Callable[[list[Any], Any], None] | None = None  # (window, ctx): AutomaticStep or ManualStep
+    manual: Any = None  # a module's own training_step (lightlike.manual.ManualStep), or None
     grad_norm: torch.Tensor | None = None  # the last step's norm (None: skipped), read at the next log row
     last_metrics: dict[str, float] = field(default_factory=dict)  # the last evaluation's
     bar_active: bool = False  # a progress bar replaces the log lines

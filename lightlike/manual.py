@@ -2,31 +2,24 @@
 step (several optimizers, several backward passes: GANs, actor-critic, SAM) with the Fitter's
 data, logging, evaluation, checkpoints and resume around it.
 
-What ``ctx`` (a ``StepContext``) does, and why:
+``ctx`` is the ``StepContext`` of ``lightlike/step.py``, the one automatic optimization uses too;
+its docstring says what each call does. What differs here:
 
-- ``ctx.backward(loss)``: the precision plugin's backward (``16-mixed`` scales the loss). Under
-  DDP no gradient is synchronised here: each optimizer's gradients are averaged over the ranks
-  when ``ctx.step`` (or ``ctx.clip_gradients``) first reads them
-  (``Strategy.average_manual_gradients``, one all-reduce per dtype). Averaging is linear, so
-  gradients summed from several backward passes are averaged exactly once, whichever parameters
-  each pass touched (DDP's reducer, made for one backward over every parameter per step, is not
-  used: no hang, no ``find_unused_parameters``). FSDP reduce-scatters in each backward, as usual.
-- ``ctx.step(optimizer)``: average over ranks, unscale, clip (``max_grad_norm``,
-  ``max_grad_value``), check the global gradient norm (``nonfinite_loss``), call the callbacks'
-  ``on_before_optimizer_step``, step, zero that optimizer's gradients, and step its scheduler when
-  the update was applied. Returns False when the update was skipped (a ``16-mixed`` overflow; a
-  non-finite gradient under ``nonfinite_loss="skip"``).
+- Under DDP the module is not wrapped in ``DistributedDataParallel``: each optimizer's gradients
+  are averaged over the ranks when ``ctx.step`` (or ``ctx.clip_gradients``) first reads them
+  (``Strategy.prepare_gradients``, one all-reduce per dtype). Averaging is linear, so gradients
+  summed from several backward passes are averaged exactly once, whichever parameters each pass
+  touched (DDP's reducer, made for one backward over every parameter per step, is not used: no
+  hang, no ``find_unused_parameters``). FSDP reduce-scatters in each backward, as usual.
 - ``16-mixed`` follows torch's multi-optimizer AMP recipe: ONE ``GradScaler`` for all optimizers,
   ``scaler.step(optimizer)`` per optimizer, one ``scaler.update()`` at the end of the training step.
   So each optimizer steps at most once per training step under ``16-mixed``.
-- ``ctx.no_sync()``: around a backward that is not the last before ``ctx.step`` (accumulation):
-  nothing to do under DDP (gradients are averaged at ``ctx.step``); under FSDP no reduce-scatter.
+- The loss ``training_step`` returns is the step's loss in the training rows; the other scalars it
+  returns are logged as ``train/<key>``.
 """
 
 from __future__ import annotations
 
-import contextlib
-import logging
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -35,12 +28,6 @@ import torch
 from lightlike import optim
 from lightlike.config import field_defaults
 from lightlike.errors import ConfigError, ModuleContractError
-from lightlike.precision import Precision
-from lightlike.strategies.base import clip_gradients
-
-log = logging.getLogger("lightlike")
-
-_NO_UNSCALE = Precision()  # clip_gradients' unscale step is done once per optimizer by StepContext
 
 
 def is_manual(module: Any) -> bool:
@@ -91,13 +78,12 @@ def unwrap_manual_optimizers(result: Any) -> list[tuple[torch.optim.Optimizer, A
     return pairs
 
 
-def set_up(fitter: Any, module: Any, strategy: Any) -> tuple[Any, ManualTraining]:
+def set_up(config: Any, module: Any, strategy: Any) -> tuple[Any, list[tuple[torch.optim.Optimizer, Any]]]:
     """The module as the strategy sets it up for manual optimization, then its optimizers (built
-    over the parameters set up), as ``(model, ManualTraining)``."""
-    check_manual_config(fitter.config)
+    over the parameters set up) with their schedulers, as ``(model, [(optimizer, scheduler), ...])``."""
+    check_manual_config(config)
     model = strategy.setup_manual_module(module)
-    pairs = unwrap_manual_optimizers(optim.call_configure_optimizers(module, fitter.config))
-    return model, ManualTraining(fitter, pairs)
+    return model, unwrap_manual_optimizers(optim.call_configure_optimizers(module, config))
 
 
 class ManualOptimizers:
@@ -156,31 +142,22 @@ class ManualSchedulers:
                 s.load_state_dict(saved)
 
 
-class ManualTraining:
-    """One fit's manual optimization: runs ``module.training_step`` once per training step,
-    with a ``StepContext``, and keeps what it returned for the log rows."""
+class ManualStep:
+    """The training step of a module with ``training_step(batch, ctx)``: one batch per step; keeps
+    the scalars it returned besides the loss for the log rows."""
 
-    def __init__(self, fitter: Any, pairs: list[tuple[torch.optim.Optimizer, Any]]):
-        self.fitter, self.pairs = fitter, pairs
+    def __init__(self, module: Any, count_items: Any, pairs: list[tuple[torch.optim.Optimizer, Any]]):
+        self.module, self.count_items, self.pairs = module, count_items, pairs
         self.optimizers = ManualOptimizers([o for o, _ in pairs])
         self.schedulers = ManualSchedulers(pairs) if any(s is not None for _, s in pairs) else None
         self.extra: dict[str, torch.Tensor] = {}  # the last step's values other than "loss"
 
-    def run_step(self, run: Any, window: list[Any], step: int) -> None:
-        """Training step ``step`` on ``window``'s one batch."""
-        fitter, strategy = self.fitter, self.fitter.strategy
-        batch = strategy.batch_to_device(window[0])
-        ctx = StepContext(self, run, step)
-        run.nonfinite.begin_step(run.module)
-        with strategy.autocast():
-            out = run.module.training_step(batch, ctx)
-        ctx.finish()
-        loss, extra = _read_output(out, step)
-        run.losses.add(loss, run.count_items(batch), step, 0)
-        self.extra = extra
-        if ctx.skipped and not ctx.applied:  # every update this step tried was skipped: so was the step
-            run.nonfinite.causes[ctx.skipped[0]] += 1
-            fitter.state.skipped_steps += 1
+    def __call__(self, window: list[Any], ctx: Any) -> None:
+        batch = window[0]
+        with ctx.autocast():
+            out = self.module.training_step(batch, ctx)
+        loss, self.extra = _read_output(out, ctx.global_step)
+        ctx.log_loss(loss, self.count_items(batch))
 
     def take_logged(self, strategy: Any) -> dict[str, float]:
         """``train/<key>``: each value the last ``training_step`` returned besides ``loss``, its mean
@@ -210,100 +187,3 @@ def _read_output(out: Any, step: int) -> tuple[torch.Tensor, dict[str, torch.Ten
         return values.pop("loss"), values
     raise ModuleContractError(f"training_step returned {type(out).__name__} at step {step}; return a scalar tensor "
                               "(the loss) or a dict of scalar tensors with a 'loss' key (each logged as train/<key>)")
-
-
-class StepContext:
-    """What ``training_step(batch, ctx)`` gets (see the module's docstring): ``optimizers`` (in
-    the order ``configure_optimizers`` returned them), ``global_step`` (the step being taken,
-    counted from 1), ``log_step`` (whether this step writes a log row), ``no_sync()``,
-    ``backward(loss)``, ``step(optimizer) -> bool`` and ``clip_gradients(optimizer, max_norm)``."""
-
-    def __init__(self, training: ManualTraining, run: Any, step: int):
-        self._training, self._run = training, run
-        self._fitter = training.fitter
-        self._strategy = self._fitter.strategy
-        cfg = self._fitter.config
-        self.optimizers = tuple(o for o, _ in training.pairs)
-        self.global_step = step
-        self.log_step = step % cfg.log_every == 0 or step >= run.max_steps
-        self._prepared: set[int] = set()  # optimizers whose gradients are averaged and unscaled
-        self._stepped: set[int] = set()
-        self.skipped: list[str] = []  # causes of the updates skipped this step
-        self.applied = False
-
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        """Around a backward that is not the last before ``step``. Under DDP gradients are
-        averaged at ``step`` only, so this does nothing; under FSDP the backward passes inside it
-        neither reduce-scatter nor reshard (the strategy's ``no_sync``), the next one outside does."""
-        strategy, model = self._strategy, self._run.model
-        try:
-            with strategy.no_sync(model, enabled=True):
-                yield
-        finally:
-            strategy.no_sync(model, enabled=False)  # the next backward synchronises again
-
-    def backward(self, loss: torch.Tensor) -> None:
-        """Backward of ``loss`` through the precision plugin (scaled under ``16-mixed``)."""
-        self._strategy.precision.backward(loss)
-
-    def _index(self, optimizer: Any) -> int:
-        for i, o in enumerate(self.optimizers):
-            if o is optimizer:
-                return i
-        raise ModuleContractError("ctx.step/ctx.clip_gradients got an optimizer that configure_optimizers did not "
-                                  "return: use the ones in ctx.optimizers")
-
-    def _prepare(self, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
-        """Average the optimizer's gradients over the ranks and unscale them, once per step call."""
-        i = self._index(optimizer)
-        params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-        if i not in self._prepared:
-            self._prepared.add(i)
-            self._strategy.average_manual_gradients(params)
-            self._strategy.precision.unscale_gradients(optimizer)
-        return params
-
-    def clip_gradients(self, optimizer: torch.optim.Optimizer, max_norm: float) -> torch.Tensor:
-        """Clip ``optimizer``'s gradients to the global norm ``max_norm``; returns the norm before
-        clipping (a device tensor)."""
-        self._prepare(optimizer)
-        return clip_gradients(_NO_UNSCALE, optimizer, max_norm, None)  # type: ignore[return-value]
-
-    def step(self, optimizer: torch.optim.Optimizer) -> bool:
-        """Average, unscale, clip, check, step and zero ``optimizer``'s gradients; step its
-        scheduler when the update was applied. Returns whether it was."""
-        i = self._index(optimizer)
-        precision, cfg, fitter = self._strategy.precision, self._fitter.config, self._fitter
-        if precision.uses_scaler and i in self._stepped:
-            raise ModuleContractError(f"ctx.step(optimizer {i}) was called twice in one training_step under "
-                                      f"precision={precision.name!r}: torch's GradScaler recipe steps each optimizer "
-                                      "once per update; step it once per training_step")
-        self._stepped.add(i)
-        self._prepare(optimizer)
-        norm = clip_gradients(_NO_UNSCALE, optimizer, cfg.max_grad_norm, cfg.max_grad_value, want_norm=True)
-        check = self._run.nonfinite
-        if check.skip and check.checks_norm and not bool(torch.isfinite(norm)):  # "skip": one read per ctx.step
-            optimizer.zero_grad(set_to_none=True)
-            self.skipped.append("gradient")
-            log.warning("non-finite gradient at step %d: the update of optimizer %d (of ctx.optimizers) skipped",
-                        self.global_step, i)
-            return False
-        fitter.callbacks.call("on_before_optimizer_step", fitter, fitter.state, fitter.control, optimizer)
-        stepped = precision.step_without_update(optimizer)
-        optimizer.zero_grad(set_to_none=True)
-        if not check.skip and check.checks_norm and norm is not None:
-            self._run.losses.add_norm(norm, self.global_step)  # "raise": checked at the next read
-        if not stepped:
-            self.skipped.append("overflow")
-            return False
-        self.applied = True
-        scheduler = self._training.pairs[i][1]
-        if scheduler is not None:
-            scheduler.step()
-        return True
-
-    def finish(self) -> None:
-        """The end of the training step: the loss scale is updated once (torch's recipe)."""
-        if self._prepared:
-            self._strategy.precision.update_scale()

@@ -17,12 +17,13 @@ which clipping and logging use anyway; a device tensor) and checked with the los
   logged), counted in ``FitState.skipped_steps``, and a warning names the step and which of loss
   and gradient it was.
 
-Two kinds of strategy do part of this themselves. With a loss scaler (``Strategy.scales_loss``:
-``16-mixed``, DeepSpeed's ``16-true``) a non-finite gradient is an overflow: the scaler skips the
-step and lowers its scale, the loop counts the skip once, as an overflow, and checks the loss
-only. DeepSpeed's engine computes the norm inside its own step and skips a step whose norm is
-not finite (``Strategy.checks_gradients_in_step``): the loop reads that skip as the gradient
-check ("raise" then raises at the next read: the norm it reports is infinite).
+Where the update itself guards against a non-finite gradient, the loop leaves it there: a loss
+scaler (``16-mixed``, DeepSpeed's ``16-true``) skips the update and lowers its scale (counted
+once, as an overflow, and the loss is checked only); DeepSpeed's engine computes the norm inside
+its own step and skips a step whose norm is not finite (read as the gradient check's skip;
+"raise" then raises at the next read: the norm it reports is infinite). ``Strategy.step`` says
+which, by the norm it hands the check before the update (None: the update guards itself) and
+by what it reports after (``StepResult``).
 
 A fit whose every step was skipped, for whatever cause, raises ``AllStepsSkippedError`` at its
 end (after its last checkpoint, which holds the weights it started from): it trained nothing.
@@ -44,16 +45,14 @@ log = logging.getLogger("lightlike")
 
 
 class NonFiniteCheck:
-    """One fit's non-finite check (see the module's docstring). The loop calls ``begin_step``
-    before a step's forward passes, ``skipped`` once its gradients are clipped (before the
-    optimizer step), ``applied`` after the optimizer step, and ``check_trained`` at the end."""
+    """One fit's non-finite check (see the module's docstring), used by the ``StepContext``:
+    ``begin_step`` before a step's forward passes, ``vet`` before each update, ``count`` and
+    ``undo`` for a step that was skipped, ``check_trained`` at the end of the fit."""
 
-    def __init__(self, policy: str, strategy: Any, state: FitState):
-        self.skip = policy == "skip"
-        self.strategy, self.state = strategy, state
-        self.scales_loss = strategy.scales_loss
-        # the loop checks the norm itself where it is known before the step and no scaler owns it
-        self.checks_norm = not self.scales_loss and not strategy.checks_gradients_in_step
+    def __init__(self, policy: str, collectives: Any, device: torch.device, state: FitState):
+        self.skip, self.raises = policy == "skip", policy == "raise"
+        self.collectives, self.device = collectives, device  # (where the ranks agree on the flags)
+        self.state = state  # (read for the warning only)
         self.steps = 0  # steps this fit took
         self.causes: Counter[str] = Counter()  # this fit's skipped steps by cause
         self.buffers: Any = None
@@ -64,48 +63,29 @@ class NonFiniteCheck:
         self.steps += 1
         self.buffers = snapshot_buffers(module) if self.skip else None
 
-    def skipped(self, run: Any, norm: torch.Tensor | None, micro_batches: int, step: int) -> bool:
-        """Under "skip": whether any rank's losses of this step, or the global gradient norm,
-        are not finite (one all-reduce, one host read); if so the step is undone here."""
-        if not self.skip:
-            return False
-        losses = run.losses.last_losses(micro_batches)
-        flags = [~torch.isfinite(losses).all()]
-        if self.checks_norm and norm is not None:
-            flags.append(~torch.isfinite(norm).to(losses.device))
-        agreed = self.strategy.collectives.all_reduce(torch.stack(flags).to(torch.int32), op="max").tolist()
+    def vet(self, losses: list[torch.Tensor], norm: torch.Tensor | None) -> str | None:
+        """Under "skip": the cause ("loss" or "gradient") if any rank's ``losses``, or the global
+        gradient ``norm``, are not finite (one all-reduce, one host read); else None."""
+        device = self.device
+        flags = [~torch.isfinite(torch.stack(losses)).all().to(device) if losses
+                 else torch.zeros((), dtype=torch.bool, device=device)]
+        if norm is not None:
+            flags.append(~torch.isfinite(norm).to(device))
+        agreed = self.collectives.all_reduce(torch.stack(flags).to(torch.int32), op="max").tolist()
         if not any(agreed):
-            return False
-        self._undo(run, micro_batches, step, "loss" if agreed[0] else "gradient")
-        self.strategy.precision.abandon_step(run.optimizer)  # a scaler that unscaled this step forgets it
-        return True
+            return None
+        return "loss" if agreed[0] else "gradient"
 
-    def applied(self, run: Any, stepped: bool, norm: torch.Tensor | None, micro_batches: int, step: int) -> bool:
-        """After the optimizer step: whether its update was applied. Under "raise" the norm is
-        kept for the next read of the losses. A step the strategy skipped is a loss-scale
-        overflow, or (``checks_gradients_in_step``) a non-finite gradient, undone under "skip"."""
-        if not self.skip and not self.scales_loss and norm is not None:
-            run.losses.add_norm(norm, step)  # checked with the losses: raises there if not finite
-        if stepped:
-            return True
-        if self.skip and not self.scales_loss:
-            self._undo(run, micro_batches, step, "gradient")
-        else:
-            self.causes["overflow" if self.scales_loss else "gradient"] += 1
-            self.state.skipped_steps += 1
-        return False
-
-    def _undo(self, run: Any, micro_batches: int, step: int, cause: str) -> None:
-        """A step skipped for a non-finite ``cause``: no update, buffers back, losses dropped, counted."""
-        run.optimizer.zero_grad(set_to_none=True)
-        restore_buffers(self.buffers)
-        run.grad_norm = None
-        run.losses.drop_last(micro_batches)
+    def count(self, cause: str) -> None:
+        """A step skipped for ``cause`` ("loss", "gradient", "overflow")."""
         self.causes[cause] += 1
-        self.state.skipped_steps += 1
+
+    def undo(self, step: int, cause: str) -> None:
+        """A step skipped for a non-finite ``cause`` under "skip": its buffers put back, a warning."""
+        restore_buffers(self.buffers)
         what = "loss" if cause == "loss" else "gradient (the loss was finite)"
         log.warning("non-finite %s at step %d: step skipped (%d skipped so far)", what, step,
-                    self.state.skipped_steps)
+                    self.state.skipped_steps + 1)
 
     def check_trained(self) -> None:
         """At the end of the fit: raise if every step it took was skipped (every rank agrees:

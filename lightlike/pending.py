@@ -94,14 +94,6 @@ class LossBuffer:
         read to check; a strategy may fill it in later (DeepSpeed: in its optimizer step)."""
         self.norms.append((norm, step))
 
-    def drop_last(self, count: int) -> None:
-        """Forget the last ``count`` losses (a step skipped for a non-finite loss)."""
-        del self.pending[len(self.pending) - count:]
-
-    def last_losses(self, count: int) -> torch.Tensor:
-        """The last ``count`` losses as one device tensor (no host read)."""
-        return torch.stack([p[0] for p in self.pending[len(self.pending) - count:]])
-
     def read(self) -> list[tuple[float, float, int, int]]:
         """This rank's pending (loss, items, step, micro-batch) values on the host; raises
         ``NonFiniteLossError`` for a non-finite one when the fit raises on them (and

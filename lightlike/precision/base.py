@@ -73,23 +73,19 @@ class Precision:
     def unscale_gradients(self, optimizer: torch.optim.Optimizer) -> None:
         """Make gradients true (unscaled) values, before clipping or inspection."""
 
-    def optimizer_step(self, optimizer: torch.optim.Optimizer) -> bool:
-        """Step the optimizer. Returns False when the step was skipped (overflow)."""
-        optimizer.step()
-        return True
-
-    def step_without_update(self, optimizer: torch.optim.Optimizer) -> bool:
-        """Step one of several optimizers of a training step (manual optimization): as
-        ``optimizer_step``, leaving the loss scale's update to ``update_scale`` at the step's end."""
+    def step(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Update the parameters with ``optimizer``. Returns False when a loss scaler skipped the
+        update (overflow). The scale itself changes at ``update_scale``, once per training step
+        whatever the number of optimizers (torch's recipe)."""
         optimizer.step()
         return True
 
     def update_scale(self) -> None:
-        """The end of a training step whose optimizers ``step_without_update`` stepped."""
+        """The end of a training step: the loss scale reacts to its overflows, if any update ran."""
 
     def abandon_step(self, optimizer: torch.optim.Optimizer) -> None:
-        """The loop skips this step after ``unscale_gradients`` (``nonfinite_loss="skip"``, a
-        non-finite loss): forget the step, so the next one unscales afresh."""
+        """The loop vetoes this update after ``unscale_gradients`` (``nonfinite_loss="skip"``):
+        forget it, so the next step unscales afresh and the scale does not react to it."""
 
     def state_dict(self) -> dict[str, Any]:
         return {}

@@ -29,6 +29,7 @@ class MixedPrecision(Precision):
         self._init_scale = init_scale
         self._growth_interval = growth_interval
         self.scaler: torch.amp.GradScaler | None = None
+        self._stepped = False  # a scaler.step ran since the last update (update() needs one)
 
     def setup(self, device: torch.device) -> None:
         super().setup(device)
@@ -43,6 +44,7 @@ class MixedPrecision(Precision):
         self.scaler = scaler_class(self.device.type, init_scale=self._init_scale, growth_interval=self._growth_interval)
 
     def reset(self) -> None:
+        self._stepped = False
         if self.scaler is not None:
             self.use_scaler(type(self.scaler))
 
@@ -58,17 +60,13 @@ class MixedPrecision(Precision):
         if self.scaler is not None:
             self.scaler.unscale_(optimizer)
 
-    def optimizer_step(self, optimizer: torch.optim.Optimizer) -> bool:
-        stepped = self.step_without_update(optimizer)
-        self.update_scale()
-        return stepped
-
-    def step_without_update(self, optimizer: torch.optim.Optimizer) -> bool:
+    def step(self, optimizer: torch.optim.Optimizer) -> bool:
         # torch's multi-optimizer recipe: scaler.step per optimizer, one scaler.update per step
         if self.scaler is None:
             optimizer.step()
             return True
         self.scaler.step(optimizer)
+        self._stepped = True
         # torch's own record of this step's inf/NaN gradients, read before update() clears it (one
         # host read, as step() makes anyway). A lowered scale says the same only until the scale
         # reaches 0.0 after ~166 overflows in a row: halving 0.0 lowers nothing, and every later
@@ -77,14 +75,16 @@ class MixedPrecision(Precision):
         return not bool(sum(float(v.item()) for v in found.values()))
 
     def update_scale(self) -> None:
-        if self.scaler is not None:
-            self.scaler.update()
+        if self._stepped:
+            self._stepped = False
+            self.scaler.update()  # type: ignore[union-attr]
 
     def abandon_step(self, optimizer: torch.optim.Optimizer) -> None:
         # update() with the current scale clears the scaler's record of this step's unscaled
         # gradients (unscale_ refuses a second call before an update) and keeps scale and growth
         # as they were: the loop's skip is not an overflow the scaler should react to
         if self.scaler is not None:
+            self._stepped = False  # (this update() consumes any earlier optimizer's step too)
             self.scaler.update(new_scale=self.scaler.get_scale())
 
     def state_dict(self) -> dict[str, Any]:

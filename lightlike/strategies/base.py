@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import contextlib
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -47,10 +47,9 @@ class Strategy(ABC):
     #: the layouts a run resumes from under this strategy, optimizer state included (a checkpoint
     #: of another layout is refused before anything loads; its weights can start a new fit)
     resumes_from: tuple[str, ...] = ("full", "dcp")
-    #: True when ``optimizer_step`` itself skips a step whose global gradient norm is not finite
-    #: and fills in the norm ``clip_gradients`` handed out only then (DeepSpeed's engine): the
-    #: loop cannot check that norm before the step, and reads a skip (False) as that check's
-    checks_gradients_in_step: bool = False
+    #: the gradients are plain tensors on one device (single, DDP): the global norm takes torch's
+    #: arithmetic without regrouping them by device (``global_norm``)
+    _plain_gradients: bool = False
 
     def __init__(self, accelerator: str = "auto", precision: Precision | None = None) -> None:
         self.accelerator = accelerator
@@ -95,11 +94,11 @@ class Strategy(ABC):
     def setup_module(self, module: nn.Module) -> nn.Module:
         """Move, convert and wrap the module. Returns the module the loop calls."""
 
-    @abstractmethod
     def setup_optimizer(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[nn.Module, torch.optim.Optimizer]:
         """Wrap the optimizer built over ``setup_module``'s parameters. Returns the module the
         loop calls and the optimizer it steps: an engine that owns both (DeepSpeed) may replace
         the module here too."""
+        return model, optimizer  # (the optimizer steps the parameters as they are)
 
     def setup_manual_module(self, module: nn.Module) -> nn.Module:
         """``setup_module`` for a module that optimizes itself (``training_step``: manual
@@ -109,11 +108,6 @@ class Strategy(ABC):
 
         raise ConfigError(f"strategy={self.name!r} does not support manual optimization (a module with "
                           "training_step): use strategy='single', 'ddp' or 'fsdp'")
-
-    def average_manual_gradients(self, params: list[torch.Tensor]) -> None:
-        """Manual optimization: average the gradients of ``params`` (one optimizer's, before its
-        step) over the ranks, where the backward passes did not. One process: nothing to do."""
-        return None  # (none here)
 
     def module_init_context(self) -> contextlib.AbstractContextManager:
         """Where ``Fitter.init_module()`` builds the module: as usual, unless a sharded strategy
@@ -145,13 +139,6 @@ class Strategy(ABC):
         return self.precision.convert_input(batch)
 
     @property
-    def scales_loss(self) -> bool:
-        """Whether a loss scaler skips the steps whose gradients overflowed, as its normal
-        handling (``16-mixed``'s GradScaler): a non-finite gradient is then left to it (a skip
-        ``optimizer_step`` reports, counted as an overflow), not checked by the loop."""
-        return self.precision.uses_scaler
-
-    @property
     def forward_is_collective(self) -> bool:
         """Whether a forward pass takes part in collectives (sharded parameters gathered on the
         fly: FSDP, ZeRO-3), so that every rank must run the same number of them: evaluation
@@ -168,23 +155,30 @@ class Strategy(ABC):
         """The precision plugin's autocast context around a forward pass."""
         return self.precision.autocast()
 
-    @abstractmethod
     def backward(self, loss: torch.Tensor, module: nn.Module) -> None:
         """Backward of ``loss`` (already weighted by the loop; scaled by the precision if it must)."""
+        self.precision.backward(loss)
 
-    @abstractmethod
-    def clip_gradients(self, module: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float | None,
-                       max_value: float | None, want_norm: bool = False) -> torch.Tensor | None:
-        """Unscale, clip by value and/or by global norm. Returns the global norm of the
-        gradients before norm clipping (a device tensor, not read here) when clipping by norm or
-        when ``want_norm`` (the Fitter asks on every step: it logs the norm and checks it for
-        NaN/inf); otherwise None. A gradient that clipping by value would make finite (inf) still
-        gives a non-finite norm."""
+    def prepare_gradients(self, optimizer: torch.optim.Optimizer) -> None:
+        """Make ``optimizer``'s gradients the true, synchronised ones, once per step before
+        clipping or stepping: unscaled (``16-mixed``), and averaged over the ranks where backward
+        did not average them (manual optimization under DDP)."""
+        self.precision.unscale_gradients(optimizer)
 
-    @abstractmethod
-    def optimizer_step(self, optimizer: torch.optim.Optimizer, module: nn.Module) -> bool:
-        """Step; False when the update was skipped (a loss-scale overflow; with
-        ``checks_gradients_in_step``, a global gradient norm that is not finite)."""
+    def step(self, optimizer: torch.optim.Optimizer, module: nn.Module, max_norm: float | None,
+             max_value: float | None, vet: Callable[[torch.optim.Optimizer, torch.Tensor | None], bool]) -> StepResult:
+        """The whole optimizer step over gradients ``prepare_gradients`` made ready: clip (by value,
+        then by the global norm), ask ``vet(optimizer, norm)`` whether to update (``norm``: the
+        global norm before clipping, or None where the update skips a non-finite one itself: a
+        loss scaler's overflow), then update through the precision. False from ``vet`` vetoes
+        the update. Reports what happened (``StepResult``)."""
+        norm = clip_gradients(optimizer, max_norm, max_value, want_norm=True, one_device=self._plain_gradients)
+        precision = self.precision
+        if not vet(optimizer, None if precision.uses_scaler else norm):
+            precision.abandon_step(optimizer)
+            return StepResult(False, None, False)
+        applied = precision.step(optimizer)
+        return StepResult(applied, norm, not applied)
 
     def item_normaliser(self, counts: list[int | torch.Tensor], uniform: bool = False) -> StepNormaliser:
         """The denominator of exact accumulation (``.total``).
@@ -236,6 +230,18 @@ class Strategy(ABC):
         return f"{type(self).__name__}(device={self.root_device}, precision={self.precision.name!r})"
 
 
+class StepResult(NamedTuple):
+    """What ``Strategy.step`` did: whether the update was ``applied``; the global gradient norm
+    before clipping (a device tensor, not read; None when the update was vetoed); whether a loss
+    scaler skipped the update (``overflow``: its normal handling of a non-finite gradient). Not
+    applied, not vetoed and no overflow: the update itself refused a non-finite gradient
+    (DeepSpeed's engine)."""
+
+    applied: bool
+    grad_norm: torch.Tensor | None
+    overflow: bool
+
+
 class StepNormaliser:
     """This step's item normaliser ``total`` (see ``Strategy.item_normaliser``): a plain attribute,
     read by the loop without a call. A strategy that reduces it asynchronously returns a subclass
@@ -248,17 +254,15 @@ class StepNormaliser:
 
 
 # -- the plain ways, shared by the strategies that take them ----------------------------------------
-def clip_gradients(precision: Precision, optimizer: torch.optim.Optimizer, max_norm: float | None,
-                   max_value: float | None, want_norm: bool = False, one_device: bool = False) -> torch.Tensor | None:
-    """``Strategy.clip_gradients`` over the optimizer's parameters with torch's utilities: unscale,
-    clip by value, then by the global norm. A gradient sharded as a DTensor (FSDP) gives the
+def clip_gradients(optimizer: torch.optim.Optimizer, max_norm: float | None, max_value: float | None,
+                   want_norm: bool = False, one_device: bool = False) -> torch.Tensor | None:
+    """Clipping over the optimizer's (unscaled) gradients with torch's utilities: clip by value, then by the global norm. A gradient sharded as a DTensor (FSDP) gives the
     norm of its shard; the partial norms are reduced over the mesh (a per-shard norm would be
     wrong), so the norm is the true global one on every strategy. With ``max_value``, an inf
     gradient, which clipping by value turns into ``max_value``, is seen in the norm before it is
     clipped: the norm returned is that one when it is not finite (NaN/inf is never clipped out of sight).
     ``one_device``: the strategy put every parameter on its one device (single, DDP), so the norm
     takes torch's arithmetic without regrouping the gradients by device (see ``global_norm``)."""
-    precision.unscale_gradients(optimizer)
     if max_norm is None and max_value is None and not want_norm:
         return None  # nothing to do: no per-parameter work on this step
     grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]

@@ -22,7 +22,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from lightlike.errors import ConfigError
 from lightlike.precision import Precision
-from lightlike.strategies.base import clip_gradients, load_full_state, save_full_state
+from lightlike.strategies.base import load_full_state, save_full_state
 from lightlike.strategies.parallel import ParallelStrategy
 
 
@@ -36,6 +36,7 @@ class DDPStrategy(ParallelStrategy):
     less in fp32), and the weights trained are the same, bit for bit."""
 
     name = "ddp"
+    _plain_gradients = True
 
     def __init__(
         self,
@@ -53,6 +54,7 @@ class DDPStrategy(ParallelStrategy):
         self.ddp_kwargs = dict(find_unused_parameters=find_unused_parameters, static_graph=static_graph,
                                gradient_as_bucket_view=gradient_as_bucket_view, bucket_cap_mb=bucket_cap_mb)
         self._synced: weakref.WeakSet = weakref.WeakSet()  # static_graph wrappers past a synchronised backward
+        self._averages_at_step = False  # manual optimization: no reducer, gradients averaged at each step
 
     # -- module and optimizer ------------------------------------------------------------------
     def setup_module(self, module: nn.Module) -> nn.Module:
@@ -64,6 +66,7 @@ class DDPStrategy(ParallelStrategy):
                 "leaves them so): DDP cannot take it; use strategy='fsdp' for this Fitter too, or load the "
                 "checkpoint's weights into a fresh module (module.load_weights('output_dir/checkpoint-N'))")
         module = self.precision.convert_module(module).to(self.root_device)
+        self._averages_at_step = False  # DDP's reducer averages in backward
         ids = [self.root_device.index] if self.root_device.type == "cuda" else None
         return DistributedDataParallel(module, device_ids=ids, **self.ddp_kwargs)  # type: ignore[arg-type]
 
@@ -71,18 +74,25 @@ class DDPStrategy(ParallelStrategy):
         """Manual optimization: the module is not wrapped in DDP, whose reducer expects one
         backward over every parameter per step (two backward passes over parts of the module
         fail or hang there). Parameters and buffers start as rank 0's; each optimizer's gradients
-        are averaged over the ranks at ``ctx.step`` (``average_manual_gradients``).
+        are averaged over the ranks at ``ctx.step`` (``prepare_gradients``).
         Buffers (BatchNorm statistics) are not broadcast at each forward as DDP does: evaluation
         and checkpoints take rank 0's."""
         module = self.precision.convert_module(module).to(self.root_device)
         for tensor in [*module.parameters(), *module.buffers()]:
             torch.distributed.broadcast(tensor.data, src=0)
+        self._averages_at_step = True
         return module
 
-    def average_manual_gradients(self, params: list[torch.Tensor]) -> None:
-        """One all-reduce per dtype and device over the flattened gradients, divided by the world
-        size. Every rank must hold gradients for the same parameters (as for any collective)."""
-        if self.world_size == 1 or not params:
+    def prepare_gradients(self, optimizer: torch.optim.Optimizer) -> None:
+        """Unscaled; under manual optimization also averaged over the ranks first (one
+        all-reduce per dtype and device over the flattened gradients, divided by the world size;
+        every rank must hold gradients for the same parameters, as for any collective)."""
+        if self._averages_at_step and self.world_size > 1:
+            self._average([p for g in optimizer.param_groups for p in g["params"] if p.grad is not None])
+        self.precision.unscale_gradients(optimizer)
+
+    def _average(self, params: list[torch.Tensor]) -> None:
+        if not params:
             return
         groups: dict[tuple[Any, Any], list[torch.Tensor]] = {}
         for p in params:
@@ -93,9 +103,6 @@ class DDPStrategy(ParallelStrategy):
             flat /= self.world_size
             for g, part in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
                 g.copy_(part.view_as(g))
-
-    def setup_optimizer(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[nn.Module, torch.optim.Optimizer]:
-        return model, optimizer
 
     def unwrap(self, module: nn.Module) -> nn.Module:
         inner = getattr(module, "_orig_mod", module)  # torch.compile
@@ -122,16 +129,6 @@ class DDPStrategy(ParallelStrategy):
                 self._synced.add(inner)
             return contextlib.nullcontext()
         return inner.no_sync() if enabled else contextlib.nullcontext()
-
-    def backward(self, loss: torch.Tensor, module: nn.Module) -> None:
-        self.precision.backward(loss)  # DDP's hooks all-reduce the gradients (outside no_sync)
-
-    def clip_gradients(self, module: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float | None,
-                       max_value: float | None, want_norm: bool = False) -> torch.Tensor | None:
-        return clip_gradients(self.precision, optimizer, max_norm, max_value, want_norm, one_device=True)  # every rank the same
-
-    def optimizer_step(self, optimizer: torch.optim.Optimizer, module: nn.Module) -> bool:
-        return self.precision.optimizer_step(optimizer)
 
     # -- checkpoint state --------------------------------------------------------------------------
     def save_checkpoint_state(self, writer: Any, module: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:

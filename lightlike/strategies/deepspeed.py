@@ -14,10 +14,9 @@ may be partial); ``backward`` is ``engine.backward(loss, scale_wrt_gas=False)`` 
 already weights each micro-batch by its share of the step's items over all ranks (DeepSpeed
 averages gradients over ranks as DDP does, so ``ParallelStrategy.item_normaliser`` applies unchanged);
 ``engine.step()`` clips by the global norm (config ``gradient_clipping`` = ``max_grad_norm``) and
-steps; the norm it computed is returned through the tensor ``clip_gradients`` handed out (filled
-in place after the step); ``optimizer_step`` returns False when DeepSpeed skipped the step: an
-fp16 overflow, or (any precision) a global norm that is NaN/inf, which DeepSpeed reports as an
-infinite norm (``checks_gradients_in_step``: the Fitter's non-finite check reads that skip).
+steps (``step``, which reports the norm DeepSpeed computed and whether it skipped the update:
+an fp16 overflow, or with any precision a global norm that is NaN/inf, which DeepSpeed reports
+as an infinite norm; the Fitter's non-finite check reads that skip).
 ``max_grad_value`` is not supported by DeepSpeed (error).
 
 Checkpoints (``state_format="deepspeed"``): every rank calls ``engine.save_checkpoint`` into
@@ -39,7 +38,7 @@ import datetime
 import json
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +51,7 @@ from lightlike.precision import Precision
 from lightlike.strategies import deepspeed_config as dsc
 from lightlike.strategies import deepspeed_fixes as ds_fixes
 from lightlike.strategies.environment import detect_environment
+from lightlike.strategies.base import StepResult
 from lightlike.strategies.parallel import ParallelStrategy
 
 log = logging.getLogger("lightlike")
@@ -74,7 +74,6 @@ class DeepSpeedStrategy(ParallelStrategy):
     gradients_on_parameters = False  # ZeRO reduces them into its own partitioned buffers
     #: engine.step() computes the global norm and skips a step whose norm is not finite (every
     #: ZeRO stage, DeepSpeed 0.19.8; the settings that turn this off are refused, see deepspeed_config)
-    checks_gradients_in_step = True
 
     def __init__(
         self,
@@ -190,11 +189,6 @@ class DeepSpeedStrategy(ParallelStrategy):
     def forward_is_collective(self) -> bool:
         return self.stage == 3 and self.world_size > 1  # partitioned parameters gathered in forward
 
-    @property
-    def scales_loss(self) -> bool:
-        """DeepSpeed's fp16 mode (``16-true``) has its own loss scaler: a skipped step is its overflow."""
-        return bool(self.ds_config and self.ds_config.get("fp16", {}).get("enabled"))
-
     def setup_manual_module(self, module: nn.Module) -> nn.Module:
         raise ConfigError(f"strategy={self.name!r} does not support manual optimization (a module with "
                           "training_step): DeepSpeed's engine owns one optimizer and its own backward and step. Use strategy='ddp' "
@@ -267,11 +261,15 @@ class DeepSpeedStrategy(ParallelStrategy):
         # the Fitter's weights already make the window's gradient the item mean: no 1/GAS here
         self._engine().backward(loss, scale_wrt_gas=False)
 
-    def clip_gradients(self, module: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float | None,
-                       max_value: float | None, want_norm: bool = False) -> torch.Tensor | None:
-        """DeepSpeed clips inside ``engine.step()`` with the configured ``gradient_clipping``; this
-        checks that the Fitter asks for the same and hands out a tensor that ``optimizer_step``
-        fills with the global norm (before clipping) once DeepSpeed has computed it."""
+    def prepare_gradients(self, optimizer: torch.optim.Optimizer) -> None:
+        return None  # the engine unscales and reduces inside its own step
+
+    def step(self, optimizer: torch.optim.Optimizer, module: nn.Module, max_norm: float | None,
+             max_value: float | None, vet: Callable[[torch.optim.Optimizer, torch.Tensor | None], bool]) -> StepResult:
+        """``engine.step()``: DeepSpeed clips with the configured ``gradient_clipping`` (checked to
+        be the Fitter's ``max_grad_norm``), computes the global norm (known only after the step,
+        so ``vet`` gets None) and skips a step whose norm is not finite: an fp16 overflow, or
+        with another precision a non-finite gradient."""
         if max_value is not None:
             raise ConfigError(f"max_grad_value is not supported with strategy={self.name!r}: DeepSpeed clips by the "
                               "global norm only; use max_grad_norm")
@@ -279,23 +277,23 @@ class DeepSpeedStrategy(ParallelStrategy):
         if float(max_norm or 0.0) != configured:
             raise ConfigError(f"max_grad_norm={max_norm} but the DeepSpeed engine was set up with "
                               f"gradient_clipping={configured}; it cannot change after set-up")
-        if max_norm is None and not want_norm:
-            self._norm = None
-            return None
-        self._norm = torch.full((), float("nan"), dtype=torch.float32, device=self.root_device)
-        return self._norm
-
-    def optimizer_step(self, optimizer: torch.optim.Optimizer, module: nn.Module) -> bool:
+        if not vet(optimizer, None):
+            return StepResult(False, None, False)
         engine = self._engine()
         engine.step()
-        if self._norm is not None:
-            norm = engine.get_global_grad_norm()
-            if isinstance(norm, torch.Tensor):
-                self._norm.copy_(norm.detach().reshape(()))
-            elif norm is not None:
-                self._norm.fill_(float(norm))
-            self._norm = None
-        return bool(engine.was_step_applied())
+        norm = torch.full((), float("nan"), dtype=torch.float32, device=self.root_device)
+        reported = engine.get_global_grad_norm()
+        if isinstance(reported, torch.Tensor):
+            norm.copy_(reported.detach().reshape(()))
+        elif reported is not None:
+            norm.fill_(float(reported))
+        applied = bool(engine.was_step_applied())
+        return StepResult(applied, norm, not applied and self._loss_scaled)
+
+    @property
+    def _loss_scaled(self) -> bool:
+        """DeepSpeed's fp16 mode (``16-true``) has its own loss scaler: a skipped step is its overflow."""
+        return bool(self.ds_config and self.ds_config.get("fp16", {}).get("enabled"))
 
     # -- full weights ----------------------------------------------------------------------------------
     def _named_params(self, inner: nn.Module) -> dict[str, nn.Parameter]:

@@ -38,7 +38,6 @@ from torch import nn
 
 from lightlike.errors import ConfigError
 from lightlike.precision import Precision
-from lightlike.strategies.base import clip_gradients
 from lightlike.strategies.parallel import ParallelStrategy
 
 log = logging.getLogger("lightlike")
@@ -166,7 +165,7 @@ class FSDPStrategy(ParallelStrategy):
                                        lambda: init_device_mesh(device, shape, mesh_dim_names=names))
         if self.async_save:  # the background writer's collectives get their own (CPU) group
             self._checkpoint_group = _per_process_group(("checkpoint group",), lambda: dist.new_group(backend="gloo"))
-        if self.precision.name == "16-mixed":
+        if self.precision.uses_scaler:
             from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
             # the inf check must be agreed over ranks, or ranks would skip different steps
@@ -246,9 +245,6 @@ class FSDPStrategy(ParallelStrategy):
         ``fsdp_units()``), so that FSDP's hooks gather its parameters when it runs; gradients are
         reduce-scattered (averaged) in each backward, as usual."""
         return self.setup_module(module)
-
-    def average_manual_gradients(self, params: list[torch.Tensor]) -> None:
-        return None  # averaged by the reduce-scatter of each backward
 
     def module_init_context(self) -> contextlib.AbstractContextManager:
         """On the meta device: no memory until ``setup_module`` allocates each rank's shards."""
@@ -369,21 +365,6 @@ class FSDPStrategy(ParallelStrategy):
         for unit in units:
             unit.reshard()
         inner.zero_grad(set_to_none=True)  # the sharded gradients
-
-    # -- a training step -----------------------------------------------------------------------
-    def setup_optimizer(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[nn.Module, torch.optim.Optimizer]:
-        return model, optimizer  # built over the sharded parameters: it steps each rank's shards
-
-    def backward(self, loss: torch.Tensor, module: nn.Module) -> None:
-        self.precision.backward(loss)  # FSDP's hooks reduce-scatter the gradients (when syncing)
-
-    def clip_gradients(self, module: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float | None,
-                       max_value: float | None, want_norm: bool = False) -> torch.Tensor | None:
-        """Clip on the global norm over every rank's shards (a per-shard norm would be wrong)."""
-        return clip_gradients(self.precision, optimizer, max_norm, max_value, want_norm)
-
-    def optimizer_step(self, optimizer: torch.optim.Optimizer, module: nn.Module) -> bool:
-        return self.precision.optimizer_step(optimizer)
 
     # -- checkpoint state --------------------------------------------------------------------------
     def save_checkpoint_state(self, writer: Any, module: nn.Module, optimizer: torch.optim.Optimizer | None) -> Any:

@@ -12,7 +12,7 @@ from torch import nn
 from lightlike.errors import ConfigError
 from lightlike.precision import Precision
 from lightlike.precision.base import NO_CONTEXT
-from lightlike.strategies.base import Strategy, clip_gradients, load_full_state, save_full_state
+from lightlike.strategies.base import Strategy, load_full_state, save_full_state
 
 
 class SingleDeviceStrategy(Strategy):
@@ -24,6 +24,7 @@ class SingleDeviceStrategy(Strategy):
     (``lightlike.blocks.checkpoint_blocks``)."""
 
     name = "single"
+    _plain_gradients = True
 
     def __init__(self, accelerator: str = "auto", precision: Precision | None = None, *,
                  activation_checkpointing: bool = False) -> None:
@@ -72,21 +73,8 @@ class SingleDeviceStrategy(Strategy):
     def setup_manual_module(self, module: nn.Module) -> nn.Module:
         return self.setup_module(module)
 
-    def setup_optimizer(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[nn.Module, torch.optim.Optimizer]:
-        return model, optimizer
-
     def no_sync(self, module: nn.Module, enabled: bool) -> contextlib.AbstractContextManager:
         return NO_CONTEXT  # no other rank to synchronise with
-
-    def backward(self, loss: torch.Tensor, module: nn.Module) -> None:
-        self.precision.backward(loss)
-
-    def clip_gradients(self, module: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float | None,
-                       max_value: float | None, want_norm: bool = False) -> torch.Tensor | None:
-        return clip_gradients(self.precision, optimizer, max_norm, max_value, want_norm, one_device=True)
-
-    def optimizer_step(self, optimizer: torch.optim.Optimizer, module: nn.Module) -> bool:
-        return self.precision.optimizer_step(optimizer)
 
     def save_checkpoint_state(self, writer: Any, module: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
         save_full_state(self, writer, module, optimizer)

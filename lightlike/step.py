@@ -1,0 +1,223 @@
+"""One training step, written once: the ``StepContext`` that both ways of writing a step use.
+
+A module with ``forward`` + ``loss`` (automatic optimization) is trained by ``AutomaticStep``:
+for each micro-batch of the accumulation window, ``with ctx.no_sync(...): ctx.backward(weighted
+loss)``, then ``ctx.step(optimizer)``. A module with ``training_step(batch, ctx)`` (manual
+optimization, ``lightlike/manual.py``) calls the same context itself. So the non-finite check,
+the ``on_before_optimizer_step`` event, the scheduler, the loss scaler's update and the loss
+bookkeeping exist once, here:
+
+- ``ctx.backward(loss)``: the strategy's backward (the precision scales the loss under
+  ``16-mixed``); under ``nonfinite_loss="skip"`` the loss is kept for the check at the next step.
+- ``ctx.step(optimizer)``: the strategy's whole optimizer step (``Strategy.step``: unscale, clip,
+  vet, update), vetted by the non-finite check and followed by the callbacks' event before the
+  update; then the optimizer's gradients are zeroed and its scheduler steps when the update was
+  applied. Returns whether it was.
+- ``ctx.log_loss(loss, items)``: a loss for the training rows; kept unless the step was skipped
+  for a non-finite loss or gradient (``"skip"``), so a skipped step is never averaged in.
+- ``finish()`` (the Fitter's, at the end of the step): one loss-scale update (torch's recipe for
+  several optimizers), the skipped step undone and counted, the losses handed to the buffer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable, Iterator
+from typing import Any, NamedTuple
+
+import torch
+
+from lightlike.errors import ModuleContractError
+from lightlike.nonfinite import NonFiniteCheck
+from lightlike.pending import LossBuffer, weighted
+
+log = logging.getLogger("lightlike")
+
+
+class StepOutcome(NamedTuple):
+    """What one training step did: ``skipped`` is None when some update was applied (or none was
+    tried), else the cause ("loss", "gradient" or "overflow"); ``grad_norm`` the global gradient
+    norm of its update (a device tensor; None when the step was undone or had no update, and
+    with several optimizers, whose norms are not one number)."""
+
+    skipped: str | None
+    grad_norm: torch.Tensor | None
+
+
+class StepContext:
+    """What ``training_step(batch, ctx)`` gets (see the module's docstring): ``optimizers`` (in
+    the order ``configure_optimizers`` returned them), ``global_step`` (the step being taken,
+    counted from 1), ``log_step`` (whether this step writes a log row), ``no_sync()``,
+    ``backward(loss)``, ``step(optimizer) -> bool``, ``clip_gradients(optimizer, max_norm)`` and
+    ``log_loss(loss, items)``. One context serves every step of a fit."""
+
+    def __init__(self, *, strategy: Any, model: Any, pairs: list[tuple[Any, Any]], check: NonFiniteCheck,
+                 losses: LossBuffer, before_update: Callable[[Any], None], max_norm: float | None,
+                 max_value: float | None, log_every: int, max_steps: int):
+        self.strategy, self.model, self.check, self.losses = strategy, model, check, losses
+        self.optimizers = tuple(o for o, _ in pairs)
+        self.schedulers = tuple(s for _, s in pairs)
+        self.autocast = strategy.precision.autocast  # the context of a forward pass
+        self._before_update = before_update  # the callbacks' on_before_optimizer_step
+        self._max_norm, self._max_value = max_norm, max_value
+        self._log_every, self._max_steps = log_every, max_steps
+        self._scaled = strategy.precision.uses_scaler  # each optimizer steps once per step (torch's recipe)
+        self.global_step, self.log_step = 0, False
+        self._unvetted: list[torch.Tensor] = []  # losses backpropagated since the last vetted update ("skip")
+        self._logged: list[tuple[torch.Tensor, Any]] = []  # this step's (loss, items), for the rows
+        self._prepared: list[int] = []  # optimizers whose gradients are averaged and unscaled this step
+        self._norms: list[torch.Tensor] = []  # the gradient norms of this step's updates (not vetoed)
+        self._applied = False  # some update of this step was applied
+        self._skipped: list[str] = []  # causes of the updates skipped this step
+        self._veto: str | None = None
+
+    # -- the step's lifetime (the Fitter's) ------------------------------------------------------
+    def begin(self, step: int, module: torch.nn.Module) -> None:
+        """Start training step ``step`` (from 1)."""
+        self.global_step = step
+        self.log_step = step % self._log_every == 0 or step >= self._max_steps
+        self._unvetted, self._logged, self._prepared, self._norms, self._skipped = [], [], [], [], []
+        self._applied = False
+        self.check.begin_step(module)
+
+    def finish(self) -> StepOutcome:
+        """End the step: update the loss scale once, undo and count a skipped step, keep the
+        losses of one that was not."""
+        if self._prepared:
+            self.strategy.precision.update_scale()
+        step, skipped = self.global_step, self._skipped
+        cause = skipped[0] if skipped and not self._applied else None  # every update it tried was skipped
+        if cause is not None:
+            self.check.count(cause)
+            if cause != "overflow" and self.check.skip:
+                self.check.undo(step, cause)
+                return StepOutcome(cause, None)
+        add = self.losses.add
+        for micro, (loss, items) in enumerate(self._logged):
+            add(loss, items, step, micro)
+        return StepOutcome(cause, self._norms[0] if len(self._norms) == 1 and len(self.optimizers) == 1 else None)
+
+    # -- what a training step calls --------------------------------------------------------------
+    def no_sync(self, enabled: bool = True) -> contextlib.AbstractContextManager:
+        """Around a backward that is not the last before ``step`` (accumulation): its gradients
+        are not synchronised over the ranks yet (under FSDP: no reduce-scatter, no reshard). With
+        ``enabled=False`` the context of the last one."""
+        if not enabled:
+            return self.strategy.no_sync(self.model, False)
+        return self._no_sync()
+
+    @contextlib.contextmanager
+    def _no_sync(self) -> Iterator[None]:
+        strategy, model = self.strategy, self.model
+        try:
+            with strategy.no_sync(model, True):
+                yield
+        finally:
+            strategy.no_sync(model, False)  # the next backward synchronises again
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward of ``loss`` through the strategy (scaled under ``16-mixed``)."""
+        if self.check.skip:
+            self._unvetted.append(loss.detach())
+        self.strategy.backward(loss, self.model)
+
+    def log_loss(self, loss: torch.Tensor, items: int | torch.Tensor = 1) -> None:
+        """A loss of this step for the training rows, weighted by ``items`` (the loss of a
+        module's ``training_step`` is logged for it; call this only for further losses)."""
+        self._logged.append((loss.detach(), items))
+
+    def clip_gradients(self, optimizer: torch.optim.Optimizer, max_norm: float) -> torch.Tensor:
+        """Clip ``optimizer``'s gradients to the global norm ``max_norm``; returns the norm before
+        clipping (a device tensor)."""
+        from lightlike.strategies.base import clip_gradients
+
+        self._prepare(optimizer, self._index(optimizer))
+        return clip_gradients(optimizer, max_norm, None)  # type: ignore[return-value]
+
+    def step(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Average, unscale, clip, check, step and zero ``optimizer``'s gradients; step its
+        scheduler when the update was applied. Returns whether it was."""
+        i = self._index(optimizer)
+        if self._scaled and i in self._prepared and len(self.optimizers) > 1:
+            raise ModuleContractError(f"ctx.step(optimizer {i}) was called twice in one training_step under "
+                                      f"precision={self.strategy.precision.name!r}: torch's GradScaler recipe steps "
+                                      "each optimizer once per update; step it once per training_step")
+        self._prepare(optimizer, i)
+        self._veto = None
+        result = self.strategy.step(optimizer, self.model, self._max_norm, self._max_value, self._vet)
+        optimizer.zero_grad(set_to_none=True)
+        if self._veto is not None:
+            return self._skip(self._veto, i)
+        norm = result.grad_norm
+        if norm is not None:
+            self._norms.append(norm)
+            if self.check.raises and not result.overflow:
+                self.losses.add_norm(norm, self.global_step)  # "raise": checked at the next read
+        if not result.applied:
+            return self._skip("overflow" if result.overflow else "gradient", i)
+        self._applied = True
+        scheduler = self.schedulers[i]
+        if scheduler is not None:
+            scheduler.step()
+        return True
+
+    # -- inside -------------------------------------------------------------------------------
+    def _index(self, optimizer: Any) -> int:
+        for i, o in enumerate(self.optimizers):
+            if o is optimizer:
+                return i
+        raise ModuleContractError("ctx.step/ctx.clip_gradients got an optimizer that configure_optimizers did not "
+                                  "return: use the ones in ctx.optimizers")
+
+    def _prepare(self, optimizer: torch.optim.Optimizer, i: int) -> None:
+        """The optimizer's gradients averaged over the ranks (where backward did not) and
+        unscaled, once per step."""
+        if i not in self._prepared:
+            self._prepared.append(i)
+            self.strategy.prepare_gradients(optimizer)
+
+    def _vet(self, optimizer: torch.optim.Optimizer, norm: torch.Tensor | None) -> bool:
+        """``Strategy.step``'s question before the update: under "skip", whether the losses
+        backpropagated since the last update and ``norm`` are finite on every rank; then the
+        callbacks' ``on_before_optimizer_step``. False vetoes the update."""
+        if self.check.skip:
+            cause = self.check.vet(self._unvetted, norm)
+            self._unvetted = []
+            if cause is not None:
+                self._veto = cause
+                return False
+        self._before_update(optimizer)
+        return True
+
+    def _skip(self, cause: str, i: int) -> bool:
+        self._skipped.append(cause)
+        if len(self.optimizers) > 1 and cause != "overflow":
+            log.warning("non-finite %s at step %d: the update of optimizer %d (of ctx.optimizers) skipped",
+                        cause, self.global_step, i)
+        return False
+
+
+class AutomaticStep:
+    """The training step of a module with ``forward`` + ``loss``: micro-batch i of the window is
+    weighted by ``items_i / items_in_step``, so the step's gradient is that of the mean loss over
+    every item of the step, whatever each micro-batch holds (all ranks: the strategy's
+    ``item_normaliser``)."""
+
+    def __init__(self, module: Any, forward_loss: Callable[..., torch.Tensor], count_items: Callable[[Any], Any],
+                 uniform_counts: bool):
+        self.module, self.forward_loss, self.count_items = module, forward_loss, count_items
+        self.uniform_counts = uniform_counts  # every rank holds the same integer counts (no reduction)
+
+    def __call__(self, window: list[Any], ctx: StepContext) -> None:
+        module, forward_loss, step = self.module, self.forward_loss, ctx.global_step
+        counts = [self.count_items(b) for b in window]
+        normaliser = ctx.strategy.item_normaliser(counts, uniform=self.uniform_counts)
+        last = len(window) - 1
+        for i, batch in enumerate(window):
+            with ctx.no_sync(i < last):
+                with ctx.autocast():
+                    loss = forward_loss(ctx.model, module, batch, "at step {}, micro-batch {}", step, i)
+                ctx.backward(weighted(loss, counts[i], normaliser.total))
+            ctx.log_loss(loss, counts[i])
+        ctx.step(ctx.optimizers[0])
