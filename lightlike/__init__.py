@@ -15,10 +15,10 @@ from lightlike.errors import (
     OutputDirError,
 )
 from lightlike.fitter import Fitter
-from lightlike.step import StepContext
 from lightlike.module import TaskModule
 from lightlike.precision import Precision, get_precision
 from lightlike.state import Control, FitResult, FitState, PredictionResult
+from lightlike.step import StepContext
 from lightlike.strategies import SingleDeviceStrategy, Strategy, get_strategy
 from lightlike.utils.seed import seed_everything
 

@@ -214,21 +214,26 @@ class Fitter:
         return epoch_ended or control.should_training_stop
 
     def _act_on(self, run: Run, due: Due) -> tuple[bool, bool]:
-        """Log, evaluate, end the epoch, save and stop, when due, in that order, so that a
-        checkpoint taken here holds everything done at this step (a resumed run repeats none of
-        it). Flags callbacks set in ``on_log``, ``on_evaluate`` or ``on_epoch_end`` count at this
-        step. Returns (whether the epoch ended, whether the run ends)."""
+        """The step boundary, for every exit (after a step, data that ran out, the end of the fit):
+        log, evaluate, end the epoch, save, stop, in that order, so that a checkpoint taken here
+        holds everything done at this step (a resumed run repeats none of it). A flag a callback
+        sets during the boundary counts for the stages after its own; a row or an evaluation
+        asked for by a later stage's callback, and the run's last ones, come before the save.
+        The flags are spent here, once. Returns (whether the epoch ended, whether the run ends)."""
         state, control = self.state, self.control
-        if due.log(control):
-            self._log_training(run)
+        if due.log(control):  # a row due only because the run ends is written if losses are pending
+            self._log_training(run, final=not (due.log_step or control.should_log))
         if due.evaluate(control, state):
             self._evaluate_all(run)
         epoch_ended = due.ends_epoch(control)
         if epoch_ended:
-            self._end_epoch(run)
+            self._end_epoch()
         stop = due.ends_run(control) or state.epoch_index >= run.epoch_limit
-        if stop:  # what is pending is logged and evaluated before this step's checkpoint
-            self._finish_step(run)
+        if control.should_log or stop:
+            self._log_training(run, final=True)
+        if (control.should_evaluate or (stop and run.eval_sets)) and state.last_eval_step != state.global_step:
+            self._evaluate_all(run)
+        control.should_log = control.should_evaluate = control.should_epoch_stop = False
         if save_due(self.config, state, control, epoch_ended, final=stop):
             self._save(wait=False)
         run.best.raise_unknown(state, self._commit)  # a metric_for_best the evaluation lacks: after the save
@@ -237,15 +242,11 @@ class Fitter:
     def _data_ran_out(self, run: Run) -> None:
         """The epoch's data ended before a step (its length was not known, or drop_last): the
         epoch ends at the last step's boundary."""
-        if self.state.batches_in_epoch == 0:
-            raise DataError(f"epoch {self.state.epoch_index} of the training data produced no batch")
-        self._end_epoch(run)
-        stop = self.control.should_training_stop or self.state.epoch_index >= run.epoch_limit
-        if stop:
-            self._finish_step(run)
-        if save_due(self.config, self.state, self.control, epoch_ended=True, final=stop):
-            self._save(wait=False)
-        run.best.raise_unknown(self.state, self._commit)
+        state = self.state
+        if state.batches_in_epoch == 0:
+            raise DataError(f"epoch {state.epoch_index} of the training data produced no batch")
+        self._act_on(run, Due.epoch_end(state.global_step, self.config, epoch_index=state.epoch_index,
+                                        epoch_limit=run.epoch_limit, has_eval_sets=bool(run.eval_sets)))
 
     def _preempted(self, ending: bool) -> None:
         """A preemption signal, agreed by every rank: save a full checkpoint (once), ask SLURM to
@@ -265,43 +266,26 @@ class Fitter:
             requeue_slurm_job()
         raise self.preemption.preempted(name, str(path) if path else f"{self.config.output_dir}/checkpoint-{step}")
 
-    def _end_epoch(self, run: Run) -> None:
-        """End the epoch at this step boundary: callbacks (their flags are acted on here), the
-        end-of-epoch evaluation, and the data position moves to the start of the next epoch,
-        before any checkpoint of this step is written."""
-        state, control = self.state, self.control
+    def _end_epoch(self) -> None:
+        """End the epoch at this step boundary: the callbacks' ``on_epoch_end``, and the data
+        position moves to the start of the next epoch, before any checkpoint of this step."""
+        state = self.state
         self.phase = "epoch end"
-        self.callbacks.call("on_epoch_end", self, state, control)
-        if control.should_log:
-            self._log_training(run, final=True)  # nothing new since this step's log: no row
-        if (control.should_evaluate or (self.config.eval_on_epoch_end and run.eval_sets)) \
-                and state.last_eval_step != state.global_step:
-            self._evaluate_all(run)  # once per step, however many reasons there are
-        # spent: this epoch is ending, and evaluated (a flag set in on_epoch_end or the end's row or evaluation)
-        control.should_epoch_stop = control.should_evaluate = False
+        self.callbacks.call("on_epoch_end", self, state, self.control)
         state.epoch_index += 1
         state.batches_in_epoch, state.samples_in_epoch = 0, 0
         state.epoch = float(state.epoch_index)
 
-    def _finish_step(self, run: Run) -> None:
-        """Before this step's last checkpoint: log what is pending and evaluate the step, unless
-        done already."""
-        self._log_training(run, final=True)
-        if run.eval_sets and self.state.last_eval_step != self.state.global_step:
-            self._evaluate_all(run)
-
     def _end_fit(self, run: Run) -> None:
-        """Training ended (stopped, or no step left): the last checkpoint committed, the best
-        weights loaded if asked for."""
+        """Training ended (stopped, or no step left): the boundary of the run's end (unless a stop
+        set in ``on_save`` made this step's checkpoint the run's last record), the last checkpoint
+        committed, the best weights loaded if asked for."""
         self.preemption.finish_vote()
         self.phase = "end of fit"
         state = self.state
-        if state.last_save_step != state.global_step:  # a stop set in on_save: the step's checkpoint
-            self._finish_step(run)  # is the run's last record, so nothing is logged after it
-        if save_due(self.config, state, self.control, epoch_ended=False, final=True):
-            self._save()
+        if state.last_save_step != state.global_step:
+            self._act_on(run, Due.end_of_fit(state.global_step, has_eval_sets=bool(run.eval_sets)))
         self._commit()  # an asynchronous write still in flight
-        run.best.raise_unknown(state, self._commit)
         self.phase = "end of fit"
         if self.config.load_best_at_end and state.best_checkpoint:
             self.checkpointer.load_weights(Path(state.best_checkpoint))  # type: ignore[union-attr]
@@ -438,7 +422,6 @@ class Fitter:
     # ---- logging, evaluation and checkpoints during fit -----------------------------------------
     def _log_training(self, run: Run, final: bool = False) -> None:
         """Log the losses pending since the last row (with ``final``: only if there are any)."""
-        self.control.should_log = False
         if final and not run.losses.pending:
             return
         loss_sum, item_sum = run.losses.take(self.strategy)
@@ -457,7 +440,6 @@ class Fitter:
         if state.skipped_steps:
             metrics["train/skipped_steps"] = float(state.skipped_steps)
         self._emit(run, "on_log", metrics)
-        self.control.should_log = False  # asked for again in on_log: this row is the one
 
     def _emit(self, run: Run, event: str, metrics: dict[str, float]) -> None:
         state = self.state
@@ -470,9 +452,7 @@ class Fitter:
         self.callbacks.call(event, self, state, self.control, metrics)
 
     def _evaluate_all(self, run: Run) -> dict[str, float]:
-        """Evaluate every set; update the best metric; tell loggers and callbacks. A training
-        row asked for in ``on_evaluate`` is written at this step too."""
-        self.control.should_evaluate = False
+        """Evaluate every set; update the best metric; tell loggers and callbacks."""
         if not run.eval_sets:
             raise ConfigError("control.should_evaluate was set (by a callback) but fit() got no evaluation data: "
                               "pass val= to fit(), or do not set the flag")
@@ -493,9 +473,6 @@ class Fitter:
         optim.step_on_evaluation(run.scheduler, metrics)  # reduce_lr_on_plateau: after each evaluation
         self._emit(run, "on_evaluate", metrics)
         run.last_metrics = metrics
-        if self.control.should_log:
-            self._log_training(run, final=True)
-        self.control.should_evaluate = False  # asked for again in on_evaluate or its row: once per step
         return metrics
 
     def _save(self, wait: bool = True, full: bool | None = None) -> Path | None:

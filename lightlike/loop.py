@@ -89,6 +89,7 @@ class Due(NamedTuple):
     epoch_done: bool  # the data of this epoch is used up
     last_epoch: bool  # the epoch being run is the last one
     has_eval_sets: bool
+    eval_at_epoch_end: bool  # eval_on_epoch_end, with evaluation data
 
     @classmethod
     def at(cls, step: int, config: FitConfig, *, max_steps: int, epoch_done: bool, epoch_index: int,
@@ -97,7 +98,23 @@ class Due(NamedTuple):
                    eval_step=bool(config.eval_every) and step % config.eval_every == 0,  # type: ignore[operator]
                    save_step=saves_every_step(config, step),
                    last_step=step >= max_steps, epoch_done=epoch_done, last_epoch=epoch_index + 1 >= epoch_limit,
-                   has_eval_sets=has_eval_sets)
+                   has_eval_sets=has_eval_sets, eval_at_epoch_end=config.eval_on_epoch_end and has_eval_sets)
+
+    @classmethod
+    def epoch_end(cls, step: int, config: FitConfig, *, epoch_index: int, epoch_limit: float,
+                  has_eval_sets: bool) -> Due:
+        """The epoch's data ran out after step ``step``, whose own boundary has passed: only the
+        epoch's end is due (and what it brings: its evaluation, its save, the run's end)."""
+        return cls(step=step, log_step=False, eval_step=False, save_step=False, last_step=False, epoch_done=True,
+                   last_epoch=epoch_index + 1 >= epoch_limit, has_eval_sets=has_eval_sets,
+                   eval_at_epoch_end=config.eval_on_epoch_end and has_eval_sets)
+
+    @classmethod
+    def end_of_fit(cls, step: int, *, has_eval_sets: bool) -> Due:
+        """The loop ended without a boundary that ended the run (a stop asked for outside one,
+        no step left): only the run's end is due."""
+        return cls(step=step, log_step=False, eval_step=False, save_step=False, last_step=True, epoch_done=False,
+                   last_epoch=True, has_eval_sets=has_eval_sets, eval_at_epoch_end=False)
 
     def quiet(self, control: Control) -> bool:
         """Nothing is due at this boundary and no callback asked for anything: no log, evaluation,
@@ -118,9 +135,11 @@ class Due(NamedTuple):
         return self.log_step or control.should_log or self.ends_run(control)
 
     def evaluate(self, control: Control, state: FitState) -> bool:
-        """An evaluation: scheduled, asked for, or the run's last step (once per step)."""
-        return self.eval_step or control.should_evaluate or (
-            self.has_eval_sets and self.ends_run(control) and state.last_eval_step != self.step)
+        """An evaluation: scheduled, asked for, at an epoch's end (``eval_on_epoch_end``), or the
+        run's last step; once per step."""
+        return state.last_eval_step != self.step and (
+            self.eval_step or control.should_evaluate or (self.eval_at_epoch_end and self.ends_epoch(control))
+            or (self.has_eval_sets and self.ends_run(control)))
 
 
 def save_due(config: FitConfig, state: FitState, control: Control, epoch_ended: bool, final: bool) -> bool:

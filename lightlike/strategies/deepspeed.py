@@ -50,8 +50,8 @@ from lightlike.errors import CheckpointError, ConfigError
 from lightlike.precision import Precision
 from lightlike.strategies import deepspeed_config as dsc
 from lightlike.strategies import deepspeed_fixes as ds_fixes
-from lightlike.strategies.environment import detect_environment
 from lightlike.strategies.base import StepResult
+from lightlike.strategies.environment import detect_environment
 from lightlike.strategies.parallel import ParallelStrategy
 
 log = logging.getLogger("lightlike")

@@ -43,6 +43,31 @@ def test_event_order(tmp_path):
     assert rec.events == expected
 
 
+@pytest.mark.parametrize("data", ["map", "iterable"])
+def test_every_epoch_ends_in_the_same_order(tmp_path, data):
+    """With an evaluation and a save at every epoch's end, each epoch's boundary runs log,
+    evaluate, end epoch, save, in that order, the last epoch's as every other's (the last one
+    evaluated before on_epoch_end, the others after it); also where the epoch ends because the
+    data ran out (an iterable dataset of unknown length)."""
+    from torch.utils.data import IterableDataset
+
+    class Stream(IterableDataset):
+        def __iter__(self):
+            return (DictDataset(n=12)[i] for i in range(12))
+
+    class ThirdEpochEnds(ll.Callback):  # an iterable's epochs are not counted in advance
+        def on_epoch_end(self, fitter, state, control):
+            control.should_training_stop = state.epoch_index == 2
+
+    rec = Recorder()
+    train = DictDataset(n=12) if data == "map" else Stream()
+    budget = {"max_epochs": 3} if data == "map" else {"max_steps": 100}
+    fit(tmp_path, [ThirdEpochEnds(), rec], log_every=3, eval_on_epoch_end=True, save_strategy="epoch", **budget).fit(
+        Classifier(), train, DictDataset(n=6, seed=1))
+    boundary = [e for e in rec.events if e[0] in ("on_log", "on_evaluate", "on_epoch_end", "on_save")]
+    assert boundary == [(event, s) for s in (3, 6, 9) for event in ("on_log", "on_evaluate", "on_epoch_end", "on_save")]
+
+
 def test_exception_event(tmp_path):
     rec = Recorder()
 
