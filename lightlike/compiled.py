@@ -42,14 +42,14 @@ from lightlike.evaluation import call_hook, call_loss, check_loss, error_naming_
 log = logging.getLogger("lightlike")
 
 
-def compile_run(run: Any, config: Any, strategy: Any) -> None:
-    """With ``compile=True``, set ``run.compiled`` to a ``CompiledStep`` over the strategy's model
-    and ``run.forward_loss`` to its ``forward_loss``; without it, leave the run as it is (the
-    eager ``forward_loss``, no extra cost per step)."""
+def compile_run(run: Any, module: Any, config: Any) -> None:
+    """With ``compile=True``, set ``run.compiled`` to a ``CompiledStep`` over ``module`` and
+    ``run.forward_loss`` to its ``forward_loss``; without it, leave the run as it is (the eager
+    ``forward_loss``, no extra cost per step)."""
     if not config.compile:
         return
     options = {"mode": config.compile_mode, "fullgraph": config.compile_fullgraph, "dynamic": config.compile_dynamic}
-    run.compiled = CompiledStep(run.module, options, regions=config.compile_regions)
+    run.compiled = CompiledStep(module, options, regions=config.compile_regions)
     run.forward_loss = run.compiled.forward_loss
 
 

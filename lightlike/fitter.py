@@ -1,9 +1,9 @@
 """``Fitter``: the training loop, written out in one readable place.
 
-``fit`` reads like a hand-written loop: set up (``_set_up`` returns this fit's ``Run``), then
+``fit`` reads like a hand-written loop: set up (``_set_up`` returns this fit's ``FitRun``), then
 for each epoch, for each optimizer step, take the step's micro-batches (the accumulation window),
 forward/backward each with weight ``items_i / items_in_step``, clip, step; then the step
-boundary: log, evaluate, end the epoch, save, stop, when due (``Due``, decided once per step);
+boundary: log, evaluate, end the epoch, save, stop, when due (``BoundaryPlan``, decided once per step);
 then the result. Distribution is the ``Strategy``'s business, numerics the ``Precision``
 plugin's, and what a checkpoint holds the ``Checkpointer``'s; the loop only calls them.
 """
@@ -38,7 +38,7 @@ from lightlike.lazy import materialise_lazy_modules
 from lightlike.loggers import build_loggers, log_result
 from lightlike.loggers.console import setup_logging
 from lightlike.loggers.summary import model_summary
-from lightlike.loop import Due, Run, save_due, warn_eval_every_past_the_end
+from lightlike.loop import BoundaryPlan, FitRun, save_due, warn_eval_every_past_the_end
 from lightlike.module import TaskModule, check_task_module
 from lightlike.nonfinite import NonFiniteCheck
 from lightlike.pending import LossBuffer
@@ -138,10 +138,10 @@ class Fitter:
                 lg.finalize()
         return result
 
-    def _train(self, run: Run) -> None:
+    def _train(self, run: FitRun) -> None:
         """The loop: epochs of optimizer steps, each followed by its step boundary."""
         state, control = self.state, self.control
-        run.model.train()
+        self.model.train()
         while state.global_step < run.max_steps and not control.should_training_stop \
                 and state.epoch_index < run.epoch_limit:
             batches = run.train_data.epoch_iterator(state.epoch_index, state.samples_in_epoch, state.batches_in_epoch)
@@ -164,7 +164,7 @@ class Fitter:
                     break
 
     # ---- a training step ------------------------------------------------------------------------
-    def _next_window(self, run: Run, batches: Any, position: Any) -> list[Any]:
+    def _next_window(self, run: FitRun, batches: Any, position: Any) -> list[Any]:
         """This step's micro-batches. Ranks whose shares may run out at different steps agree
         on each step that all still have data (every rank must take the same steps)."""
         window = list(itertools.islice(batches, self.config.grad_accum_steps))
@@ -174,11 +174,11 @@ class Fitter:
             return []
         return window
 
-    def _training_step(self, run: Run, window: list[Any]) -> None:
+    def _training_step(self, run: FitRun, window: list[Any]) -> None:
         """One optimizer step over ``window``: the module's ``training_step``, or the automatic one
         (``lightlike/step.py``), on the fit's step context."""
         step, ctx, to_device = self.state.global_step + 1, run.ctx, self.strategy.batch_to_device
-        ctx.begin(step, run.module)
+        ctx.begin(step, self.module)
         run.training_step([to_device(b) for b in window], ctx)
         skipped, run.grad_norm = ctx.finish()  # the norm is read at the next log row
         if skipped is not None:
@@ -200,20 +200,20 @@ class Fitter:
         return epoch_done
 
     # ---- the step boundary ----------------------------------------------------------------------
-    def _step_boundary(self, run: Run, epoch_done: bool) -> bool:
-        """After a step: what is due (``Due``) is done, then a preemption signal is acted on.
+    def _step_boundary(self, run: FitRun, epoch_done: bool) -> bool:
+        """After a step: what is due (``BoundaryPlan``) is done, then a preemption signal is acted on.
         Returns whether the epoch's loop ends here."""
         state, control = self.state, self.control
-        due = Due.at(state.global_step, self.config, max_steps=run.max_steps, epoch_done=epoch_done,
+        plan = BoundaryPlan.at(state.global_step, self.config, max_steps=run.max_steps, epoch_done=epoch_done,
                      epoch_index=state.epoch_index, epoch_limit=run.epoch_limit, has_eval_sets=bool(run.eval_sets))
         epoch_ended = stop = False
-        if not due.quiet(control):
-            epoch_ended, stop = self._act_on(run, due)
+        if not plan.quiet(control):
+            epoch_ended, stop = self._carry_out(run, plan)
         if self.preemption.stop_requested(self.strategy, state.global_step):
             self._preempted(stop or control.should_training_stop)
         return epoch_ended or control.should_training_stop
 
-    def _act_on(self, run: Run, due: Due) -> tuple[bool, bool]:
+    def _carry_out(self, run: FitRun, plan: BoundaryPlan) -> tuple[bool, bool]:
         """The step boundary, for every exit (after a step, data that ran out, the end of the fit):
         log, evaluate, end the epoch, save, stop, in that order, so that a checkpoint taken here
         holds everything done at this step (a resumed run repeats none of it). A flag a callback
@@ -221,14 +221,14 @@ class Fitter:
         asked for by a later stage's callback, and the run's last ones, come before the save.
         The flags are spent here, once. Returns (whether the epoch ended, whether the run ends)."""
         state, control = self.state, self.control
-        if due.log(control):  # a row due only because the run ends is written if losses are pending
-            self._log_training(run, final=not (due.log_step or control.should_log))
-        if due.evaluate(control, state):
+        if plan.log(control):  # a row due only because the run ends is written if losses are pending
+            self._log_training(run, final=not (plan.log_step or control.should_log))
+        if plan.evaluate(control, state):
             self._evaluate_all(run)
-        epoch_ended = due.ends_epoch(control)
+        epoch_ended = plan.ends_epoch(control)
         if epoch_ended:
             self._end_epoch()
-        stop = due.ends_run(control) or state.epoch_index >= run.epoch_limit
+        stop = plan.ends_run(control) or state.epoch_index >= run.epoch_limit
         if control.should_log or stop:
             self._log_training(run, final=True)
         if (control.should_evaluate or (stop and run.eval_sets)) and state.last_eval_step != state.global_step:
@@ -239,13 +239,13 @@ class Fitter:
         run.best.raise_unknown(state, self._commit)  # a metric_for_best the evaluation lacks: after the save
         return epoch_ended, stop
 
-    def _data_ran_out(self, run: Run) -> None:
+    def _data_ran_out(self, run: FitRun) -> None:
         """The epoch's data ended before a step (its length was not known, or drop_last): the
         epoch ends at the last step's boundary."""
         state = self.state
         if state.batches_in_epoch == 0:
             raise DataError(f"epoch {state.epoch_index} of the training data produced no batch")
-        self._act_on(run, Due.epoch_end(state.global_step, self.config, epoch_index=state.epoch_index,
+        self._carry_out(run, BoundaryPlan.epoch_end(state.global_step, self.config, epoch_index=state.epoch_index,
                                         epoch_limit=run.epoch_limit, has_eval_sets=bool(run.eval_sets)))
 
     def _preempted(self, ending: bool) -> None:
@@ -276,7 +276,7 @@ class Fitter:
         state.batches_in_epoch, state.samples_in_epoch = 0, 0
         state.epoch = float(state.epoch_index)
 
-    def _end_fit(self, run: Run) -> None:
+    def _end_fit(self, run: FitRun) -> None:
         """Training ended (stopped, or no step left): the boundary of the run's end (unless a stop
         set in ``on_save`` made this step's checkpoint the run's last record), the last checkpoint
         committed, the best weights loaded if asked for."""
@@ -284,14 +284,14 @@ class Fitter:
         self.phase = "end of fit"
         state = self.state
         if state.last_save_step != state.global_step:
-            self._act_on(run, Due.end_of_fit(state.global_step, has_eval_sets=bool(run.eval_sets)))
+            self._carry_out(run, BoundaryPlan.end_of_fit(state.global_step, has_eval_sets=bool(run.eval_sets)))
         self._commit()  # an asynchronous write still in flight
         self.phase = "end of fit"
         if self.config.load_best_at_end and state.best_checkpoint:
             self.checkpointer.load_weights(Path(state.best_checkpoint))  # type: ignore[union-attr]
 
     # ---- set-up ---------------------------------------------------------------------------------
-    def _set_up(self, module: TaskModule, train: Any, val: Any, resume: bool | str | None) -> Run:
+    def _set_up(self, module: TaskModule, train: Any, val: Any, resume: bool | str | None) -> FitRun:
         """Processes and devices, output directory, data, module, optimizer, checkpoint, loggers."""
         cfg = self.config
         self.phase = "set-up"
@@ -327,7 +327,7 @@ class Fitter:
             torch.cuda.reset_peak_memory_stats(strategy.root_device)
         return run
 
-    def _set_up_data(self, module: TaskModule, train: Any, val: Any, resume_from: Path | None) -> Run:
+    def _set_up_data(self, module: TaskModule, train: Any, val: Any, resume_from: Path | None) -> FitRun:
         cfg, strategy = self.config, self.strategy
         assert strategy is not None
         self.train_data = train_data = build_train_data(
@@ -348,20 +348,20 @@ class Fitter:
         max_steps, epoch_limit = train_data.step_budget(cfg.max_steps, cfg.max_epochs, cfg.grad_accum_steps, resumed)
         warn_eval_every_past_the_end(cfg, max_steps)
         losses = LossBuffer(strategy.root_device, raise_nonfinite=cfg.nonfinite_loss == "raise")
-        return Run(module=module, model=None, optimizer=None, scheduler=None, train_data=train_data,
+        self.module = module
+        return FitRun(train_data=train_data,
                    eval_sets=eval_sets, best=BestMetric(cfg, eval_sets), max_steps=max_steps, epoch_limit=epoch_limit,
                    losses=losses, agree_on_data=agree_on_data, resume_from=resume_from)
 
-    def _set_up_model(self, run: Run) -> None:
+    def _set_up_model(self, run: FitRun) -> None:
         """The module wrapped by the strategy, its optimizer and scheduler, and the checkpointer
         that holds them (with the callbacks and the loop's state)."""
-        cfg, strategy, module = self.config, self.strategy, run.module
+        cfg, strategy, module = self.config, self.strategy, self.module
         assert strategy is not None
         if cfg.gradient_checkpointing:  # the module's own switch (HF's name), which it may override
             module.gradient_checkpointing_enable()
         else:
             module.gradient_checkpointing_disable()
-        self.module = module
         materialise_lazy_modules(module, run.train_data.loader)  # nn.LazyLinear & co.: shaped before wrapping
         module.zero_grad(set_to_none=True)  # gradients left by an earlier fit that failed, or by the user
         if manual.is_manual(module):  # several optimizers, stepped by the module (lightlike/manual.py)
@@ -378,10 +378,18 @@ class Fitter:
                 scheduler = optim.build_scheduler(optimizer, cfg, run.max_steps)
             model, optimizer = strategy.setup_optimizer(model, optimizer)
             pairs = [(optimizer, scheduler)]
-        self.model = run.model = model
-        self.optimizer = run.optimizer = optimizer
-        self.scheduler = run.scheduler = scheduler
-        compile_run(run, cfg, strategy)  # compile=True: forward and loss as one compiled function
+        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        compile_run(run, module, cfg)  # compile=True: forward and loss as one compiled function
+        self._set_up_step(run, pairs)
+        self.resumed_from = None
+        self.checkpointer = Checkpointer(cfg, strategy, module=module, model=model, optimizer=optimizer,
+                                         scheduler=scheduler, callbacks=self.callbacks,
+                                         loop=LoopState(self.state, run.losses, run.train_data))
+
+    def _set_up_step(self, run: FitRun, pairs: list[tuple[Any, Any]]) -> None:
+        """The training step (the module's own, or the automatic one) and the step context it
+        runs on, given what it needs (``lightlike/step.py``)."""
+        cfg, strategy, module = self.config, self.strategy, self.module
         if run.manual is not None:
             run.training_step = run.manual
         else:  # lightlike's sampler deals every rank the same integer counts (with the default num_items)
@@ -389,13 +397,9 @@ class Fitter:
             run.training_step = AutomaticStep(module, run.forward_loss, module.num_items,
                                               uniform_counts=run.train_data.deals_evenly and default_counts)
         check = NonFiniteCheck(cfg.nonfinite_loss, strategy.collectives, strategy.root_device, self.state)
-        run.ctx = StepContext(strategy=strategy, model=model, pairs=pairs, check=check, losses=run.losses,
+        run.ctx = StepContext(strategy=strategy, model=self.model, pairs=pairs, check=check, losses=run.losses,
                               before_update=self._before_update, max_norm=cfg.max_grad_norm,
                               max_value=cfg.max_grad_value, log_every=cfg.log_every, max_steps=run.max_steps)
-        self.resumed_from = None
-        self.checkpointer = Checkpointer(cfg, strategy, module=module, model=model, optimizer=optimizer,
-                                         scheduler=scheduler, callbacks=self.callbacks,
-                                         loop=LoopState(self.state, run.losses, run.train_data))
 
     def setup_strategy(self) -> Strategy:
         """The strategy named by the config, its processes and devices set up (once)."""
@@ -420,18 +424,18 @@ class Fitter:
         }
 
     # ---- logging, evaluation and checkpoints during fit -----------------------------------------
-    def _log_training(self, run: Run, final: bool = False) -> None:
+    def _log_training(self, run: FitRun, final: bool = False) -> None:
         """Log the losses pending since the last row (with ``final``: only if there are any)."""
         if final and not run.losses.pending:
             return
-        loss_sum, item_sum = run.losses.take(self.strategy)
+        loss_sum, item_sum = run.losses.pop_for_row(self.strategy)
         state = self.state
         state.items_seen += item_sum
         metrics: dict[str, float] = {
             "train/loss": loss_sum / item_sum if item_sum else float("nan"),
             "train/epoch": round(state.epoch, 4),
         }
-        lr = run.scheduler.get_last_lr()[0] if run.scheduler is not None else run.optimizer.param_groups[0]["lr"]
+        lr = self.scheduler.get_last_lr()[0] if self.scheduler is not None else self.optimizer.param_groups[0]["lr"]
         metrics["train/lr"] = float(lr)
         metrics.update(run.manual.take_logged(self.strategy) if run.manual is not None else {})  # train/<key>
         if run.grad_norm is not None:
@@ -441,7 +445,7 @@ class Fitter:
             metrics["train/skipped_steps"] = float(state.skipped_steps)
         self._emit(run, "on_log", metrics)
 
-    def _emit(self, run: Run, event: str, metrics: dict[str, float]) -> None:
+    def _emit(self, run: FitRun, event: str, metrics: dict[str, float]) -> None:
         state = self.state
         state.log_history.append({"step": state.global_step, **metrics})
         if not run.bar_active and log.isEnabledFor(logging.INFO):  # no bar (not a terminal): a log line
@@ -451,26 +455,26 @@ class Fitter:
             lg.log_metrics(metrics, state.global_step)
         self.callbacks.call(event, self, state, self.control, metrics)
 
-    def _evaluate_all(self, run: Run) -> dict[str, float]:
+    def _evaluate_all(self, run: FitRun) -> dict[str, float]:
         """Evaluate every set; update the best metric; tell loggers and callbacks."""
         if not run.eval_sets:
             raise ConfigError("control.should_evaluate was set (by a callback) but fit() got no evaluation data: "
                               "pass val= to fit(), or do not set the flag")
         self.phase = "evaluation"
-        run.losses.read()  # raises now if a pending loss is non-finite
+        run.losses.read_checked()  # raises now if a pending loss is non-finite
         metrics: dict[str, float] = {}
         # training's random streams continue as if no evaluation ran (a user's DataLoader draws
         # its workers' base seed from the global generator; the module or a dataset may sample)
         with rng_kept():
             for name, loader in run.eval_sets.items():
-                m, _, _ = run_evaluation(run.model, run.module, loader, self.strategy, name,
+                m, _, _ = run_evaluation(self.model, self.module, loader, self.strategy, name,
                                          streaming=self.config.eval_streaming, compiled=run.compiled,
                                          on_batch=self.callbacks.eval_batch_hook(self))  # a progress bar
                 metrics.update(m)
         state = self.state
         state.last_eval_step = state.global_step
         run.best.update(metrics, state)
-        optim.step_on_evaluation(run.scheduler, metrics)  # reduce_lr_on_plateau: after each evaluation
+        optim.step_on_evaluation(self.scheduler, metrics)  # reduce_lr_on_plateau: after each evaluation
         self._emit(run, "on_evaluate", metrics)
         run.last_metrics = metrics
         return metrics
@@ -484,7 +488,7 @@ class Fitter:
         self._commit()
         self.control.should_save = False
         self.phase = "checkpoint save"
-        checkpointer.loop.losses.read()  # raises now if a pending loss is non-finite
+        checkpointer.loop.losses.read_checked()  # raises now if a pending loss is non-finite
         for lg in self.loggers:  # what was logged up to this checkpoint reaches the disk first
             lg.flush()
         path = checkpointer.save(wait=wait, full=full)

@@ -1,7 +1,9 @@
-"""The pieces of one ``fit`` that the loop in ``fitter.py`` carries: its run state (``Run``), what
-is due at a step boundary (``Due``), and when a checkpoint is due (``save_due``).
+"""What the loop in ``fitter.py`` carries through one ``fit``: the objects it set up
+(``FitRun``), what is due at a step boundary (``BoundaryPlan``) and whether a checkpoint is
+(``save_due``).
 
-``Due`` and ``save_due`` are plain functions of numbers and flags: they decide, the Fitter acts.
+``BoundaryPlan`` and ``save_due`` are values and functions of numbers and the callbacks' flags:
+they decide, the Fitter's ``_carry_out`` acts.
 """
 
 from __future__ import annotations
@@ -26,14 +28,11 @@ log = logging.getLogger("lightlike")
 
 
 @dataclass
-class Run:
-    """What one ``fit`` set up and carries from step to step (the Fitter's ``state``, ``control``,
-    ``module``, ``model``, ``optimizer`` and ``scheduler`` are the public names callbacks read)."""
+class FitRun:
+    """What one ``fit`` set up and carries from step to step, besides what the Fitter holds under
+    public names for callbacks (``state``, ``control``, ``module``, ``model``, ``optimizer``,
+    ``scheduler``, ``checkpointer``): each object has this one owner."""
 
-    module: Any  # the user's TaskModule
-    model: Any  # what the loop calls: the module as the strategy wrapped it
-    optimizer: Any
-    scheduler: Any
     train_data: TrainData
     eval_sets: dict[str, Any]
     best: BestMetric  # metric_for_best: the best evaluation so far, and a key the evaluation lacks
@@ -76,7 +75,7 @@ class Run:
         )
 
 
-class Due(NamedTuple):
+class BoundaryPlan(NamedTuple):
     """What the schedule makes due at the boundary after step ``step`` (an immutable value). The
     callbacks' flags (``Control``) are read live by the methods, since a flag set in ``on_log``
     or ``on_evaluate`` counts at the same boundary."""
@@ -93,16 +92,16 @@ class Due(NamedTuple):
 
     @classmethod
     def at(cls, step: int, config: FitConfig, *, max_steps: int, epoch_done: bool, epoch_index: int,
-           epoch_limit: float, has_eval_sets: bool) -> Due:
+           epoch_limit: float, has_eval_sets: bool) -> BoundaryPlan:
         return cls(step=step, log_step=step % config.log_every == 0,
                    eval_step=bool(config.eval_every) and step % config.eval_every == 0,  # type: ignore[operator]
-                   save_step=saves_every_step(config, step),
+                   save_step=scheduled_save(config, step),
                    last_step=step >= max_steps, epoch_done=epoch_done, last_epoch=epoch_index + 1 >= epoch_limit,
                    has_eval_sets=has_eval_sets, eval_at_epoch_end=config.eval_on_epoch_end and has_eval_sets)
 
     @classmethod
     def epoch_end(cls, step: int, config: FitConfig, *, epoch_index: int, epoch_limit: float,
-                  has_eval_sets: bool) -> Due:
+                  has_eval_sets: bool) -> BoundaryPlan:
         """The epoch's data ran out after step ``step``, whose own boundary has passed: only the
         epoch's end is due (and what it brings: its evaluation, its save, the run's end)."""
         return cls(step=step, log_step=False, eval_step=False, save_step=False, last_step=False, epoch_done=True,
@@ -110,7 +109,7 @@ class Due(NamedTuple):
                    eval_at_epoch_end=config.eval_on_epoch_end and has_eval_sets)
 
     @classmethod
-    def end_of_fit(cls, step: int, *, has_eval_sets: bool) -> Due:
+    def end_of_fit(cls, step: int, *, has_eval_sets: bool) -> BoundaryPlan:
         """The loop ended without a boundary that ended the run (a stop asked for outside one,
         no step left): only the run's end is due."""
         return cls(step=step, log_step=False, eval_step=False, save_step=False, last_step=True, epoch_done=False,
@@ -153,13 +152,13 @@ def save_due(config: FitConfig, state: FitState, control: Control, epoch_ended: 
         control.should_save = False
         return False
     new_best = state.best_step == step
-    return (control.should_save or saves_every_step(config, step)
+    return (control.should_save or scheduled_save(config, step)
             or (config.save_strategy == "epoch" and epoch_ended)
             or (new_best and (config.save_strategy == "best" or config.load_best_at_end))
             or (final and config.save_strategy != "no"))
 
 
-def saves_every_step(config: FitConfig, step: int) -> bool:
+def scheduled_save(config: FitConfig, step: int) -> bool:
     """Whether ``save_strategy="steps"`` saves at ``step`` (``save_every`` divides it)."""
     return config.save_strategy == "steps" and bool(config.save_every) and step % config.save_every == 0  # type: ignore[operator]
 

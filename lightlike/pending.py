@@ -71,14 +71,16 @@ def check_finite(values: list[tuple[float, float, int, int]], norms: list[tuple[
 
 
 class LossBuffer:
-    """This rank's losses not yet logged, and the item-weighted totals of those logged (the fit's
-    mean training loss, ``FitResult.training_loss``).
+    """This rank's training losses not yet in a log row (device tensors, no host read per step),
+    and the item-weighted totals of those already logged (the fit's mean training loss,
+    ``FitResult.training_loss``).
 
-    ``add`` keeps a detached loss on the device; ``take`` reads every pending loss to the host at
-    once, sums them over ranks and adds them to the totals (a log step). ``state_dict`` holds this
-    rank's pending values on the host and the totals; a checkpoint gathers it from every rank.
-    ``add_norm`` keeps a step's gradient norm until the next read checks it (a read that finds
-    every one finite forgets them: they are not checkpointed, since every save reads first)."""
+    ``add`` keeps a loss; ``pop_for_row`` reads every pending loss to the host at once, clears
+    them, sums them over the ranks and adds them to the totals (a log row). ``read_checked`` reads
+    them without clearing, and raises for a non-finite one under ``nonfinite_loss="raise"``
+    (before a save or an evaluation). ``add_norm`` keeps a step's gradient norm until that check
+    reads it. ``state_dict`` holds this rank's pending values and the totals (not the norms: every
+    save checks them first)."""
 
     def __init__(self, device: torch.device, raise_nonfinite: bool):
         self.device, self.raise_nonfinite = device, raise_nonfinite
@@ -94,7 +96,7 @@ class LossBuffer:
         read to check; a strategy may fill it in later (DeepSpeed: in its optimizer step)."""
         self.norms.append((norm, step))
 
-    def read(self) -> list[tuple[float, float, int, int]]:
+    def read_checked(self) -> list[tuple[float, float, int, int]]:
         """This rank's pending (loss, items, step, micro-batch) values on the host; raises
         ``NonFiniteLossError`` for a non-finite one when the fit raises on them (and
         ``NonFiniteGradientError`` for a non-finite gradient norm, if that came first)."""
@@ -102,11 +104,11 @@ class LossBuffer:
         self.norms = []  # all finite: checked
         return values
 
-    def take(self, strategy: Any) -> tuple[float, float] | None:
+    def pop_for_row(self, strategy: Any) -> tuple[float, float]:
         """Read and clear the pending losses; their item-weighted loss sum and item count over
-        every rank (collective), added to the totals. None when no rank... had any on this rank
-        and none were expected (see ``sum_values``)."""
-        values = self.read()
+        every rank (collective: every rank calls it, with or without losses of its own), added
+        to the totals."""
+        values = self.read_checked()
         self.pending = []
         loss_sum, item_sum = sum_values(strategy, values)
         self.loss_total += loss_sum
@@ -118,12 +120,12 @@ class LossBuffer:
         in ``on_save`` leaves its last losses unlogged in the checkpoint)."""
         loss, items = self.loss_total, self.items_total
         if self.pending or self.norms:
-            more = sum_values(strategy, self.read())
+            more = sum_values(strategy, self.read_checked())
             loss, items = loss + more[0], items + more[1]
         return loss / items if items else float("nan")
 
     def state_dict(self) -> dict[str, Any]:
-        return {"pending": [list(v) for v in self.read()], "totals": [self.loss_total, self.items_total]}
+        return {"pending": [list(v) for v in self.read_checked()], "totals": [self.loss_total, self.items_total]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.pending = [(torch.tensor(loss, dtype=torch.float64, device=self.device), n, int(step), int(micro))

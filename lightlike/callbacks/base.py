@@ -137,6 +137,7 @@ class CallbackList:
                               "would collide; give each a distinct state_key (a property of the callback)")
 
     def call(self, event: str, fitter: Fitter, state: FitState, control: Control, *args: Any) -> None:
+        """Call every callback's handler of ``event``, in order; a handler's returned flags are set."""
         for handler in self._handlers[event]:
             returned = handler(fitter, state, control, *args)
             if returned is not None:  # the one test a handler that returns nothing costs
@@ -152,11 +153,6 @@ class CallbackList:
             self.call("on_eval_batch_end", fitter, fitter.state, fitter.control, name, batch, num_batches)
 
         return hook
-
-    def handlers(self, event: str) -> list[Any]:
-        """The callbacks' handlers of ``event``, in order: the loop calls those of the per-step
-        events itself (no dispatch call on a step when, as usual, there is none)."""
-        return self._handlers[event]
 
     def call_on_save(self, fitter: Fitter, state: FitState, control: Control, path: str) -> None:
         """``on_save`` comes after the step's checkpoint. A stop set there ends the run at it; a

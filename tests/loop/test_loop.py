@@ -317,14 +317,14 @@ def test_a_fit_after_one_that_failed_mid_window_starts_from_zero_gradients(tmp_p
 
 
 def test_the_step_boundary_decision_is_a_value_of_the_schedule_and_the_live_flags():
-    """``Due`` decides what a boundary does from numbers and the callbacks' flags (read live:
+    """``BoundaryPlan`` decides what a boundary does from numbers and the callbacks' flags (read live:
     a flag set in ``on_log`` counts at the same boundary); checked here without a fit."""
-    from lightlike.loop import Due
+    from lightlike.loop import BoundaryPlan
     from lightlike.state import Control, FitState
 
     config = ll.FitConfig(log_every=5, eval_every=7, max_steps=12)
     def due(step, epoch_done=False, epoch_index=0, epoch_limit=float("inf"), has_eval_sets=True):
-        return Due.at(step, config, max_steps=12, epoch_done=epoch_done, epoch_index=epoch_index,
+        return BoundaryPlan.at(step, config, max_steps=12, epoch_done=epoch_done, epoch_index=epoch_index,
                       epoch_limit=epoch_limit, has_eval_sets=has_eval_sets)
 
     control, state = Control(), FitState()
@@ -333,7 +333,7 @@ def test_the_step_boundary_decision_is_a_value_of_the_schedule_and_the_live_flag
     assert not any(due(step).quiet(control) for step in (5, 7, 12))  # a log, an evaluation, the last step
     assert not due(3, epoch_done=True).quiet(control)
     saving = ll.FitConfig(log_every=5, save_strategy="steps", save_every=4, max_steps=12)
-    assert not Due.at(8, saving, max_steps=12, epoch_done=False, epoch_index=0, epoch_limit=1,
+    assert not BoundaryPlan.at(8, saving, max_steps=12, epoch_done=False, epoch_index=0, epoch_limit=1,
                       has_eval_sets=False).quiet(control)
     for flag in ("should_log", "should_evaluate", "should_save", "should_epoch_stop", "should_training_stop"):
         setattr(control, flag, True)
