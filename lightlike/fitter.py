@@ -10,6 +10,7 @@ plugin's, and what a checkpoint holds the ``Checkpointer``'s; the loop only call
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import time
@@ -38,7 +39,7 @@ from lightlike.lazy import materialise_lazy_modules
 from lightlike.loggers import build_loggers, log_result
 from lightlike.loggers.console import setup_logging
 from lightlike.loggers.summary import model_summary
-from lightlike.loop import BoundaryPlan, FitRun, save_due, warn_eval_every_past_the_end
+from lightlike.loop import BoundaryPlan, FitRun, next_scheduled_step, save_due, warn_eval_every_past_the_end
 from lightlike.module import TaskModule, check_task_module
 from lightlike.nonfinite import NonFiniteCheck
 from lightlike.pending import LossBuffer
@@ -129,7 +130,7 @@ class Fitter:
             run.start = (time.perf_counter(), state.global_step, state.samples_seen)
             self._train(run)
             self._end_fit(run)
-            run.ctx.check.check_trained()  # a fit whose every step was skipped raises
+            run.ctx.check.check_trained(state.global_step - run.start[1])  # every step skipped: raises
             self.callbacks.call("on_fit_end", self, state, control)
             result = run.result(state, self.strategy, self.checkpointer.final_checkpoint())  # type: ignore[union-attr]
             log_result(self.loggers, result)  # the trackers record its numbers, their runs end as a success
@@ -142,6 +143,7 @@ class Fitter:
         """The loop: epochs of optimizer steps, each followed by its step boundary."""
         state, control = self.state, self.control
         self.model.train()
+        run.next_scheduled = next_scheduled_step(self.config, state.global_step, run.max_steps)
         while state.global_step < run.max_steps and not control.should_training_stop \
                 and state.epoch_index < run.epoch_limit:
             batches = run.train_data.epoch_iterator(state.epoch_index, state.samples_in_epoch, state.batches_in_epoch)
@@ -186,9 +188,6 @@ class Fitter:
         self.state.global_step = step
         self.phase = "step end"
 
-    def _before_update(self, optimizer: Any) -> None:
-        self.callbacks.call("on_before_optimizer_step", self, self.state, self.control, optimizer)
-
     def _advance(self, position: Any, micro_batches: int) -> bool:
         """Move the data position past this step's batches; whether the epoch's data is used up."""
         state = self.state
@@ -204,11 +203,14 @@ class Fitter:
         """After a step: what is due (``BoundaryPlan``) is done, then a preemption signal is acted on.
         Returns whether the epoch's loop ends here."""
         state, control = self.state, self.control
-        plan = BoundaryPlan.at(state.global_step, self.config, max_steps=run.max_steps, epoch_done=epoch_done,
-                     epoch_index=state.epoch_index, epoch_limit=run.epoch_limit, has_eval_sets=bool(run.eval_sets))
         epoch_ended = stop = False
-        if not plan.quiet(control):
-            epoch_ended, stop = self._carry_out(run, plan)
+        if state.global_step >= run.next_scheduled or epoch_done or control.pending():  # else: nothing is due
+            plan = BoundaryPlan.at(state.global_step, self.config, max_steps=run.max_steps, epoch_done=epoch_done,
+                                   epoch_index=state.epoch_index, epoch_limit=run.epoch_limit,
+                                   has_eval_sets=bool(run.eval_sets))
+            if not plan.quiet(control):
+                epoch_ended, stop = self._carry_out(run, plan)
+            run.next_scheduled = next_scheduled_step(self.config, state.global_step, run.max_steps)
         if self.preemption.stop_requested(self.strategy, state.global_step):
             self._preempted(stop or control.should_training_stop)
         return epoch_ended or control.should_training_stop
@@ -398,7 +400,8 @@ class Fitter:
                                               uniform_counts=run.train_data.deals_evenly and default_counts)
         check = NonFiniteCheck(cfg.nonfinite_loss, strategy.collectives, strategy.root_device, self.state)
         run.ctx = StepContext(strategy=strategy, model=self.model, pairs=pairs, check=check, losses=run.losses,
-                              before_update=self._before_update, max_norm=cfg.max_grad_norm,
+                              before_update=functools.partial(self.callbacks.call, "on_before_optimizer_step", self,
+                                                              self.state, self.control), max_norm=cfg.max_grad_norm,
                               max_value=cfg.max_grad_value, log_every=cfg.log_every, max_steps=run.max_steps)
 
     def setup_strategy(self) -> Strategy:

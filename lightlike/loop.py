@@ -46,6 +46,7 @@ class FitRun:
     manual: Any = None  # a module's own training_step (lightlike.manual.ManualStep), or None
     grad_norm: torch.Tensor | None = None  # the last step's norm (None: skipped), read at the next log row
     last_metrics: dict[str, float] = field(default_factory=dict)  # the last evaluation's
+    next_scheduled: int = 0  # the next step the schedule makes something due at (next_scheduled_step)
     bar_active: bool = False  # a progress bar replaces the log lines
     start: tuple[float, int, int] = (0.0, 0, 0)  # (time, global step, samples seen) when the loop began
     # a micro-batch's loss, evaluation.forward_loss; with compile=True the CompiledStep's (which
@@ -156,6 +157,18 @@ def save_due(config: FitConfig, state: FitState, control: Control, epoch_ended: 
             or (config.save_strategy == "epoch" and epoch_ended)
             or (new_best and (config.save_strategy == "best" or config.load_best_at_end))
             or (final and config.save_strategy != "no"))
+
+
+def next_scheduled_step(config: FitConfig, step: int, max_steps: int) -> int:
+    """The first step after ``step`` at which the schedule makes something due: a log row, an
+    evaluation, a save (``save_strategy="steps"``), the last step. A boundary before it with no
+    epoch end and no flag set is quiet, which the loop knows without building a ``BoundaryPlan``."""
+    save_every = config.save_every if config.save_strategy == "steps" else None
+    due = max_steps
+    for every in (config.log_every, config.eval_every, save_every):
+        if every:
+            due = min(due, (step // every + 1) * every)
+    return due
 
 
 def scheduled_save(config: FitConfig, step: int) -> bool:

@@ -157,7 +157,7 @@ class ManualStep:
         with ctx.autocast():
             out = self.module.training_step(batch, ctx)
         loss, self.extra = _read_output(out, ctx.global_step)
-        ctx.log_loss(loss, self.count_items(batch))
+        ctx.losses.add(loss, self.count_items(batch), ctx.global_step, 0)
 
     def take_logged(self, strategy: Any) -> dict[str, float]:
         """``train/<key>``: each value the last ``training_step`` returned besides ``loss``, its mean

@@ -53,15 +53,13 @@ class NonFiniteCheck:
         self.skip, self.raises = policy == "skip", policy == "raise"
         self.collectives, self.device = collectives, device  # (where the ranks agree on the flags)
         self.state = state  # (read for the warning only)
-        self.steps = 0  # steps this fit took
         self.causes: Counter[str] = Counter()  # this fit's skipped steps by cause
         self.buffers: Any = None
 
     def begin_step(self, module: torch.nn.Module) -> None:
-        """Count the step; under "skip" keep a copy of the buffers (BatchNorm's statistics) that
-        its forward passes may write NaN into."""
-        self.steps += 1
-        self.buffers = snapshot_buffers(module) if self.skip else None
+        """Under "skip": keep a copy of the buffers (BatchNorm's statistics) that the step's
+        forward passes may write NaN into."""
+        self.buffers = snapshot_buffers(module)
 
     def vet(self, losses: list[torch.Tensor], norm: torch.Tensor | None) -> str | None:
         """Under "skip": the cause ("loss" or "gradient") if any rank's ``losses``, or the global
@@ -87,8 +85,8 @@ class NonFiniteCheck:
         log.warning("non-finite %s at step %d: step skipped (%d skipped so far)", what, step,
                     self.state.skipped_steps + 1)
 
-    def check_trained(self) -> None:
-        """At the end of the fit: raise if every step it took was skipped (every rank agrees:
-        each skip was decided for all ranks)."""
-        if self.steps and sum(self.causes.values()) >= self.steps:
-            raise on_every_rank(AllStepsSkippedError(self.steps, dict(self.causes)))
+    def check_trained(self, steps: int) -> None:
+        """At the end of the fit: raise if every one of the ``steps`` it took was skipped (every
+        rank agrees: each skip was decided for all ranks)."""
+        if steps and sum(self.causes.values()) >= steps:
+            raise on_every_rank(AllStepsSkippedError(steps, dict(self.causes)))

@@ -96,6 +96,10 @@ class LossBuffer:
         read to check; a strategy may fill it in later (DeepSpeed: in its optimizer step)."""
         self.norms.append((norm, step))
 
+    def drop_last(self, count: int) -> None:
+        """Forget the last ``count`` losses (a step skipped for a non-finite loss or gradient)."""
+        del self.pending[len(self.pending) - count:]
+
     def read_checked(self) -> list[tuple[float, float, int, int]]:
         """This rank's pending (loss, items, step, micro-batch) values on the host; raises
         ``NonFiniteLossError`` for a non-finite one when the fit raises on them (and

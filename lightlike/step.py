@@ -13,10 +13,11 @@ bookkeeping exist once, here:
   vet, update), vetted by the non-finite check and followed by the callbacks' event before the
   update; then the optimizer's gradients are zeroed and its scheduler steps when the update was
   applied. Returns whether it was.
-- ``ctx.log_loss(loss, items)``: a loss for the training rows; kept unless the step was skipped
-  for a non-finite loss or gradient (``"skip"``), so a skipped step is never averaged in.
+- ``ctx.losses`` (the ``LossBuffer``): the step functions add the step's losses for the training
+  rows; they are taken back out if the step is skipped for a non-finite loss or gradient
+  (``"skip"``), so a skipped step is never averaged in.
 - ``finish()`` (the Fitter's, at the end of the step): one loss-scale update (torch's recipe for
-  several optimizers), the skipped step undone and counted, the losses handed to the buffer.
+  several optimizers), a skipped step counted and undone.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Callable, Iterator
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
@@ -35,22 +36,12 @@ from lightlike.pending import LossBuffer, weighted
 log = logging.getLogger("lightlike")
 
 
-class StepOutcome(NamedTuple):
-    """What one training step did: ``skipped`` is None when some update was applied (or none was
-    tried), else the cause ("loss", "gradient" or "overflow"); ``grad_norm`` the global gradient
-    norm of its update (a device tensor; None when the step was undone or had no update, and
-    with several optimizers, whose norms are not one number)."""
-
-    skipped: str | None
-    grad_norm: torch.Tensor | None
-
-
 class StepContext:
     """What ``training_step(batch, ctx)`` gets (see the module's docstring): ``optimizers`` (in
     the order ``configure_optimizers`` returned them), ``global_step`` (the step being taken,
     counted from 1), ``log_step`` (whether this step writes a log row), ``no_sync()``,
-    ``backward(loss)``, ``step(optimizer) -> bool``, ``clip_gradients(optimizer, max_norm)`` and
-    ``log_loss(loss, items)``. One context serves every step of a fit."""
+    ``backward(loss)``, ``step(optimizer) -> bool`` and ``clip_gradients(optimizer, max_norm)``.
+    One context serves every step of a fit."""
 
     def __init__(self, *, strategy: Any, model: Any, pairs: list[tuple[Any, Any]], check: NonFiniteCheck,
                  losses: LossBuffer, before_update: Callable[[Any], None], max_norm: float | None,
@@ -59,44 +50,54 @@ class StepContext:
         self.optimizers = tuple(o for o, _ in pairs)
         self.schedulers = tuple(s for _, s in pairs)
         self.autocast = strategy.precision.autocast  # the context of a forward pass
-        self._before_update = before_update  # the callbacks' on_before_optimizer_step
+        self._before_update = before_update  # calls the callbacks' on_before_optimizer_step
         self._max_norm, self._max_value = max_norm, max_value
         self._log_every, self._max_steps = log_every, max_steps
         self._scaled = strategy.precision.uses_scaler  # each optimizer steps once per step (torch's recipe)
-        self.global_step, self.log_step = 0, False
+        self._skips, self._raises = check.skip, check.raises  # the nonfinite_loss policy
+        self._first = self.optimizers[0] if len(self.optimizers) == 1 else None  # (the usual case, found at once)
+        self.global_step = 0
         self._unvetted: list[torch.Tensor] = []  # losses backpropagated since the last vetted update ("skip")
-        self._logged: list[tuple[torch.Tensor, Any]] = []  # this step's (loss, items), for the rows
+        self._mark = 0  # the loss buffer's length when the step began (a step undone drops what follows)
         self._prepared: list[int] = []  # optimizers whose gradients are averaged and unscaled this step
-        self._norms: list[torch.Tensor] = []  # the gradient norms of this step's updates (not vetoed)
+        self._stepped: list[int] = []  # optimizers stepped this step (under a loss scaler)
+        self._norm: torch.Tensor | None = None  # the gradient norm of this step's last update (not vetoed)
         self._applied = False  # some update of this step was applied
-        self._skipped: list[str] = []  # causes of the updates skipped this step
-        self._veto: str | None = None
+        self._skipped: str | None = None  # the cause of this step's first skipped update
+        self._veto: str | None = None  # the non-finite check's cause for the update it vetoed
+
+    @property
+    def log_step(self) -> bool:
+        """Whether this step writes a log row."""
+        return self.global_step % self._log_every == 0 or self.global_step >= self._max_steps
 
     # -- the step's lifetime (the Fitter's) ------------------------------------------------------
     def begin(self, step: int, module: torch.nn.Module) -> None:
         """Start training step ``step`` (from 1)."""
-        self.global_step = step
-        self.log_step = step % self._log_every == 0 or step >= self._max_steps
-        self._unvetted, self._logged, self._prepared, self._norms, self._skipped = [], [], [], [], []
-        self._applied = False
-        self.check.begin_step(module)
+        self.global_step, self._mark = step, len(self.losses.pending)
+        self._prepared, self._norm, self._applied, self._skipped = [], None, False, None
+        if self._scaled:
+            self._stepped = []
+        if self._skips:
+            self.check.begin_step(module)
 
-    def finish(self) -> StepOutcome:
-        """End the step: update the loss scale once, undo and count a skipped step, keep the
-        losses of one that was not."""
-        if self._prepared:
+    def finish(self) -> tuple[str | None, torch.Tensor | None]:
+        """End the step: update the loss scale once; a step whose every update was skipped is
+        counted, and under "skip" undone (buffers back, its losses out of the rows). Returns
+        (the cause of a skipped step, else None; the gradient norm to log: one optimizer's, not
+        several's, which are not one number)."""
+        if self._scaled and self._prepared:
             self.strategy.precision.update_scale()
-        step, skipped = self.global_step, self._skipped
-        cause = skipped[0] if skipped and not self._applied else None  # every update it tried was skipped
-        if cause is not None:
-            self.check.count(cause)
-            if cause != "overflow" and self.check.skip:
-                self.check.undo(step, cause)
-                return StepOutcome(cause, None)
-        add = self.losses.add
-        for micro, (loss, items) in enumerate(self._logged):
-            add(loss, items, step, micro)
-        return StepOutcome(cause, self._norms[0] if len(self._norms) == 1 and len(self.optimizers) == 1 else None)
+        norm = self._norm if self._first is not None else None
+        cause = self._skipped
+        if self._applied or cause is None:
+            return None, norm
+        self.check.count(cause)
+        if cause != "overflow" and self._skips:
+            self.losses.drop_last(len(self.losses.pending) - self._mark)
+            self.check.undo(self.global_step, cause)
+            return cause, None
+        return cause, norm
 
     # -- what a training step calls --------------------------------------------------------------
     def no_sync(self, enabled: bool = True) -> contextlib.AbstractContextManager:
@@ -118,14 +119,9 @@ class StepContext:
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of ``loss`` through the strategy (scaled under ``16-mixed``)."""
-        if self.check.skip:
+        if self._skips:
             self._unvetted.append(loss.detach())
         self.strategy.backward(loss, self.model)
-
-    def log_loss(self, loss: torch.Tensor, items: int | torch.Tensor = 1) -> None:
-        """A loss of this step for the training rows, weighted by ``items`` (the loss of a
-        module's ``training_step`` is logged for it; call this only for further losses)."""
-        self._logged.append((loss.detach(), items))
 
     def clip_gradients(self, optimizer: torch.optim.Optimizer, max_norm: float) -> torch.Tensor:
         """Clip ``optimizer``'s gradients to the global norm ``max_norm``; returns the norm before
@@ -138,22 +134,20 @@ class StepContext:
     def step(self, optimizer: torch.optim.Optimizer) -> bool:
         """Average, unscale, clip, check, step and zero ``optimizer``'s gradients; step its
         scheduler when the update was applied. Returns whether it was."""
-        i = self._index(optimizer)
-        if self._scaled and i in self._prepared and len(self.optimizers) > 1:
-            raise ModuleContractError(f"ctx.step(optimizer {i}) was called twice in one training_step under "
-                                      f"precision={self.strategy.precision.name!r}: torch's GradScaler recipe steps "
-                                      "each optimizer once per update; step it once per training_step")
-        self._prepare(optimizer, i)
-        self._veto = None
+        i = 0 if optimizer is self._first else self._index(optimizer)
+        if self._scaled:
+            self._once(i)
+        if i not in self._prepared:  # (ctx.clip_gradients may have prepared them)
+            self._prepared.append(i)
+            self.strategy.prepare_gradients(optimizer)
         result = self.strategy.step(optimizer, self.model, self._max_norm, self._max_value, self._vet)
         optimizer.zero_grad(set_to_none=True)
-        if self._veto is not None:
-            return self._skip(self._veto, i)
         norm = result.grad_norm
-        if norm is not None:
-            self._norms.append(norm)
-            if self.check.raises and not result.overflow:
-                self.losses.add_norm(norm, self.global_step)  # "raise": checked at the next read
+        if norm is None:  # vetoed by the non-finite check
+            return self._skip(self._veto, i)  # type: ignore[arg-type]
+        self._norm = norm
+        if self._raises and not result.overflow:
+            self.losses.add_norm(norm, self.global_step)  # "raise": checked at the next read
         if not result.applied:
             return self._skip("overflow" if result.overflow else "gradient", i)
         self._applied = True
@@ -170,6 +164,14 @@ class StepContext:
         raise ModuleContractError("ctx.step/ctx.clip_gradients got an optimizer that configure_optimizers did not "
                                   "return: use the ones in ctx.optimizers")
 
+    def _once(self, i: int) -> None:
+        """Under a loss scaler, optimizer ``i`` steps once per training step (torch's recipe)."""
+        if i in self._stepped:
+            raise ModuleContractError(f"ctx.step(optimizer {i}) was called twice in one training_step under "
+                                      f"precision={self.strategy.precision.name!r}: torch's GradScaler recipe steps "
+                                      "each optimizer once per update; step it once per training_step")
+        self._stepped.append(i)
+
     def _prepare(self, optimizer: torch.optim.Optimizer, i: int) -> None:
         """The optimizer's gradients averaged over the ranks (where backward did not) and
         unscaled, once per step."""
@@ -181,18 +183,18 @@ class StepContext:
         """``Strategy.step``'s question before the update: under "skip", whether the losses
         backpropagated since the last update and ``norm`` are finite on every rank; then the
         callbacks' ``on_before_optimizer_step``. False vetoes the update."""
-        if self.check.skip:
-            cause = self.check.vet(self._unvetted, norm)
+        if self._skips:
+            self._veto = self.check.vet(self._unvetted, norm)
             self._unvetted = []
-            if cause is not None:
-                self._veto = cause
+            if self._veto is not None:
                 return False
         self._before_update(optimizer)
         return True
 
     def _skip(self, cause: str, i: int) -> bool:
-        self._skipped.append(cause)
-        if len(self.optimizers) > 1 and cause != "overflow":
+        if self._skipped is None:
+            self._skipped = cause
+        if self._first is None and cause != "overflow":
             log.warning("non-finite %s at step %d: the update of optimizer %d (of ctx.optimizers) skipped",
                         cause, self.global_step, i)
         return False
@@ -210,7 +212,7 @@ class AutomaticStep:
         self.uniform_counts = uniform_counts  # every rank holds the same integer counts (no reduction)
 
     def __call__(self, window: list[Any], ctx: StepContext) -> None:
-        module, forward_loss, step = self.module, self.forward_loss, ctx.global_step
+        module, forward_loss, step, record = self.module, self.forward_loss, ctx.global_step, ctx.losses.add
         counts = [self.count_items(b) for b in window]
         normaliser = ctx.strategy.item_normaliser(counts, uniform=self.uniform_counts)
         last = len(window) - 1
@@ -219,5 +221,5 @@ class AutomaticStep:
                 with ctx.autocast():
                     loss = forward_loss(ctx.model, module, batch, "at step {}, micro-batch {}", step, i)
                 ctx.backward(weighted(loss, counts[i], normaliser.total))
-            ctx.log_loss(loss, counts[i])
+            record(loss, counts[i], step, i)  # for the rows (taken back out if the step is undone)
         ctx.step(ctx.optimizers[0])

@@ -172,7 +172,7 @@ class Strategy(ABC):
         global norm before clipping, or None where the update skips a non-finite one itself: a
         loss scaler's overflow), then update through the precision. False from ``vet`` vetoes
         the update. Reports what happened (``StepResult``)."""
-        norm = clip_gradients(optimizer, max_norm, max_value, want_norm=True, one_device=self._plain_gradients)
+        norm = clip_gradients(optimizer, max_norm, max_value, True, self._plain_gradients)  # (want_norm, one_device)
         precision = self.precision
         if not vet(optimizer, None if precision.uses_scaler else norm):
             precision.abandon_step(optimizer)
