@@ -4,16 +4,16 @@
    ``p.grad = None``), batches from a plain DataLoader.
 2. **hand, Fitter's objects**: the same loop, run from ``on_fit_start`` on the module, optimizer,
    scheduler and epoch iterator the Fitter built. Equal to (1): the objects cost nothing.
-3. **Fitter's step body**: the same outer loop calling the Fitter's own ``_accumulate_and_step``
-   (batch to device, item counts, normaliser, contexts, checked module/loss calls, strategy
-   backward/step/zero_grad, the pending loss).
+3. **Fitter's step body**: the same outer loop calling the Fitter's own ``_training_step``
+   (batch to device, the step context, item counts, normaliser, contexts, checked module/loss
+   calls, strategy backward/step/zero_grad, the scheduler, the pending loss).
 4. **Fitter**: ``Fitter.fit`` with its defaults (plus ``save_strategy="no"`` in 2 and 3, whose
    fits end before a step).
 
 Per-step **CPU time of the main thread** (``time.thread_time``) is the figure: it leaves out
 the waits the wall clock of a shared machine adds. (3) - (1) is what the step body adds, (4) - (3)
 what the outer loop (callbacks, epoch position, log/eval/save checks, log steps) adds. This
-script overrides private methods of the Fitter (``_train``, ``_accumulate_and_step``): it is a
+script overrides private methods of the Fitter (``_train``, ``_training_step``): it is a
 diagnosis of the loop, not an example.
 
     python benchmarks/overhead_parts.py --repeats 5
@@ -46,12 +46,13 @@ def forever(make_iterator):
 
 
 def drive(body, batches, scheduler, args) -> tuple[float, float]:
-    """Run ``body(batch)`` + ``scheduler.step()`` for ``args.steps`` steps; (CPU, wall) seconds per
-    step after ``args.warmup`` steps."""
+    """Run ``body(batch)`` + ``scheduler.step()`` (unless the body steps it: ``scheduler=None``) for
+    ``args.steps`` steps; (CPU, wall) seconds per step after ``args.warmup`` steps."""
     c0 = t0 = 0.0
     for step in range(1, args.steps + 1):
         body(next(batches))
-        scheduler.step()
+        if scheduler is not None:
+            scheduler.step()
         if step == args.warmup:
             c0, t0 = time.thread_time(), time.perf_counter()
     n = args.steps - args.warmup
@@ -94,12 +95,12 @@ class Inside:
             def _train(self, run):
                 if inside.fitters_body:
                     def body(batch):
-                        self._accumulate_and_step(run, [batch], self.state.global_step + 1)
+                        self._training_step(run, [batch])  # (steps the scheduler too)
                         run.losses.pending.clear()  # read at log steps in a fit; nobody reads them here
                 else:
-                    body = hand_body(run.model, run.optimizer)
+                    body = hand_body(self.model, self.optimizer)
                 batches = forever(run.train_data.epoch_iterator)
-                inside.result = drive(body, batches, run.scheduler, inside.args)
+                inside.result = drive(body, batches, None if inside.fitters_body else self.scheduler, inside.args)
 
         return Probe(**kwargs)
 
