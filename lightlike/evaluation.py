@@ -458,7 +458,7 @@ def _evaluate_batch(model: Any, module: Any, strategy: Strategy, batch: Any, rea
     done) only runs a forward whose output is dropped, to keep the others' gathers company."""
     where = f"in {tally.prefix} batch {i}"
     if not real:
-        with strategy.autocast():
+        with strategy.precision.autocast():
             if compiled is None:
                 call_module(model, batch, where)
             else:
@@ -470,7 +470,7 @@ def _evaluate_batch(model: Any, module: Any, strategy: Strategy, batch: Any, rea
     default_labels = type(module).labels is _base_module().labels
     has_label = label is not None or not keep_outputs or (default_labels and not isinstance(batch, Mapping))
     tally.note_labelled(has_label, i)
-    with strategy.autocast():
+    with strategy.precision.autocast():
         if compiled is not None:  # forward, loss and metrics in one compiled function
             outputs, loss, values = compiled.evaluate(model, batch, has_label, where)
         else:

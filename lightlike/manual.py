@@ -82,7 +82,7 @@ def set_up(config: Any, module: Any, strategy: Any) -> tuple[Any, list[tuple[tor
     """The module as the strategy sets it up for manual optimization, then its optimizers (built
     over the parameters set up) with their schedulers, as ``(model, [(optimizer, scheduler), ...])``."""
     check_manual_config(config)
-    model = strategy.setup_manual_module(module)
+    model = strategy.setup_module(module, manual=True)
     return model, unwrap_manual_optimizers(optim.call_configure_optimizers(module, config))
 
 

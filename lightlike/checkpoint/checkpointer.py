@@ -102,7 +102,7 @@ class Checkpointer:
         full = (not cfg.save_only_model) if full is None else bool(full)
         writer = self._writer(out, step, full)
         try:
-            shards = strategy.save_checkpoint_state(writer, self.model, self.optimizer if full else None)
+            shards = strategy.checkpoint_layout.save(writer, self.model, self.optimizer if full else None)
             # every rank's random state and loop state (pending losses, batches taken in the epoch)
             per_rank = strategy.collectives.all_gather_object((self.rng.state_dict(), self.loop.rank_state_dict())) \
                 if full else []
@@ -126,7 +126,7 @@ class Checkpointer:
     def _writer(self, out: Path, step: int, full: bool) -> CheckpointWriter:
         """The writer of this save, its temp directory made by the main rank and named for all."""
         strategy = self.strategy
-        meta = {"kind": "full" if full else "model", "state_format": strategy.checkpoint_format}
+        meta = {"kind": "full" if full else "model", "state_format": strategy.checkpoint_layout.format}
         # this fit's own checkpoint-N (a preemption's full save over this step's weights-only one) is
         # replaced; anything else under the name is moved aside, never deleted
         own = (out / f"checkpoint-{step}") in self.written
@@ -276,7 +276,7 @@ class Checkpointer:
         strategy.collectives.barrier("resume")  # no rank is still looking for the checkpoint to resume from
         self._check_resumable(path, verify_checkpoint(path, hashes=cfg.verify_hashes and not verified))
         check_optimizer_fits(self.module, cfg, path)
-        strategy.load_checkpoint_state(path, self.model, self.optimizer)
+        strategy.checkpoint_layout.load(path, self.model, self.optimizer)
         if self.scheduler is not None:
             if not (path / "scheduler.pt").exists():
                 raise CheckpointError(f"{path} has no scheduler.pt but this run has a scheduler")
@@ -304,7 +304,7 @@ class Checkpointer:
                 f"{path} holds weights only (saved with save_only_model=True) and cannot be resumed; "
                 "load its weights with module.load_weights(path) and start a new fit")
         layout = meta.get("state_format", "full")
-        if layout not in self.strategy.resumes_from:  # its optimizer state cannot be restored here
+        if layout not in self.strategy.checkpoint_layout.resumes_from:  # its optimizer state cannot be restored here
             raise CheckpointError(
                 f"{path} was written by {LAYOUTS.get(layout, repr(layout))}, and the {self.strategy.name} strategy "
                 "cannot restore its optimizer state: resume it with the strategy that wrote it, or start a new fit "
@@ -333,5 +333,5 @@ class Checkpointer:
             state.best_checkpoint = None
             return
         verify_checkpoint(path, hashes=self.config.verify_hashes)
-        self.strategy.load_checkpoint_state(path, self.model, None)
+        self.strategy.checkpoint_layout.load(path, self.model, None)
         log.info("loaded the best checkpoint's weights from %s", path)

@@ -2,15 +2,15 @@
 
 A strategy sets up the processes and the device, wraps the module and the optimizer, runs
 backward and the optimizer step (through its ``Precision`` plugin), clips gradients on the true
-global norm, opens the no-sync context of accumulation, and writes and reads the weights and
-optimizer state of a checkpoint. Those members are abstract: each strategy says how it does each
-(``SingleDeviceStrategy`` for one process; ``DDPStrategy``, ``FSDPStrategy`` and
-``DeepSpeedStrategy`` on the ``ParallelStrategy`` base). What all ranks compute together
-(reduce, gather, broadcast, barrier, agreeing on flags) is a separate object,
-``strategy.collectives``, so the loop never asks which strategy it has.
+global norm, and opens the no-sync context of accumulation. Those members are abstract or have
+one-line defaults here: each strategy says how it does each (``SingleDeviceStrategy`` for one
+process; ``DDPStrategy``, ``FSDPStrategy`` and ``DeepSpeedStrategy`` on the ``ParallelStrategy``
+base). Two objects of their own hang off it, so the loop never asks which strategy it has: what
+all ranks compute together (reduce, gather, broadcast, barrier, agreeing on flags),
+``strategy.collectives``; and how a checkpoint holds the weights and optimizer state,
+``strategy.checkpoint_layout`` (``lightlike/strategies/layouts.py``: full, DCP, DeepSpeed).
 
-The rest has defaults that hold for every strategy that does not say otherwise; the functions
-at the end (``clip_gradients``, ``save_full_state``, ``load_full_state``, ...) are the plain
+The functions at the end (``clip_gradients``, ``global_norm``, ``move_to_device``) are the plain
 ways that several strategies share.
 """
 
@@ -18,8 +18,7 @@ from __future__ import annotations
 
 import contextlib
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator, Mapping
-from pathlib import Path
+from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 import torch
@@ -27,6 +26,7 @@ from torch import nn
 
 from lightlike.precision import Precision
 from lightlike.strategies.collectives import Collectives
+from lightlike.strategies.layouts import CheckpointLayout, FullLayout
 from lightlike.utils.batches import map_tensors
 
 
@@ -41,22 +41,18 @@ class Strategy(ABC):
     #: whether the backward pass leaves the gradients in the parameters' ``.grad`` (not ZeRO's
     #: buffers): the Fitter's check that the loss reaches the parameters reads it
     gradients_on_parameters: bool = True
-    #: how ``save_checkpoint_state`` lays out weights and optimizer state; recorded in the
-    #: manifest's meta as ``state_format`` ("full": ``model.safetensors`` + ``optimizer.pt``)
-    checkpoint_format: str = "full"
-    #: the layouts a run resumes from under this strategy, optimizer state included (a checkpoint
-    #: of another layout is refused before anything loads; its weights can start a new fit)
-    resumes_from: tuple[str, ...] = ("full", "dcp")
     #: the gradients are plain tensors on one device (single, DDP): the global norm takes torch's
     #: arithmetic without regrouping them by device (``global_norm``)
     _plain_gradients: bool = False
 
     def __init__(self, accelerator: str = "auto", precision: Precision | None = None) -> None:
-        self.accelerator = accelerator
+        self._accelerator = accelerator  # the device kind asked for: read by the strategy alone
         self.precision: Precision = precision if precision is not None else Precision()
         self.root_device = torch.device("cpu")
         #: what the ranks compute together (identity on one process)
         self.collectives: Collectives = Collectives()
+        #: how a checkpoint holds the weights and optimizer state (``layouts.py``; "full" here)
+        self.checkpoint_layout: CheckpointLayout = FullLayout(self)
 
     # -- processes and devices (one process unless overridden) --------------------------------
     @property
@@ -91,23 +87,17 @@ class Strategy(ABC):
 
     # -- module and optimizer ------------------------------------------------------------------
     @abstractmethod
-    def setup_module(self, module: nn.Module) -> nn.Module:
-        """Move, convert and wrap the module. Returns the module the loop calls."""
+    def setup_module(self, module: nn.Module, manual: bool = False) -> nn.Module:
+        """Move, convert and wrap the module. Returns the module the loop calls. ``manual``: the
+        module optimizes itself (``training_step``: manual optimization, ``lightlike/manual.py``),
+        and the loop averages its gradients over the ranks at each ``ctx.step``
+        (``prepare_gradients``); a strategy that cannot run one raises ``ConfigError`` here."""
 
     def setup_optimizer(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[nn.Module, torch.optim.Optimizer]:
         """Wrap the optimizer built over ``setup_module``'s parameters. Returns the module the
         loop calls and the optimizer it steps: an engine that owns both (DeepSpeed) may replace
         the module here too."""
         return model, optimizer  # (the optimizer steps the parameters as they are)
-
-    def setup_manual_module(self, module: nn.Module) -> nn.Module:
-        """``setup_module`` for a module that optimizes itself (``training_step``: manual
-        optimization, ``lightlike/manual.py``), whose gradients the loop averages over the ranks at
-        each ``ctx.step``. A strategy that cannot run one says so here."""
-        from lightlike.errors import ConfigError
-
-        raise ConfigError(f"strategy={self.name!r} does not support manual optimization (a module with "
-                          "training_step): use strategy='single', 'ddp' or 'fsdp'")
 
     def module_init_context(self) -> contextlib.AbstractContextManager:
         """Where ``Fitter.init_module()`` builds the module: as usual, unless a sharded strategy
@@ -151,10 +141,6 @@ class Strategy(ABC):
         """Context for one micro-step: with ``enabled``, its gradients must not be synchronised
         over ranks yet (a micro-step before the last of an accumulation window)."""
 
-    def autocast(self) -> contextlib.AbstractContextManager:
-        """The precision plugin's autocast context around a forward pass."""
-        return self.precision.autocast()
-
     def backward(self, loss: torch.Tensor, module: nn.Module) -> None:
         """Backward of ``loss`` (already weighted by the loop; scaled by the precision if it must)."""
         self.precision.backward(loss)
@@ -197,34 +183,6 @@ class Strategy(ABC):
         """Drop every gradient the module holds, also those of an accumulation window an error
         cut short (``auto_find_batch_size`` retries on the same module)."""
         self.unwrap(module).zero_grad(set_to_none=True)
-
-    # -- checkpoint state --------------------------------------------------------------------------
-    @abstractmethod
-    def save_checkpoint_state(self, writer: Any, module: nn.Module, optimizer: torch.optim.Optimizer | None) -> Any:
-        """Write the weights, and the optimizer state unless ``optimizer`` is None, into the
-        checkpoint that ``writer`` (a ``CheckpointWriter`` whose temp directory every rank shares)
-        is assembling. Called on every rank, so it may be collective; files go to
-        ``writer.path_for(rel)``. Returns None when the files are written, or a future
-        (``.result()``) for a write still going on in the background, which the checkpoint layer
-        waits on before committing. ``save_full_state`` is the plain layout (``checkpoint_format``
-        "full")."""
-
-    @abstractmethod
-    def load_checkpoint_state(self, path: Path, module: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
-        """Restore what ``save_checkpoint_state`` wrote into a verified checkpoint at ``path``
-        (weights only when ``optimizer`` is None). Called on every rank."""
-
-    def module_state_dict(self, module: nn.Module) -> dict[str, torch.Tensor]:
-        """Full, unsharded weights of the user's module (on CPU), for ``model.safetensors``."""
-        return {k: v.detach() for k, v in self.unwrap(module).state_dict().items()}
-
-    def load_module_state_dict(
-        self, module: nn.Module, state: Mapping[str, torch.Tensor], strict: bool = True
-    ) -> None:
-        """Set the full weights ``state`` (as ``module_state_dict`` gives them) into the module."""
-        from lightlike.checkpoint.weights import load_module_state
-
-        load_module_state(self.unwrap(module), state, strict=strict)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(device={self.root_device}, precision={self.precision.name!r})"
@@ -298,39 +256,6 @@ def global_norm(grads: list[torch.Tensor], one_device: bool = False) -> torch.Te
     return norm
 
 
-def save_full_state(strategy: Strategy, writer: Any, module: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
-    """The "full" layout: the full state gathered (``strategy.module_state_dict``, which may be
-    collective), written by the main rank as ``model.safetensors`` and ``optimizer.pt``."""
-    weights = strategy.module_state_dict(module)
-    optim_state = optimizer.state_dict() if optimizer is not None else None
-    if strategy.is_global_zero:
-        writer.save_safetensors("model.safetensors", weights)
-        if optim_state is not None:
-            writer.save_torch("optimizer.pt", optim_state)
-
-
-def load_full_state(strategy: Strategy, path: Path, module: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
-    """Restore what ``save_full_state`` wrote; a sharded DCP checkpoint (written by FSDP) loads
-    too: its names do not depend on the sharding."""
-    from lightlike.checkpoint.weights import load_safetensors
-
-    if (path / "dcp").is_dir():
-        from lightlike.checkpoint.dcp import load_dcp_state
-
-        load_dcp_state(path / "dcp", strategy.unwrap(module), optimizer)
-        return
-
-    strategy.load_module_state_dict(module, load_safetensors(path / "model.safetensors"))
-    if optimizer is not None:
-        state = torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True)
-        try:
-            optimizer.load_state_dict(state)
-        except ValueError as e:  # (after the optimizer's own load hooks, which may adapt the state)
-            if "parameter group" not in str(e):
-                raise
-            raise group_size_error(optimizer, state, path) from e
-
-
 def move_to_device(obj: Any, device: torch.device) -> Any:
     """Move every tensor in a (nested) batch to ``device``, non-blocking from pinned memory; an
     object of another kind that has a ``to`` method (a batch class of the user's) moves itself
@@ -345,18 +270,3 @@ def _moved_by_its_to(obj: Any, device: torch.device) -> Any:
         return obj
     moved = to(device)
     return obj if moved is None else moved  # a to() that moves the object in place
-
-
-def group_size_error(optimizer: torch.optim.Optimizer, state: Mapping[str, Any], path: Path) -> Exception:
-    """torch's refusal of an optimizer state whose parameter groups hold other numbers of
-    parameters than the optimizer's, as an error that says which and why."""
-    from lightlike.errors import CheckpointError
-
-    saved = [len(g.get("params", ())) for g in state.get("param_groups", ())]
-    now = [len(g["params"]) for g in optimizer.param_groups]
-    return CheckpointError(
-        f"{path.name}: its optimizer state holds parameter groups of {saved} parameters, this run's optimizer "
-        f"{now}: the trainable parameters changed (frozen, added) or so did their grouping (lightlike's built-in "
-        "optimizer keeps every parameter whose name contains 'bias' out of weight decay, as the HF Trainer; "
-        "before 2026-11-24 it decayed 2-D ones such as T5's relative_attention_bias). Start a new fit from its "
-        f"weights (module.load_weights('{path}') before fit, without resume)")

@@ -13,7 +13,6 @@ import contextlib
 import sys
 import weakref
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -22,7 +21,6 @@ from torch.nn.parallel import DistributedDataParallel
 
 from lightlike.errors import ConfigError
 from lightlike.precision import Precision
-from lightlike.strategies.base import load_full_state, save_full_state
 from lightlike.strategies.parallel import ParallelStrategy
 
 
@@ -57,7 +55,9 @@ class DDPStrategy(ParallelStrategy):
         self._averages_at_step = False  # manual optimization: no reducer, gradients averaged at each step
 
     # -- module and optimizer ------------------------------------------------------------------
-    def setup_module(self, module: nn.Module) -> nn.Module:
+    def setup_module(self, module: nn.Module, manual: bool = False) -> nn.Module:
+        if manual:
+            return self._setup_manual(module)
         dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)  # none exist unless imported
         sharded = next((n for n, p in module.named_parameters() if dtensor and isinstance(p, dtensor)), None)
         if sharded is not None:  # DDP's first broadcast failed on it with a bare DTensor error
@@ -70,7 +70,7 @@ class DDPStrategy(ParallelStrategy):
         ids = [self.root_device.index] if self.root_device.type == "cuda" else None
         return DistributedDataParallel(module, device_ids=ids, **self.ddp_kwargs)  # type: ignore[arg-type]
 
-    def setup_manual_module(self, module: nn.Module) -> nn.Module:
+    def _setup_manual(self, module: nn.Module) -> nn.Module:
         """Manual optimization: the module is not wrapped in DDP, whose reducer expects one
         backward over every parameter per step (two backward passes over parts of the module
         fail or hang there). Parameters and buffers start as rank 0's; each optimizer's gradients
@@ -129,10 +129,3 @@ class DDPStrategy(ParallelStrategy):
                 self._synced.add(inner)
             return contextlib.nullcontext()
         return inner.no_sync() if enabled else contextlib.nullcontext()
-
-    # -- checkpoint state --------------------------------------------------------------------------
-    def save_checkpoint_state(self, writer: Any, module: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
-        save_full_state(self, writer, module, optimizer)  # every rank holds it all: rank 0 writes
-
-    def load_checkpoint_state(self, path: Path, module: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
-        load_full_state(self, path, module, optimizer)

@@ -19,13 +19,13 @@ an fp16 overflow, or with any precision a global norm that is NaN/inf, which Dee
 as an infinite norm; the Fitter's non-finite check reads that skip).
 ``max_grad_value`` is not supported by DeepSpeed (error).
 
-Checkpoints (``state_format="deepspeed"``): every rank calls ``engine.save_checkpoint`` into
+Checkpoints (``state_format="deepspeed"``, ``layouts.DeepSpeedLayout``): every rank calls ``engine.save_checkpoint`` into
 ``deepspeed/`` of the shared temp directory (tag ``state``): the module states and each rank's
 ZeRO partitions (fp32 master weights, optimizer state). lightlike's own state (RNG, data position,
 scheduler, FitState) is written next to it by ``checkpoint/training.py`` — that is the "client
 state" — and the manifest/rename commit covers all of it. Weights-only checkpoints
 (``save_only_model``) hold ``model.safetensors`` gathered in fp32. Export: ``checkpoint/zero.py``
-(DeepSpeed's zero-to-fp32). Resume on another world size: see ``load_checkpoint_state``.
+(DeepSpeed's zero-to-fp32). Resume on another world size: see ``DeepSpeedLayout.load``.
 
 DeepSpeed is imported only inside methods: ``import lightlike`` does not import it.
 """
@@ -35,7 +35,6 @@ from __future__ import annotations
 import atexit
 import contextlib
 import datetime
-import json
 import logging
 import os
 from collections.abc import Callable, Mapping
@@ -46,18 +45,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightlike.errors import CheckpointError, ConfigError
+from lightlike.errors import ConfigError
 from lightlike.precision import Precision
 from lightlike.strategies import deepspeed_config as dsc
 from lightlike.strategies import deepspeed_fixes as ds_fixes
 from lightlike.strategies.base import StepResult
 from lightlike.strategies.environment import detect_environment
+from lightlike.strategies.layouts import DeepSpeedLayout
 from lightlike.strategies.parallel import ParallelStrategy
-
-log = logging.getLogger("lightlike")
-
-#: where ``save_checkpoint_state`` puts DeepSpeed's files inside a checkpoint, and the tag
-DS_DIR, DS_TAG, META = "deepspeed", "state", "deepspeed_meta.json"
 
 
 class DeepSpeedStrategy(ParallelStrategy):
@@ -69,8 +64,6 @@ class DeepSpeedStrategy(ParallelStrategy):
     else stage 2 without offload. ``config``: a dict or the path of a DeepSpeed JSON file, merged
     with the generated config (``lightlike.strategies.deepspeed_config``)."""
 
-    checkpoint_format = "deepspeed"
-    resumes_from = ("deepspeed",)
     gradients_on_parameters = False  # ZeRO reduces them into its own partitioned buffers
     #: engine.step() computes the global norm and skips a step whose norm is not finite (every
     #: ZeRO stage, DeepSpeed 0.19.8; the settings that turn this off are refused, see deepspeed_config)
@@ -102,6 +95,7 @@ class DeepSpeedStrategy(ParallelStrategy):
         self.ds_config: dict[str, Any] | None = None
         self.engine: Any = None
         self._norm: torch.Tensor | None = None
+        self.checkpoint_layout: DeepSpeedLayout = DeepSpeedLayout(self)  # the engine's own files
 
     @classmethod
     def from_preset(cls, name: str, **kwargs: Any) -> DeepSpeedStrategy:
@@ -134,7 +128,7 @@ class DeepSpeedStrategy(ParallelStrategy):
 
     def setup_environment(self) -> None:
         env = detect_environment()
-        backend = self.backend or ("nccl" if self.accelerator in ("auto", "cuda") and torch.cuda.is_available()
+        backend = self.backend or ("nccl" if self._accelerator in ("auto", "cuda") and torch.cuda.is_available()
                                    else "gloo")
         if env.world_size == 1 and not dist.is_initialized():
             # one plain process (no launcher): DeepSpeed still needs a process group; a private
@@ -189,12 +183,11 @@ class DeepSpeedStrategy(ParallelStrategy):
     def forward_is_collective(self) -> bool:
         return self.stage == 3 and self.world_size > 1  # partitioned parameters gathered in forward
 
-    def setup_manual_module(self, module: nn.Module) -> nn.Module:
-        raise ConfigError(f"strategy={self.name!r} does not support manual optimization (a module with "
-                          "training_step): DeepSpeed's engine owns one optimizer and its own backward and step. Use strategy='ddp' "
-                          "(or 'single'), or write the module for automatic optimization (forward + loss)")
-
-    def setup_module(self, module: nn.Module) -> nn.Module:
+    def setup_module(self, module: nn.Module, manual: bool = False) -> nn.Module:
+        if manual:
+            raise ConfigError(f"strategy={self.name!r} does not support manual optimization (a module with "
+                              "training_step): DeepSpeed's engine owns one optimizer and its own backward and step. Use "
+                              "strategy='ddp' (or 'single'), or write the module for automatic optimization (forward + loss)")
         # no wrapper yet: the engine wraps module and optimizer together in setup_optimizer
         if any(hasattr(p, "ds_id") for p in module.parameters()):
             return module  # built under zero.Init: partitioned already, in the right dtype
@@ -295,210 +288,6 @@ class DeepSpeedStrategy(ParallelStrategy):
         """DeepSpeed's fp16 mode (``16-true``) has its own loss scaler: a skipped step is its overflow."""
         return bool(self.ds_config and self.ds_config.get("fp16", {}).get("enabled"))
 
-    # -- full weights ----------------------------------------------------------------------------------
-    def _named_params(self, inner: nn.Module) -> dict[str, nn.Parameter]:
-        return dict(inner.named_parameters(remove_duplicate=False))
-
-    def _full_param(self, p: nn.Parameter) -> torch.Tensor:
-        """The exact full value of one parameter on every rank (collective under ZeRO): the fp32
-        master weights for trained parameters, the parameter itself for frozen ones."""
-        from deepspeed.utils import safe_get_full_fp32_param
-
-        zero3 = hasattr(p, "ds_id")
-        shape = p.ds_shape if zero3 else p.shape  # type: ignore[attr-defined]
-        if not zero3 and p.dtype == torch.float32:
-            return p.detach().clone()  # ZeRO-1/2 with fp32 parameters: a full copy of the master weights
-        full = safe_get_full_fp32_param(p) if p.requires_grad else None
-        if full is None:  # frozen: not in the optimizer, no master copy
-            if zero3:
-                import deepspeed
-
-                with deepspeed.zero.GatheredParameters([p]):
-                    return p.detach().clone()
-            return p.detach().clone()
-        return full.detach().reshape(shape).clone()
-
-    def module_state_dict(self, module: nn.Module) -> dict[str, torch.Tensor]:
-        """Full weights with the user's keys on every rank (collective): trained parameters from the
-        fp32 master partitions (exact: no 16-bit round trip), buffers as the module holds them."""
-        if self.engine is None:
-            return super().module_state_dict(module)
-        inner = self.engine.module
-        params = self._named_params(inner)
-        cache: dict[int, torch.Tensor] = {}
-        out: dict[str, torch.Tensor] = {}
-        for key, value in inner.state_dict().items():
-            p = params.get(key)
-            if p is None:
-                out[key] = value.detach().cpu().clone()
-                continue
-            if id(p) not in cache:
-                cache[id(p)] = self._full_param(p).cpu()
-            out[key] = cache[id(p)]
-        return out
-
-    def load_module_state_dict(self, module: nn.Module, state: Mapping[str, torch.Tensor], strict: bool = True) -> None:
-        """Set full weights on every rank (collective): the module's parameters (gathered and
-        re-partitioned under ZeRO-3) and the fp32 master partitions the optimizer steps."""
-        if self.engine is None:
-            return super().load_module_state_dict(module, state, strict)
-        from deepspeed.utils import safe_set_full_fp32_param
-
-        inner = self.engine.module
-        params = self._named_params(inner)
-        own = inner.state_dict()
-        shapes = {k: tuple(params[k].ds_shape) if hasattr(params.get(k), "ds_id")  # type: ignore[attr-defined]
-                  else tuple(v.shape) for k, v in own.items()}
-        _check_keys(type(inner).__name__, shapes, state, strict)
-        done: set[int] = set()
-        buffers = {}
-        for key in own:
-            if key not in state:
-                continue
-            p = params.get(key)
-            if p is None:
-                buffers[key] = state[key]
-                continue
-            if id(p) in done:
-                continue
-            done.add(id(p))
-            value = state[key].to(device=p.device)
-            if hasattr(p, "ds_id"):
-                import deepspeed
-
-                with deepspeed.zero.GatheredParameters([p], modifier_rank=0):
-                    if self.global_rank == 0:
-                        p.data.copy_(value.to(p.dtype).reshape(p.shape))
-            else:
-                p.data.copy_(value.to(p.dtype).reshape(p.shape))
-            if p.requires_grad:
-                if hasattr(p, "ds_id") and p.ds_numel % self.world_size:  # type: ignore[attr-defined]
-                    ds_fixes.set_zero3_master_padded(p, value)
-                else:
-                    safe_set_full_fp32_param(p, value.float())
-        if buffers:
-            inner.load_state_dict(buffers, strict=False)
-
-    # -- checkpoints -----------------------------------------------------------------------------------
-    def save_checkpoint_state(self, writer: Any, module: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
-        """Every rank: ``engine.save_checkpoint`` into ``deepspeed/`` (tag ``state``), synchronous,
-        so each rank's files are closed when it returns. Weights only (``optimizer=None``): the
-        gathered fp32 weights as ``model.safetensors``, written by the main rank."""
-        if optimizer is None:
-            weights = self.module_state_dict(module)
-            if self.is_global_zero:
-                writer.save_safetensors("model.safetensors", weights)
-            return
-        engine = self._engine()
-        self.broadcast_buffers(module)  # the checkpoint holds rank 0's (DeepSpeed leaves them to each rank)
-        from deepspeed.checkpoint.constants import (
-            UNIVERSAL_CHECKPOINT_INFO,
-            UNIVERSAL_CHECKPOINT_VERSION_KEY,
-            UNIVERSAL_CHECKPOINT_VERSION_VALUE,
-        )
-
-        # the universal-checkpoint marker lets DeepSpeed's converter (resume on another world size) read it
-        client_state = {UNIVERSAL_CHECKPOINT_INFO: {UNIVERSAL_CHECKPOINT_VERSION_KEY: UNIVERSAL_CHECKPOINT_VERSION_VALUE}}
-        engine.save_checkpoint(str(writer.path_for(DS_DIR)), tag=DS_TAG, client_state=client_state, save_latest=False)
-        if self.is_global_zero:
-            writer.write_json(META, {"world_size": self.world_size, "stage": self.stage, "dir": DS_DIR, "tag": DS_TAG,
-                                     "precision": self.precision.name, "deepspeed_config": self.ds_config})
-
-    def load_checkpoint_state(self, path: Path, module: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
-        """Restore a checkpoint saved by this strategy.
-
-        - Same world size: ``engine.load_checkpoint`` (module strict, ZeRO partitions with fp32
-          master weights and optimizer state; not DeepSpeed's LR scheduler: lightlike restores its
-          own): a bit-exact continuation.
-        - Another world size (2 -> 1, 1 -> 2, ...) or ZeRO stage: DeepSpeed cannot re-partition its ZeRO files
-          directly, so the main rank converts them into DeepSpeed's *universal checkpoint* (per-
-          parameter fp32 weights and Adam moments, ``deepspeed.checkpoint.ds_to_universal``) in a
-          temp directory next to the checkpoint, and every rank loads that with
-          ``load_universal``. Weights and optimizer state carry over; the run continues as the
-          uninterrupted one would, up to float rounding (gradients are reduced over a different
-          number of ranks) and the RNG note ``training.py`` logs. The checkpoint is not modified.
-        - ``optimizer=None`` (weights only, e.g. ``load_best_at_end``): ``model.safetensors`` if the
-          checkpoint has it, else the fp32 weights consolidated from the partitions (zero-to-fp32).
-        - A checkpoint of another strategy: refused before this is called (``resumes_from``);
-          its weights (``optimizer=None``) load.
-        """
-        from lightlike.checkpoint.weights import load_safetensors
-
-        meta_file = path / META
-        meta = json.loads(meta_file.read_text()) if meta_file.is_file() else None
-        if meta is None or optimizer is None:
-            if (path / "model.safetensors").is_file():
-                self.load_module_state_dict(module, load_safetensors(path / "model.safetensors"))
-                return
-            if meta is None:
-                raise CheckpointError(f"{path} holds neither model.safetensors nor a DeepSpeed checkpoint "
-                                      f"({META} is missing)")
-            from lightlike.checkpoint.zero import consolidated_state_dict
-
-            weights = consolidated_state_dict(path) if self.is_global_zero else None
-            self.load_module_state_dict(module, self.collectives.broadcast_object(weights) if self.world_size > 1 else weights)  # type: ignore[arg-type]
-            return
-        engine = self._engine()
-        if meta["world_size"] == self.world_size and meta.get("stage") == self.stage:
-            load_dir, tag = str(path / meta["dir"]), meta["tag"]
-            load_path, _ = engine.load_checkpoint(load_dir, tag=tag, load_module_strict=True,
-                                                  load_optimizer_states=True, load_lr_scheduler_states=False)
-        else:
-            load_path = self._load_resharded(path, meta["world_size"], meta.get("stage"))
-        if load_path is None:
-            raise CheckpointError(f"DeepSpeed could not load the checkpoint in {path / meta['dir']}")
-
-    def _load_resharded(self, path: Path, saved_world_size: int, saved_stage: int | None) -> Any:
-        import secrets
-        import shutil
-
-        from lightlike.checkpoint.zero import to_universal
-
-        engine = self._engine()
-        if saved_stage is not None and (saved_stage == 3) != (self.stage == 3):
-            raise CheckpointError(
-                f"{path.name} was saved with ZeRO-{saved_stage} and this run uses ZeRO-{self.stage}: DeepSpeed's "
-                "universal checkpoint does not move between ZeRO-3 and ZeRO-1/2 (their model-state files differ). "
-                f"Resume with a ZeRO-{'3' if saved_stage == 3 else '1 or 2'} strategy, or export the weights "
-                f"(`lightlike export {path} OUT`) and start a new fit from them")
-        basic = getattr(engine, "basic_optimizer", None)
-        if basic is not None and "betas" not in getattr(basic, "defaults", {}):
-            raise CheckpointError(
-                f"{path.name} was saved on {saved_world_size} process(es) with ZeRO-{saved_stage} and this run has "
-                f"{self.world_size} with ZeRO-{self.stage}: re-partitioning optimizer state goes through DeepSpeed's "
-                f"universal checkpoint, which carries Adam-family state only, not {type(basic).__name__}'s. Resume "
-                "with the saved world size and stage, or export the weights and start a new fit from them")
-        log.warning("resuming a DeepSpeed checkpoint saved on %d process(es) with ZeRO-%s on %d with ZeRO-%d: "
-                    "converting it to DeepSpeed's universal checkpoint format to re-partition weights and optimizer "
-                    "state", saved_world_size, saved_stage, self.world_size, self.stage)
-        tmp: Any = None
-        error: str | None = None
-        if self.is_global_zero:
-            # a name cleanup_stale_temps removes if this process dies before removing it
-            tmp = path.parent / f".checkpoint-universal.tmp-{os.getpid()}-{secrets.token_hex(4)}"
-            try:
-                to_universal(path, tmp)
-            except Exception as e:  # noqa: BLE001 - reported on every rank below
-                error = f"{type(e).__name__}: {e}"
-        tmp, error = self.collectives.broadcast_object((str(tmp), error)) if self.world_size > 1 else (str(tmp), error)
-        try:
-            if error is not None:
-                raise CheckpointError(f"converting {path} to DeepSpeed's universal checkpoint failed: {error}")
-            engine._config.load_universal_checkpoint = True  # read by load_checkpoint, fixed at initialize otherwise
-            try:
-                load_path, _ = engine.load_checkpoint(tmp, tag="state", load_module_strict=True,
-                                                      load_optimizer_states=True, load_lr_scheduler_states=False)
-            finally:
-                engine._config.load_universal_checkpoint = False
-            if self.stage == 3:
-                ds_fixes.repair_zero3_universal_load(engine.optimizer, Path(tmp) / "state" / "zero" / "optimizer_state.pt")
-            ds_fixes.restore_buffers_after_universal_load(self, engine.module, path)
-        finally:
-            self.collectives.barrier()
-            if self.is_global_zero:
-                shutil.rmtree(tmp, ignore_errors=True)
-        return load_path
-
     # -- memory --------------------------------------------------------------------------------------------
     def partition_footprint(self, module: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, int] | None:
         """For ``lightlike.utils.memory.memory_footprint``, which asks for it by name: bytes of
@@ -556,20 +345,3 @@ def _tensors(obj: Any) -> list[torch.Tensor]:
     if isinstance(obj, (list, tuple)):
         return [t for v in obj for t in _tensors(v)]
     return []
-
-
-def _check_keys(owner: str, shapes: Mapping[str, tuple[int, ...]], state: Mapping[str, torch.Tensor],
-                strict: bool) -> None:
-    missing = [k for k in shapes if k not in state]
-    unexpected = [k for k in state if k not in shapes]
-    mismatched = [f"{k}: checkpoint {tuple(state[k].shape)} vs module {shapes[k]}"
-                  for k in shapes if k in state and tuple(state[k].shape) != shapes[k]]
-    problems = []
-    if strict and missing:
-        problems.append(f"  {len(missing)} missing keys: {', '.join(missing[:10])}")
-    if strict and unexpected:
-        problems.append(f"  {len(unexpected)} unexpected keys: {', '.join(unexpected[:10])}")
-    if mismatched:
-        problems.append(f"  {len(mismatched)} shape mismatches: {', '.join(mismatched[:10])}")
-    if problems:
-        raise CheckpointError(f"the weights do not fit {owner}:\n" + "\n".join(problems))

@@ -14,7 +14,7 @@ so the Fitter's exact-accumulation weighting (``ParallelStrategy.item_normaliser
   resharded (``set_requires_gradient_sync(False)``, ``set_reshard_after_backward(False)``): no
   communication until the window's last backward, at the cost of holding unsharded gradients.
 - Clipping by norm uses the true global norm over all shards.
-- Checkpoints: each rank writes its shards through ``torch.distributed.checkpoint`` into the
+- Checkpoints (``layouts.DCPLayout``): each rank writes its shards through ``torch.distributed.checkpoint`` into the
   shared temp directory (``lightlike.checkpoint.dcp``); loading reshards onto any world size.
   ``async_save=True``: shards are copied to CPU memory at the step boundary and written by a
   background thread while training goes on; the checkpoint is committed (manifest, rename) at
@@ -38,6 +38,7 @@ from torch import nn
 
 from lightlike.errors import ConfigError
 from lightlike.precision import Precision
+from lightlike.strategies.layouts import DCPLayout
 from lightlike.strategies.parallel import ParallelStrategy
 
 log = logging.getLogger("lightlike")
@@ -85,8 +86,6 @@ class FSDPStrategy(ParallelStrategy):
     group's."""
 
     name = "fsdp"
-    checkpoint_format = "dcp"
-    resumes_from = ("dcp",)
     init_seed = 0
 
     def __init__(
@@ -112,7 +111,7 @@ class FSDPStrategy(ParallelStrategy):
         self.shard_size = shard_size
         self.activation_checkpointing = activation_checkpointing
         self.async_save = async_save
-        self._checkpoint_group: Any = None
+        self.checkpoint_layout: DCPLayout = DCPLayout(self)  # each rank its shards, in dcp/
         self.mesh: Any = None
         self._syncing: bool | None = None
         self.compiled = False
@@ -164,7 +163,8 @@ class FSDPStrategy(ParallelStrategy):
         self.mesh = _per_process_group(("mesh", device, shape, names),
                                        lambda: init_device_mesh(device, shape, mesh_dim_names=names))
         if self.async_save:  # the background writer's collectives get their own (CPU) group
-            self._checkpoint_group = _per_process_group(("checkpoint group",), lambda: dist.new_group(backend="gloo"))
+            self.checkpoint_layout.group = _per_process_group(("checkpoint group",),
+                                                              lambda: dist.new_group(backend="gloo"))
         if self.precision.uses_scaler:
             from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
@@ -198,7 +198,12 @@ class FSDPStrategy(ParallelStrategy):
                               "FSDPStrategy(hybrid=True, shard_size=...) to the processes per node")
         return world // shard, shard
 
-    def setup_module(self, module: nn.Module) -> nn.Module:
+    def setup_module(self, module: nn.Module, manual: bool = False) -> nn.Module:
+        """Shard the module (see the module's docstring). Manual optimization (``manual``): sharded
+        as usual. A submodule that ``training_step`` calls on its own (a GAN's discriminator) must
+        be a shard unit (``shard_units``, or the module's ``fsdp_units()``), so that FSDP's hooks
+        gather its parameters when it runs; gradients are reduce-scattered (averaged) in each
+        backward, as usual."""
         from torch.distributed.fsdp import (
             CPUOffloadPolicy,
             FSDPModule,
@@ -238,13 +243,6 @@ class FSDPStrategy(ParallelStrategy):
         if on_meta:
             self._materialise(module)
         return module
-
-    def setup_manual_module(self, module: nn.Module) -> nn.Module:
-        """Manual optimization: sharded as usual. A submodule that ``training_step`` calls on its
-        own (a GAN's discriminator) must be a shard unit (``shard_units``, or the module's
-        ``fsdp_units()``), so that FSDP's hooks gather its parameters when it runs; gradients are
-        reduce-scattered (averaged) in each backward, as usual."""
-        return self.setup_module(module)
 
     def module_init_context(self) -> contextlib.AbstractContextManager:
         """On the meta device: no memory until ``setup_module`` allocates each rank's shards."""
@@ -365,44 +363,6 @@ class FSDPStrategy(ParallelStrategy):
         for unit in units:
             unit.reshard()
         inner.zero_grad(set_to_none=True)  # the sharded gradients
-
-    # -- checkpoint state --------------------------------------------------------------------------
-    def save_checkpoint_state(self, writer: Any, module: nn.Module, optimizer: torch.optim.Optimizer | None) -> Any:
-        """Each rank writes its shards (DCP). With ``async_save=True`` the state is staged to CPU
-        memory and written in the background; the returned future is waited on before commit."""
-        from lightlike.checkpoint.dcp import DCP_DIR, save_dcp_state
-
-        # FSDP leaves buffers (BatchNorm statistics) to each rank: the checkpoint holds rank 0's,
-        # so every rank takes them here, and a run resumed from it goes on as this one does
-        self.broadcast_buffers(module)
-        return save_dcp_state(writer.path_for(DCP_DIR), self.unwrap(module), optimizer, self._checkpoint_group)
-
-    def load_checkpoint_state(self, path: Path, module: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
-        from lightlike.checkpoint.dcp import DCP_DIR, load_dcp_state
-
-        if (path / DCP_DIR).is_dir():
-            load_dcp_state(path / DCP_DIR, self.unwrap(module), optimizer)
-            return
-        # weights only: a full resume from another layout was refused (resumes_from)
-        from lightlike.checkpoint.weights import load_safetensors
-
-        self.load_module_state_dict(module, load_safetensors(path / "model.safetensors"))
-
-    def module_state_dict(self, module: nn.Module) -> dict[str, torch.Tensor]:
-        """Full weights, all-gathered from the shards (collective; every rank gets them)."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-        full: dict[str, Any] = get_model_state_dict(self.unwrap(module), options=StateDictOptions(full_state_dict=True))
-        return {k: v.detach().cpu() for k, v in full.items()}
-
-    def load_module_state_dict(self, module: nn.Module, state: Any, strict: bool = True) -> None:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
-        from lightlike.checkpoint.weights import check_fits
-
-        inner = self.unwrap(module)
-        check_fits(inner, state, strict=strict)
-        set_model_state_dict(inner, dict(state), options=StateDictOptions(full_state_dict=True, strict=strict))
 
     def __repr__(self) -> str:
         return (f"FSDPStrategy(rank={self.global_rank}/{self.world_size}, mesh={tuple(self.mesh.shape) if self.mesh else None}, "

@@ -79,24 +79,24 @@ class ParallelStrategy(Strategy):
         log.debug("rank %d/%d on %s (%s, %s)", env.rank, env.world_size, self.root_device, env.kind, backend)
 
     def _bind_device(self, env: ClusterEnvironment) -> None:
-        if self.accelerator in ("auto", "cuda") and torch.cuda.is_available():
+        if self._accelerator in ("auto", "cuda") and torch.cuda.is_available():
             if env.local_rank >= torch.cuda.device_count():
                 raise ConfigError(f"local rank {env.local_rank} has no CUDA device: {torch.cuda.device_count()} "
                                   "visible; launch at most that many processes per node")
             self.root_device = torch.device("cuda", env.local_rank)
             torch.cuda.set_device(self.root_device)
-        elif self.accelerator in ("auto", "cpu"):
+        elif self._accelerator in ("auto", "cpu"):
             self.root_device = torch.device("cpu")
-        elif self.accelerator == "cuda":
+        elif self._accelerator == "cuda":
             raise ConfigError("accelerator='cuda' but CUDA is not available here (torch.cuda.is_available() is "
                               "False): use accelerator='cpu' or 'auto' (gloo on the CPU), or run on a machine with "
                               "a GPU and a CUDA build of torch")
-        elif str(self.accelerator).startswith("cuda:"):
-            raise ConfigError(f"accelerator={self.accelerator!r} names one device, but under strategy='ddp' each "
+        elif str(self._accelerator).startswith("cuda:"):
+            raise ConfigError(f"accelerator={self._accelerator!r} names one device, but under strategy='ddp' each "
                               "process takes cuda:LOCAL_RANK: use accelerator='cuda' (or 'auto'), and "
                               "CUDA_VISIBLE_DEVICES to choose the GPUs")
         else:
-            raise ConfigError(f"accelerator={self.accelerator!r} is not supported by strategy='ddp'; use 'auto', "
+            raise ConfigError(f"accelerator={self._accelerator!r} is not supported by strategy='ddp'; use 'auto', "
                               "'cpu' or 'cuda'")
 
     def _start_group(self, env: ClusterEnvironment, backend: str) -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -12,7 +11,7 @@ from torch import nn
 from lightlike.errors import ConfigError
 from lightlike.precision import Precision
 from lightlike.precision.base import NO_CONTEXT
-from lightlike.strategies.base import Strategy, load_full_state, save_full_state
+from lightlike.strategies.base import Strategy
 
 
 class SingleDeviceStrategy(Strategy):
@@ -59,7 +58,8 @@ class SingleDeviceStrategy(Strategy):
             torch.cuda.set_device(self.root_device)
         self.precision.setup(self.root_device)
 
-    def setup_module(self, module: nn.Module) -> nn.Module:
+    def setup_module(self, module: nn.Module, manual: bool = False) -> nn.Module:
+        # (manual optimization: the same; one process, nothing to average)
         module = self.precision.convert_module(module).to(self.root_device)
         if self.activation_checkpointing:
             from lightlike.blocks import checkpoint_blocks, find_blocks
@@ -70,17 +70,8 @@ class SingleDeviceStrategy(Strategy):
             self.checkpoints_activations = True
         return module
 
-    def setup_manual_module(self, module: nn.Module) -> nn.Module:
-        return self.setup_module(module)
-
     def no_sync(self, module: nn.Module, enabled: bool) -> contextlib.AbstractContextManager:
         return NO_CONTEXT  # no other rank to synchronise with
-
-    def save_checkpoint_state(self, writer: Any, module: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
-        save_full_state(self, writer, module, optimizer)
-
-    def load_checkpoint_state(self, path: Path, module: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
-        load_full_state(self, path, module, optimizer)
 
 
 def resolve_device(accelerator: str) -> torch.device:

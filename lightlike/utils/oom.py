@@ -67,7 +67,7 @@ class OutOfMemoryRetry:
         log.warning("out of memory at batch_size=%d: retrying from the start with batch_size=%d, "
                     "grad_accum_steps=%d", config.batch_size, new_bs, new_acc)
         if strategy is not None:  # the module as the failed try left it (FSDP: sharded in place)
-            strategy.load_module_state_dict(self.module, self.snapshot)
+            strategy.checkpoint_layout.load_module_state_dict(self.module, self.snapshot)
             strategy.discard_gradients(self.module)  # the failed step's partial gradients
         else:
             self.module.load_state_dict(self.snapshot)

@@ -269,7 +269,7 @@ def test_deepspeed_refuses_manual_optimization_by_name():
 
     with pytest.raises(ConfigError, match="strategy='deepspeed_zero2' does not support manual optimization.*"
                                           "DeepSpeed's engine owns one optimizer"):
-        get_strategy("deepspeed_zero2", "cpu", None).setup_manual_module(GAN())
+        get_strategy("deepspeed_zero2", "cpu", None).setup_module(GAN(), manual=True)
 
 
 def test_progress_bar_and_fitter_attributes(tmp_path, capsys):

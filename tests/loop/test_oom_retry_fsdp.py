@@ -57,7 +57,7 @@ def _target(out: Path) -> None:
                            auto_find_batch_size=True, output_dir=str(out / strategy), save_strategy="no",
                            loggers=[], progress_bar=False, model_summary=False)
         fitter.fit(module, DictDataset(n=48, classes=3, dtype=torch.float64))
-        weights = fitter.strategy.module_state_dict(fitter.model)
+        weights = fitter.strategy.checkpoint_layout.module_state_dict(fitter.model)
         torch.save({k: v.detach().cpu().clone() for k, v in weights.items()}, out / f"{strategy}.pt")
 
 

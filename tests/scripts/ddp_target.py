@@ -468,7 +468,7 @@ def main(argv: list[str] | None = None) -> None:
     strategy = fitter.strategy
     rank = strategy.global_rank  # under SLURM, known once the Fitter has read the environment
     # full weights (gathered from the shards under FSDP/ZeRO: collective, so every rank asks)
-    full = {k: v.detach().clone().cpu() for k, v in strategy.module_state_dict(fitter.model).items()}
+    full = {k: v.detach().clone().cpu() for k, v in strategy.checkpoint_layout.module_state_dict(fitter.model).items()}
     torch.save(full, out / f"final-rank{rank}.pt")
     scaler = getattr(strategy.precision, "scaler", None)
     if scaler is not None:

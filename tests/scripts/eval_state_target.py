@@ -110,7 +110,7 @@ def main():
     f.fit(trained, train)
     result["tiny"] = f.validate(trained, tiny)  # first: DDP's forward would broadcast the buffers now
     result["val"] = f.validate(trained, val)
-    result["state"] = {k: v.detach().clone() for k, v in f.strategy.module_state_dict(f.model).items()}
+    result["state"] = {k: v.detach().clone() for k, v in f.strategy.checkpoint_layout.module_state_dict(f.model).items()}
     torch.save(result, out / f"rank{rank}.pt")
 
 

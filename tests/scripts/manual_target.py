@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> None:
                        log_level="warning", strategy=args.strategy, max_grad_norm=0.5, model_summary=False,
                        progress_bar=False, save_every=2, callbacks=[StopAt(args.stop)] if args.stop else [])
     fitter.fit(module, MixtureDataset(n=44, dtype=torch.float64), resume=args.resume or None)
-    weights = fitter.strategy.module_state_dict(fitter.model)  # full weights (gathered under FSDP)
+    weights = fitter.strategy.checkpoint_layout.module_state_dict(fitter.model)  # full weights (gathered under FSDP)
     optimizers = [] if args.strategy == "fsdp" else [o.state_dict() for o in fitter.optimizer.optimizers]
     torch.save({"weights": weights, "optimizers": optimizers}, out / f"final-rank{rank}.pt")
 

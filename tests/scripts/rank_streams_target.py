@@ -114,7 +114,7 @@ def main() -> None:
             torch.distributed.barrier()
             sys.exit(3)
     rank = fitter.strategy.global_rank
-    weights = fitter.strategy.module_state_dict(fitter.model)  # full weights (collective under FSDP/ZeRO)
+    weights = fitter.strategy.checkpoint_layout.module_state_dict(fitter.model)  # full weights (collective under FSDP/ZeRO)
     torch.save({k: v.detach().clone().cpu() for k, v in weights.items()}, out / f"final-rank{rank}.pt")
     (out / f"result-rank{rank}.json").write_text(json.dumps({"skipped": result.skipped_steps,
                                                              "loss": result.training_loss}))

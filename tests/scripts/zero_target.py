@@ -61,10 +61,10 @@ class Roundtrip(ll.Callback):
 
     def on_fit_end(self, fitter, state, control):
         strategy, model, module = fitter.strategy, fitter.model, fitter.module
-        trained = strategy.module_state_dict(model)
+        trained = strategy.checkpoint_layout.module_state_dict(model)
         other = {k: v * 0.5 + 0.125 for k, v in trained.items()}
-        strategy.load_module_state_dict(model, other)
-        back = strategy.module_state_dict(model)
+        strategy.checkpoint_layout.load_module_state_dict(model, other)
+        back = strategy.checkpoint_layout.module_state_dict(model)
         batch = {"x": torch.randn(5, 8, generator=torch.Generator().manual_seed(1))}
         plain = type(module)(**module.hparams)
         plain.load_state_dict(other)
@@ -74,8 +74,8 @@ class Roundtrip(ll.Callback):
         with torch.no_grad():
             got = model(batch).float()
         model.train()
-        strategy.load_module_state_dict(model, trained)
-        restored = strategy.module_state_dict(model)
+        strategy.checkpoint_layout.load_module_state_dict(model, trained)
+        restored = strategy.checkpoint_layout.module_state_dict(model)
         result = {"read_back_equal": all(torch.equal(back[k], other[k]) for k in other),
                   "forward_max_diff": float((got - plain(batch).float()).abs().max()),
                   "restored_equal": all(torch.equal(restored[k], trained[k]) for k in trained)}

@@ -314,7 +314,7 @@ def run(meta, out):
     fitter = ll.Fitter(strategy="fsdp", max_steps=3, batch_size=4, seed=0, output_dir=out, loggers=[],
                        model_summary=False, save_strategy="no")
     fitter.fit(module, DictDataset(n=16))
-    return fitter.strategy.module_state_dict(fitter.model)
+    return fitter.strategy.checkpoint_layout.module_state_dict(fitter.model)
 
 eager, meta = run(False, {str(tmp_path / "eager")!r}), run(True, {str(tmp_path / "meta")!r})
 print(all(torch.equal(eager[k], meta[k]) for k in eager))
@@ -496,7 +496,7 @@ def fit(cls, out):
     fitter = ll.Fitter(strategy="fsdp", max_steps=2, batch_size=4, output_dir=out, loggers=[], model_summary=False,
                        save_strategy="no")
     result = fitter.fit(module, DictDataset(n=16))
-    return result, fitter.strategy.module_state_dict(fitter.model)
+    return result, fitter.strategy.checkpoint_layout.module_state_dict(fitter.model)
 
 for cls in (Scaled, SetsInPart, Replaces):
     try:
