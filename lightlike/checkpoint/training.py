@@ -265,15 +265,15 @@ def choose_best_again(cfg: Any, state: FitState, old: dict[str, Any] | None, pat
         if state.best_step is not None:
             state.best_checkpoint = resolve_best(cfg.output_dir, f"checkpoint-{state.best_step}", state.best_step)
     if key is None:
-        found = "none is tracked"
+        chosen = "none is tracked"
     elif state.best_step is None:
-        found = "no evaluation logged so far has it"
+        chosen = "no evaluation logged so far has it"
     else:
         kept = Path(state.best_checkpoint).name if state.best_checkpoint else "none kept at that step"
-        found = f"step {state.best_step} ({key}={state.best_metric:.6g}, checkpoint: {kept})"
+        chosen = f"step {state.best_step} ({key}={state.best_metric:.6g}, checkpoint: {kept})"
     log.warning("metric_for_best changed since %s: %s -> %s; the best so far is chosen again from the logged "
                 "evaluations: %s. Checkpoints the earlier run kept or rotated by its own best stay as they are",
-                path.name, _direction(old_key, old_way), _direction(key, way), found)
+                path.name, _direction(old_key, old_way), _direction(key, way), chosen)
 
 
 def _direction(key: str | None, greater: bool | None) -> str:
