@@ -5,16 +5,16 @@ Layout of ``output_dir/checkpoint-{step}/`` (every file listed with size and CRC
 
     model.safetensors     full weights (strategies that shard write their own files instead;
                           the manifest's meta names the layout: ``state_format``)
-    optimizer.pt          optimizer state (the strategy's too)  \\
     hparams.json          the module's hyperparameters, when it recorded any
     config.json           the FitConfig of the run
-    scheduler.pt          LR scheduler state          \\
-    precision.pt          GradScaler state             |
-    callbacks.pt          callback states              |  absent with save_only_model=True
-    trainer_state.json    FitState + data position     |  (such a checkpoint cannot be resumed)
-                          + pending loss values        |
-    rng.pt                RNG states, one per rank     |
-    state-<name>.pt       each of Fitter(states=...)  /
+    optimizer.pt          optimizer state (the strategy's too)  \\
+    scheduler.pt          LR scheduler state                     |
+    precision.pt          GradScaler state                       |
+    callbacks.pt          callback states                        |  absent with save_only_model=True
+    trainer_state.json    FitState + data position + pending     |  (such a checkpoint cannot be
+                          loss values                            |  resumed)
+    rng.pt                RNG states, one per rank               |
+    state-<name>.pt       each of Fitter(states=...)            /
 
 The weights and optimizer state are the strategy's (``save_checkpoint_state`` /
 ``load_checkpoint_state``), which knows their layout; everything else is an entry of the

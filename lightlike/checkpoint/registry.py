@@ -13,8 +13,10 @@ What an entry's object provides:
 - a per-rank entry: ``rank_state_dict()`` (this rank's part, gathered to the main rank),
   ``state_dict(parts)`` (the file, from every rank's part) and ``load_state_dict(saved, loading)``
   (its own part, or what another number of processes asks for);
-- either may add ``check_resume(loading)``, which refuses a checkpoint before anything is
-  restored, and ``after_load(loading)``, its post-load policy, run once every entry is restored.
+- a built-in entry's object may add ``check_resume(loading)``, which refuses a checkpoint
+  before anything is restored, and ``after_load(loading)``, its post-load policy, run once every
+  entry is restored (a user's state is only saved and loaded: methods of its own by those names
+  are never called).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import io
 import json
 import logging
 import pickle
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -75,7 +77,7 @@ class Entry:
 class Registry:
     """The entries of a fit's checkpoints, by name, in the order they are written and loaded."""
 
-    def __init__(self, entries: list[Entry] = ()):  # type: ignore[assignment]
+    def __init__(self, entries: Iterable[Entry] = ()):
         self.entries: dict[str, Entry] = {}
         for entry in entries:
             self.add(entry)
@@ -168,7 +170,7 @@ class Registry:
     def check_resume(self, loading: Loading) -> None:
         """Each entry may refuse the checkpoint, before anything is restored."""
         for e in self:
-            if e.restore and hasattr(e.obj, "check_resume"):
+            if e.restore and not e.user and hasattr(e.obj, "check_resume"):
                 e.obj.check_resume(loading)
 
     def load(self, loading: Loading) -> None:
@@ -181,7 +183,7 @@ class Registry:
                 else:
                     e.obj.load_state_dict(loading.saved[e.name])
         for e in self:
-            if e.restore and hasattr(e.obj, "after_load"):
+            if e.restore and not e.user and hasattr(e.obj, "after_load"):
                 e.obj.after_load(loading)
 
 
