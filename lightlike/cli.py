@@ -34,6 +34,7 @@ from lightlike.checkpoint import (
     is_checkpoint_dir,
     verify_checkpoint,
 )
+from lightlike.checkpoint.files import HPARAMS_FILE, WEIGHTS_FILE
 from lightlike.cli_args import (
     MODEL,
     REQUIRED,
@@ -262,8 +263,8 @@ def _constructor_args(cls: Any, model_list: list[Any], model_opts: dict[str, Any
     """The module's constructor arguments: signature defaults < the checkpoint's hparams.json <
     the config file's [model] table < ``--model.*`` flags. A required one still missing is an error."""
     model = {o.key.split(".", 1)[1]: o.default for o in model_list if o.default is not REQUIRED}
-    if checkpoint is not None and (checkpoint / "hparams.json").is_file():
-        model.update(_saved_hparams(checkpoint / "hparams.json", model_opts, var_kw))
+    if checkpoint is not None and (checkpoint / HPARAMS_FILE).is_file():
+        model.update(_saved_hparams(checkpoint / HPARAMS_FILE, model_opts, var_kw))
     model.update(file_model)
     model.update({k.split(".", 1)[1]: v for k, v in given.items() if k.startswith(f"{MODEL}.")})
     missing = [o.key.split(".", 1)[1] for o in model_list if o.key.split(".", 1)[1] not in model]
@@ -300,7 +301,7 @@ def _resolve_checkpoint(spec: str, config: Any) -> Path:
     if is_checkpoint_dir(p):
         verify_checkpoint(p, hashes=config.verify_hashes)
         return p
-    if (p / "model.safetensors").is_file():
+    if (p / WEIGHTS_FILE).is_file():
         return p  # a `lightlike export` folder
     skipped: list[tuple[Path, str]] = []
     with warnings.catch_warnings():  # each skipped one is named below, with the one used
@@ -372,13 +373,13 @@ def _record_hparams(module: Any, kwargs: dict[str, Any]) -> None:
 
 
 def _load_weights(module: Any, checkpoint: Path, config: Any) -> None:
-    if (checkpoint / "model.safetensors").is_file():
+    if (checkpoint / WEIGHTS_FILE).is_file():
         from safetensors import SafetensorError
 
         try:
             module.load_weights(checkpoint)
         except SafetensorError as e:  # a torn or foreign file: named, as a checkpoint's torn file is
-            raise CheckpointError(f"--checkpoint {str(checkpoint)!r}: {checkpoint / 'model.safetensors'} is not a "
+            raise CheckpointError(f"--checkpoint {str(checkpoint)!r}: {checkpoint / WEIGHTS_FILE} is not a "
                                   f"readable safetensors file (cut short by an interrupted copy?): {e}") from None
         return
 

@@ -26,6 +26,7 @@ from lightlike.callbacks.checks import built_in_callbacks
 from lightlike.callbacks.progress import ProgressBar
 from lightlike.checkpoint.checkpointer import Checkpointer
 from lightlike.checkpoint.lock import output_dir_locked
+from lightlike.checkpoint.registry import user_states
 from lightlike.checkpoint.resume import resolve_resume
 from lightlike.checkpoint.rotation import prepare_output_dir
 from lightlike.checkpoint.training import LoopState, saved_fit_state
@@ -59,16 +60,21 @@ class Fitter:
     """Trains, evaluates and predicts with a ``TaskModule``.
 
     Every keyword is a ``FitConfig`` field (``Fitter(config=cfg, max_steps=10)`` overrides a
-    field of ``cfg``). ``callbacks`` is a list of ``Callback`` objects. During and after a fit,
+    field of ``cfg``). ``callbacks`` is a list of ``Callback`` objects. ``states`` names objects
+    of yours with ``state_dict()``/``load_state_dict()`` (``states={"ema": ema}``): each is saved
+    in every checkpoint (``state-<name>.pt``, by the main rank) and restored before the first step
+    of a resumed fit. During and after a fit,
     ``module``, ``model`` (the module as the strategy wrapped it), ``optimizer``, ``scheduler``,
     ``state``, ``control``, ``strategy``, ``checkpointer`` and ``phase`` (what the fit is doing,
     for error reports) are public.
     """
 
-    def __init__(self, config: FitConfig | None = None, *, callbacks: list[Callback] | None = None, **kwargs: Any):
+    def __init__(self, config: FitConfig | None = None, *, callbacks: list[Callback] | None = None,
+                 states: dict[str, Any] | None = None, **kwargs: Any):
         check_keys(kwargs, FitConfig)
         self.config = config.replace(**kwargs) if config is not None else FitConfig(**kwargs)
         self.user_callbacks = list(callbacks or [])
+        self.states = user_states(states)  # checkpointed with the rest (lightlike/checkpoint/registry.py)
         # seeded here too (as the HF Trainer does), so a module built after the Fitter, as in
         # `Fitter(seed=0).fit(Model(), ...)`, starts from the same weights every run
         seed_everything(self.config.seed)  # (deterministic algorithms: during fit/validate/... only)
@@ -386,7 +392,7 @@ class Fitter:
         self.resumed_from = None
         self.checkpointer = Checkpointer(cfg, strategy, module=module, model=model, optimizer=optimizer,
                                          scheduler=scheduler, callbacks=self.callbacks,
-                                         loop=LoopState(self.state, run.losses, run.train_data))
+                                         loop=LoopState(self.state, run.losses, run.train_data), states=self.states)
 
     def _set_up_step(self, run: FitRun, pairs: list[tuple[Any, Any]]) -> None:
         """The training step (the module's own, or the automatic one) and the step context it

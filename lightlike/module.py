@@ -159,14 +159,15 @@ class TaskModule(nn.Module):
         and checksums unless ``verify_hashes=False``."""
         from safetensors.torch import load_file
 
+        from lightlike.checkpoint.files import WEIGHTS_FILE
         from lightlike.checkpoint.manifest import MANIFEST, verify_checkpoint
 
         p = Path(path)
-        if p.is_dir() and not (p / "model.safetensors").is_file() and (p / MANIFEST).is_file():
+        if p.is_dir() and not (p / WEIGHTS_FILE).is_file() and (p / MANIFEST).is_file():
             raise CheckpointError(f"{p} is a sharded checkpoint: consolidate it first with "
                                   f"`lightlike export {p} OUT_DIR`, then load OUT_DIR")
         if p.is_dir():
-            p = p / "model.safetensors"
+            p = p / WEIGHTS_FILE
         if (p.parent / MANIFEST).is_file():
             manifest = verify_checkpoint(p.parent, hashes=verify_hashes)
             if p.name not in manifest["files"]:

@@ -57,7 +57,9 @@ class FitState:
     @classmethod
     def saved_in(cls, checkpoint: str | Path) -> FitState | None:
         """The state saved in a checkpoint directory; None for a weights-only one."""
-        path = Path(checkpoint) / "trainer_state.json"
+        from lightlike.checkpoint.files import TRAINER_STATE_FILE
+
+        path = Path(checkpoint) / TRAINER_STATE_FILE
         return cls.from_dict(json.loads(path.read_text())["state"]) if path.is_file() else None
 
 

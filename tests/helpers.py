@@ -120,6 +120,39 @@ class StopAt(ll.Callback):
             raise KeyboardInterrupt
 
 
+class EMA:
+    """A user state (``Fitter(states={"ema": ema})``): an exponential moving average of a
+    module's full weights as one float64 tensor, and the int count of its updates (its decay
+    depends on it)."""
+
+    def __init__(self):
+        self.shadow: torch.Tensor | None = None
+        self.updates = 0
+
+    def update(self, weights: torch.Tensor) -> None:
+        decay = min(0.9, (1 + self.updates) / (10 + self.updates))
+        self.shadow = weights.clone() if self.shadow is None else self.shadow * decay + weights * (1 - decay)
+        self.updates += 1
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"shadow": self.shadow, "updates": self.updates}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.shadow, self.updates = state["shadow"], state["updates"]
+
+
+class KeepsEMA(ll.Callback):
+    """Updates an ``EMA`` with the full weights at each step's end (gathered from the shards under
+    FSDP and ZeRO: a collective, which every rank runs)."""
+
+    def __init__(self, ema: EMA):
+        self.ema = ema
+
+    def on_step_end(self, fitter, state, control):
+        full = fitter.strategy.checkpoint_layout.module_state_dict(fitter.model)
+        self.ema.update(torch.cat([v.detach().reshape(-1).to("cpu", torch.float64) for v in full.values()]))
+
+
 class Dropout(Classifier):
     """The Classifier with dropout on its input: training draws from the random stream."""
 

@@ -1,33 +1,36 @@
-"""``Checkpointer``: the one owner of what a training checkpoint holds.
+"""``Checkpointer``: saves and loads a fit's training checkpoints, driven by its registry.
 
 Layout of ``output_dir/checkpoint-{step}/`` (every file listed with size and CRC-32 in
-``manifest.json``, which is written last; see ``atomic.py``)::
+``manifest.json``, which is written last; see ``atomic.py``; the names: ``layout.py``)::
 
     model.safetensors     full weights (strategies that shard write their own files instead;
                           the manifest's meta names the layout: ``state_format``)
     hparams.json          the module's hyperparameters, when it recorded any
     config.json           the FitConfig of the run
-    optimizer.pt          optimizer state          \\
-    scheduler.pt          LR scheduler state        |
-    precision.pt          GradScaler state          |  absent with save_only_model=True
-    rng.pt                RNG states, one per rank  |  (such a checkpoint cannot be resumed)
-    trainer_state.json    FitState + data position + pending loss values
-    callbacks.pt          callback states (EarlyStopping counters, ...)  /
+    optimizer.pt          optimizer state (the strategy's too)  \\
+    scheduler.pt          LR scheduler state                     |
+    precision.pt          GradScaler state                       |
+    callbacks.pt          callback states                        |  absent with save_only_model=True
+    trainer_state.json    FitState + data position + pending     |  (such a checkpoint cannot be
+                          loss values                            |  resumed)
+    rng.pt                RNG states, one per rank               |
+    state-<name>.pt       each of Fitter(states=...)            /
 
-It is built with explicit state objects, each with ``state_dict``/``load_state_dict``: the
-weights and optimizer state (written by the strategy, which knows their layout), the scheduler,
-the precision plugin, the callbacks, the random state, and the loop's own (``LoopState``: the
-``FitState``, the pending-loss buffer and the data position). It owns the asynchronous write in
-flight. The Fitter, preemption, the out-of-memory retry and fail-fast call its public methods.
+The weights and optimizer state are the strategy's (``strategy.checkpoint_layout``'s ``save`` /
+``load``, ``strategies/layouts.py``), which knows their layout; everything else is an entry of the
+``Registry`` (``registry.py``): a named object with ``state_dict``/``load_state_dict`` and its
+file. A resume reads every entry, lets each refuse the checkpoint, restores the strategy's state,
+then every entry, then runs each entry's post-load policy. The checkpointer also owns the
+asynchronous write in flight; the Fitter, preemption, the out-of-memory retry and fail-fast call
+its public methods.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -35,23 +38,12 @@ from typing import Any
 import torch
 
 from lightlike.checkpoint.atomic import CheckpointWriter, not_saved_error, set_aside_in_the_way
+from lightlike.checkpoint.files import LAYOUTS, TRAINER_STATE_FILE, WEIGHTS_FILE
 from lightlike.checkpoint.manifest import list_checkpoints, verify_checkpoint
-from lightlike.checkpoint.resume import (
-    apply_changed_settings,
-    check_optimizer_fits,
-    choose_best_again,
-    resolve_best,
-    tidy_output_dir,
-)
+from lightlike.checkpoint.registry import Registry
+from lightlike.checkpoint.resume import resolve_best, tidy_output_dir
 from lightlike.checkpoint.rotation import rotate_checkpoints
-from lightlike.checkpoint.training import (
-    LAYOUTS,
-    LoopState,
-    RandomState,
-    callback_state_bytes,
-    jsonable,
-    torch_load,
-)
+from lightlike.checkpoint.training import LoopState
 from lightlike.config import FitConfig
 from lightlike.errors import CheckpointError
 
@@ -63,14 +55,32 @@ class Checkpointer:
     collective: every rank calls it at the same point."""
 
     def __init__(self, config: FitConfig, strategy: Any, *, module: Any, model: Any, optimizer: Any,
-                 scheduler: Any, callbacks: Any, loop: LoopState):
-        self.config, self.strategy = config, strategy
+                 scheduler: Any, callbacks: Any, loop: LoopState, states: Mapping[str, Any] | None = None,
+                 registry: Registry | None = None):
+        """The fit's objects; ``registry`` defaults to ``Registry.of_fit`` of them, with the user's
+        ``states`` (``Fitter(states=...)``) after the built-in entries."""
+        self.strategy = strategy
         self.module, self.model, self.optimizer, self.scheduler = module, model, optimizer, scheduler
-        self.callbacks, self.loop, self.rng = callbacks, loop, RandomState()
+        self.callbacks, self.loop = callbacks, loop
+        self.registry = registry if registry is not None else Registry.of_fit(
+            config, strategy, module=module, optimizer=optimizer, scheduler=scheduler, callbacks=callbacks,
+            loop=loop, states=states)
+        self.config = config
         self.in_flight: tuple[CheckpointWriter, Any, Any] | None = None  # (writer, shards' future, seal's future)
         self.resumed_from: str | None = None
         self.written: set[Path] = set()  # the checkpoints this fit committed: the only ones a save replaces
         self.latest: Path | None = None  # the checkpoint last committed or resumed from
+
+    @property
+    def config(self) -> FitConfig:
+        return self._config
+
+    @config.setter
+    def config(self, config: FitConfig) -> None:
+        """This fit's config, which ``config.json`` holds (a benchmark swaps it between saves)."""
+        self._config = config
+        if "config" in self.registry.entries:
+            self.registry["config"].config = config
 
     # -- saving ---------------------------------------------------------------------------------
     def save(self, wait: bool = True, full: bool | None = None) -> Path | None:
@@ -103,11 +113,10 @@ class Checkpointer:
         writer = self._writer(out, step, full)
         try:
             shards = strategy.checkpoint_layout.save(writer, self.model, self.optimizer if full else None)
-            # every rank's random state and loop state (pending losses, batches taken in the epoch)
-            per_rank = strategy.collectives.all_gather_object((self.rng.state_dict(), self.loop.rank_state_dict())) \
-                if full else []
+            # every rank's part of the per-rank entries (random state, pending losses, batches taken in the epoch)
+            parts = strategy.collectives.all_gather_object(self.registry.rank_states()) if full else []
             if strategy.is_global_zero:
-                self._write_main_files(writer, full, per_rank)
+                self.registry.write(writer, full, parts)
             if shards is not None and not wait:
                 self.in_flight = (writer, shards, None)
                 return None
@@ -140,21 +149,6 @@ class Checkpointer:
             writer.__enter__()  # creates the temp directory
         strategy.collectives.barrier("save")  # ... before any rank writes into it
         return writer
-
-    def _write_main_files(self, writer: CheckpointWriter, full: bool, per_rank: list[Any]) -> None:
-        hparams = getattr(self.module, "hparams", None)
-        if hparams:
-            writer.write_json("hparams.json", jsonable(hparams))
-        writer.write_json("config.json", self.config.to_dict())
-        if not full:
-            return
-        if self.scheduler is not None:
-            writer.save_torch("scheduler.pt", self.scheduler.state_dict())
-        writer.save_torch("precision.pt", self.strategy.precision.state_dict())
-        writer.save_torch("rng.pt", [rng for rng, _ in per_rank])
-        writer.write_bytes("callbacks.pt", callback_state_bytes(self.callbacks))
-        writer.write_json("trainer_state.json", self.loop.state_dict([loop for _, loop in per_rank],
-                                                                     self.strategy.world_size))
 
     def _seal_in_background(self, writer: CheckpointWriter) -> Any:
         """Main rank: fsync, hash and write the manifest in a thread (renamed at ``commit``)."""
@@ -267,31 +261,22 @@ class Checkpointer:
 
     # -- loading --------------------------------------------------------------------------------
     def load(self, path: Path, verified: bool = False) -> None:
-        """Restore every state object from ``path``, verified first: in full, or by sizes only
-        when ``verified`` (``resume=True`` has just checksummed it to choose it). Once loaded, the
+        """Restore the strategy's state and every registry entry from ``path``, verified first:
+        in full, or by sizes only when ``verified`` (``resume=True`` has just checksummed it to
+        choose it). Every entry's file is read and each entry may refuse the checkpoint before
+        anything is restored; each entry's post-load policy runs once all are restored. Then the
         main rank tidies ``output_dir`` (stale temp directories removed, newer checkpoints of an
         abandoned continuation moved aside)."""
         cfg, strategy = self.config, self.strategy
         path = Path(path)
         strategy.collectives.barrier("resume")  # no rank is still looking for the checkpoint to resume from
         self._check_resumable(path, verify_checkpoint(path, hashes=cfg.verify_hashes and not verified))
-        check_optimizer_fits(self.module, cfg, path)
+        loading = self.registry.read(path, cfg, strategy.global_rank, strategy.world_size)
+        self.registry.check_resume(loading)
         strategy.checkpoint_layout.load(path, self.model, self.optimizer)
-        if self.scheduler is not None:
-            if not (path / "scheduler.pt").exists():
-                raise CheckpointError(f"{path} has no scheduler.pt but this run has a scheduler")
-            self.scheduler.load_state_dict(torch_load(path / "scheduler.pt"))
-        strategy.precision.load_state_dict(torch_load(path / "precision.pt"))
-        self.callbacks.load_state_dict(torch_load(path / "callbacks.pt"))
-        saved = json.loads((path / "trainer_state.json").read_text())
-        order = self.loop.load_state_dict(saved, path, strategy.global_rank, strategy.world_size,
-                                          cfg.resume_data_changed)
-        state = self.loop.state
-        state.best_checkpoint = resolve_best(cfg.output_dir, state.best_checkpoint, state.best_step)
-        choose_best_again(cfg, state, path)  # metric_for_best or greater_is_better changed
-        self._load_rng(path, saved.get("world_size", 1))
-        apply_changed_settings(cfg, self.module, self.optimizer, self.scheduler, path, order)
+        self.registry.load(loading)
         self.resumed_from, self.latest = str(path), path
+        state = self.loop.state
         if strategy.is_global_zero:
             tidy_output_dir(cfg.output_dir, state.global_step, path)
         log.info("resumed from %s at step %d (epoch %d, %d samples into it)", path, state.global_step,
@@ -299,7 +284,7 @@ class Checkpointer:
 
     def _check_resumable(self, path: Path, manifest: dict[str, Any]) -> None:
         meta = manifest.get("meta", {})
-        if meta.get("kind") == "model" or not (path / "trainer_state.json").exists():
+        if meta.get("kind") == "model" or not (path / TRAINER_STATE_FILE).exists():
             raise CheckpointError(
                 f"{path} holds weights only (saved with save_only_model=True) and cannot be resumed; "
                 "load its weights with module.load_weights(path) and start a new fit")
@@ -309,19 +294,9 @@ class Checkpointer:
                 f"{path} was written by {LAYOUTS.get(layout, repr(layout))}, and the {self.strategy.name} strategy "
                 "cannot restore its optimizer state: resume it with the strategy that wrote it, or start a new fit "
                 "from its weights: " + ("module.load_weights(path) before fit()"
-                                        if (path / "model.safetensors").is_file() else
+                                        if (path / WEIGHTS_FILE).is_file() else
                                         f"`lightlike export {path} OUT_DIR`, then module.load_weights(OUT_DIR) "
                                         "before fit()"))
-
-    def _load_rng(self, path: Path, saved_world_size: int) -> None:
-        strategy, rank = self.strategy, self.strategy.global_rank
-        if saved_world_size != strategy.world_size:
-            log.warning("resuming a run saved on %s process(es) on %s: data position is kept (in global "
-                        "samples) but RNG streams are re-derived, so this is not a bit-exact continuation",
-                        saved_world_size, strategy.world_size)
-            self.rng.reseed(self.config.seed + 7919 * (rank + 1) + self.loop.state.global_step)
-        else:
-            self.rng.load_state_dict(torch_load(path / "rng.pt")[rank])
 
     def load_weights(self, path: Path) -> None:
         """Load only the weights of a checkpoint (``load_best_at_end``): the one saved at the best

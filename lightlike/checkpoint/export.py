@@ -9,6 +9,7 @@ import re
 import shutil
 from pathlib import Path
 
+from lightlike.checkpoint.files import CONFIG_FILE, HPARAMS_FILE, WEIGHTS_FILE
 from lightlike.checkpoint.manifest import CHECKPOINT_DIR_NAME, MANIFEST, list_checkpoints, verify_checkpoint
 from lightlike.errors import CheckpointError
 
@@ -22,8 +23,8 @@ CONSOLIDATORS: dict[str, str] = {
 }
 
 #: What an export writes; a folder holding nothing else is taken for an earlier export.
-EXPORTED = ("model.safetensors", "hparams.json", "config.json")
-_TEMP = re.compile(r"^\.(?:model\.safetensors|hparams\.json|config\.json)\.tmp-\d+$")  # an interrupted export's
+EXPORTED = (WEIGHTS_FILE, HPARAMS_FILE, CONFIG_FILE)
+_TEMP = re.compile(rf"^\.(?:{'|'.join(map(re.escape, EXPORTED))})\.tmp-\d+$")  # an interrupted export's
 
 
 def export_weights(checkpoint_dir: str | Path, out_dir: str | Path, hashes: bool = True) -> Path:
@@ -50,7 +51,7 @@ def export_weights(checkpoint_dir: str | Path, out_dir: str | Path, hashes: bool
     in_place = out.is_dir() and out.samefile(src)
     if not in_place:
         _check_out_dir(out)
-    consolidated = not (src / "model.safetensors").is_file()
+    consolidated = not (src / WEIGHTS_FILE).is_file()
     if consolidated and fmt not in CONSOLIDATORS:
         raise CheckpointError(f"{src} has no model.safetensors to export (state_format={fmt!r})")
     if consolidated and in_place:  # a file its manifest does not list: loading the checkpoint would refuse it
@@ -58,7 +59,7 @@ def export_weights(checkpoint_dir: str | Path, out_dir: str | Path, hashes: bool
                               f"the checkpoint itself (a model.safetensors its {MANIFEST} does not list would make "
                               "loading the checkpoint refuse it)")
     if in_place:  # a full checkpoint: its own files are already there, and are left as they are
-        return out / "model.safetensors"
+        return out / WEIGHTS_FILE
     # decided before anything is written: what of an earlier export this one replaces or removes
     replaced = [name for name in EXPORTED if (out / name).is_file()]
     out.mkdir(parents=True, exist_ok=True)
@@ -69,7 +70,7 @@ def export_weights(checkpoint_dir: str | Path, out_dir: str | Path, hashes: bool
     try:
         for name in EXPORTED:
             tmp = out / f".{name}.tmp-{os.getpid()}"
-            if name == "model.safetensors" and consolidated:
+            if name == WEIGHTS_FILE and consolidated:
                 module_name, fn_name = CONSOLIDATORS[fmt].split(":")
                 temps[name] = tmp
                 getattr(importlib.import_module(module_name), fn_name)(src, tmp)
@@ -80,17 +81,17 @@ def export_weights(checkpoint_dir: str | Path, out_dir: str | Path, hashes: bool
             fsync_file(tmp)
         # the renames follow one another at once (only a kill between two of them could still
         # mix the two exports; loading would then name the shapes that do not fit)
-        for name in ("hparams.json", "config.json", "model.safetensors"):
+        for name in (HPARAMS_FILE, CONFIG_FILE, WEIGHTS_FILE):  # the weights last
             if name in temps:
                 os.replace(temps.pop(name), out / name)
-            elif name != "model.safetensors" and (out / name).is_file():
+            elif name != WEIGHTS_FILE and (out / name).is_file():
                 (out / name).unlink()  # an earlier export's: it would describe another model
     finally:
         for tmp in temps.values():
             tmp.unlink(missing_ok=True)
     if replaced:
         log.warning("export into %s replaced %s of an earlier export", out, ", ".join(replaced))
-    return out / "model.safetensors"
+    return out / WEIGHTS_FILE
 
 
 def _check_source(src: Path) -> None:

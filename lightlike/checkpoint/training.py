@@ -1,10 +1,11 @@
-"""The files of a training checkpoint other than weights and optimizer state, as state objects:
+"""The loop's registry entries (``registry.py``), each with its post-load policy:
 ``LoopState`` (``trainer_state.json``: the ``FitState``, the pending-loss buffer, the data
-position) and ``RandomState`` (``rng.pt``). ``Checkpointer`` (``checkpointer.py``) writes them."""
+position; the best checkpoint chosen again), ``RandomState`` (``rng.pt``: every rank's random
+state; streams derived afresh on another number of processes) and ``Hyperparameters``
+(``hparams.json``, a record never loaded back)."""
 
 from __future__ import annotations
 
-import io
 import json
 import logging
 from pathlib import Path
@@ -13,7 +14,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from lightlike.checkpoint.resume import best_checkpoint_name
+from lightlike.best import greater_is_better, is_improvement, key_candidates
+from lightlike.checkpoint.files import LAYOUTS, TRAINER_STATE_FILE
+from lightlike.checkpoint.resume import best_checkpoint_name, resolve_best
 from lightlike.errors import CheckpointError
 from lightlike.pending import LossBuffer
 from lightlike.state import FitState
@@ -21,21 +24,21 @@ from lightlike.utils.seed import rng_state, set_rng_state
 
 log = logging.getLogger("lightlike")
 
-#: who writes each checkpoint layout (the manifest's ``state_format``)
-LAYOUTS = {"full": "a strategy that gathers the full state (single, ddp: model.safetensors + optimizer.pt)",
-           "dcp": "FSDP (sharded, torch.distributed.checkpoint)", "deepspeed": "a DeepSpeed ZeRO strategy"}
+__all__ = ["LAYOUTS", "Hyperparameters", "LoopState", "RandomState", "jsonable", "saved_fit_state", "torch_load"]
 
 
 class LoopState:
-    """``trainer_state.json``: the loop's ``FitState``, each rank's losses not yet logged and
-    batches taken in the epoch (the ranks' shares of an IterableDataset may differ by one), the
-    logged totals, and the data order (seed, shuffle and the sampler's key), which the rest of an
-    epoch must keep."""
+    """The ``trainer_state`` entry (per rank): the loop's ``FitState``, each rank's losses not yet
+    logged and batches taken in the epoch (the ranks' shares of an IterableDataset may differ by
+    one), the logged totals, and the data order (seed, shuffle and the sampler's key), which the
+    rest of an epoch must keep. At a resume it refuses a checkpoint whose epoch this run cannot
+    continue, and chooses the best checkpoint again when ``metric_for_best`` changed."""
 
     def __init__(self, state: FitState, losses: LossBuffer, train_data: Any):
         self.state, self.losses, self.train_data = state, losses, train_data
         #: ``len()`` of the training dataset (None: it has none), read once
         self.data_length = train_data.dataset_length() if train_data is not None else None
+        self.restart: str | None = None  # why the resumed epoch starts again (check_resume), or None
 
     def order_key(self) -> Any:
         return self.train_data.order_key() if self.train_data is not None else None
@@ -45,12 +48,13 @@ class LoopState:
         return {"pending": self.losses.state_dict()["pending"], "batches_in_epoch": self.state.batches_in_epoch,
                 "data_length": self.data_length}
 
-    def state_dict(self, per_rank: list[dict[str, Any]], world_size: int) -> dict[str, Any]:
+    def state_dict(self, per_rank: list[dict[str, Any]]) -> dict[str, Any]:
+        """``trainer_state.json``, from every rank's ``rank_state_dict()``."""
         saved_state = self.state.state_dict()  # the best checkpoint by name: valid from any cwd
         saved_state["best_checkpoint"] = best_checkpoint_name(self.state.best_checkpoint)
         return {
             "state": saved_state,
-            "world_size": world_size,
+            "world_size": len(per_rank),
             "pending_per_rank": [r["pending"] for r in per_rank],
             "batches_in_epoch_per_rank": [r["batches_in_epoch"] for r in per_rank],
             "loss_total": [self.losses.loss_total, self.losses.items_total],
@@ -58,35 +62,46 @@ class LoopState:
             "data_length_per_rank": [r["data_length"] for r in per_rank],
         }
 
-    def load_state_dict(self, saved: dict[str, Any], path: Path, rank: int, world_size: int,
-                        data_changed: str = "error") -> tuple[Any, Any]:
-        """Restore from ``saved`` (read from ``path``); returns (the saved data order, this run's).
-        Refuses a checkpoint taken mid-epoch whose data order this run would not continue, or
-        whose training data had another length (unless ``data_changed='restart_epoch'``: the
-        epoch then starts again, ``restarts_epoch``)."""
-        state = self.state
-        state.load_state_dict(saved["state"])
-        per_rank = saved["batches_in_epoch_per_rank"]
-        if len(per_rank) == world_size:  # this rank's own count
-            state.batches_in_epoch = per_rank[rank]
-        change = restarts_epoch(saved, path, self.data_length, rank, world_size, data_changed)
-        if change:
-            log.warning("resume_data_changed='restart_epoch': %s; epoch %d starts again from its start (its order "
-                        "over the %d items: a function of seed and epoch), so the samples it had trained on are "
-                        "trained on again", change, state.epoch_index, self.data_length)
-            state.samples_in_epoch = state.batches_in_epoch = 0
-            state.epoch = float(state.epoch_index)
+    def check_resume(self, loading: Any) -> None:
+        """Refuse a checkpoint taken mid-epoch whose data order this run would not continue, or
+        whose training data had another length (unless ``resume_data_changed='restart_epoch'``:
+        the epoch then starts again, ``restarts_epoch``)."""
+        saved, path = loading.saved["trainer_state"], loading.path
+        self.restart = restarts_epoch(saved, path, self.data_length, loading.rank, loading.world_size,
+                                      loading.config.resume_data_changed)
+        position = 0 if self.restart else saved["state"].get("samples_in_epoch", 0)
         saved_order, order = saved["data_order"], self.order_key()
-        if state.samples_in_epoch and saved_order != order:
+        if position and saved_order != order:
             raise CheckpointError(
                 f"{path.name} was taken mid-epoch with a data order of {saved_order} and this run's "
                 f"gives {order}: the rest of the epoch would repeat and skip samples. Resume with the "
                 "checkpoint's values (seed and shuffle; for an IterableDataset the same batch_size, num_workers and "
                 "number of processes; LengthGroupedSampler(..., group_size=...)), or from a checkpoint taken at "
                 "an epoch's end")
+
+    def load_state_dict(self, saved: dict[str, Any], loading: Any) -> None:
+        """Restore from ``saved``: this rank's own part on the checkpoint's number of processes;
+        on another, the pending losses all on rank 0 (``pending_for_rank``)."""
+        state, rank, world_size = self.state, loading.rank, loading.world_size
+        state.load_state_dict(saved["state"])
+        per_rank = saved["batches_in_epoch_per_rank"]
+        if len(per_rank) == world_size:  # this rank's own count
+            state.batches_in_epoch = per_rank[rank]
+        if self.restart:
+            log.warning("resume_data_changed='restart_epoch': %s; epoch %d starts again from its start (its order "
+                        "over the %d items: a function of seed and epoch), so the samples it had trained on are "
+                        "trained on again", self.restart, state.epoch_index, self.data_length)
+            state.samples_in_epoch = state.batches_in_epoch = 0
+            state.epoch = float(state.epoch_index)
         self.losses.load_state_dict({"pending": pending_for_rank(saved["pending_per_rank"], rank, world_size),
                                      "totals": saved["loss_total"]})
-        return saved_order, order
+
+    def after_load(self, loading: Any) -> None:
+        """The best checkpoint found again in this run's ``output_dir`` (by name), and chosen
+        again if ``metric_for_best`` or its direction changed (``choose_best_again``)."""
+        cfg, state = loading.config, self.state
+        state.best_checkpoint = resolve_best(cfg.output_dir, state.best_checkpoint, state.best_step)
+        choose_best_again(cfg, state, loading.saved.get("config"), loading.path)
 
 
 def restarts_epoch(saved: dict[str, Any], path: Path, length: int | None, rank: int, world_size: int,
@@ -122,7 +137,7 @@ def saved_fit_state(path: Path | None, train_data: Any, policy: str, rank: int) 
     """The ``FitState`` saved at ``path`` as this run will continue it, read before anything is
     built (for the step budget): a restarted epoch (``restarts_epoch``) from its start, what it
     refuses refused here. None without a checkpoint, or for a weights-only one."""
-    file = Path(path) / "trainer_state.json" if path is not None else None
+    file = Path(path) / TRAINER_STATE_FILE if path is not None else None
     if file is None or not file.is_file():
         return None
     saved = json.loads(file.read_text())
@@ -143,63 +158,47 @@ def pending_for_rank(per_rank: list[list[Any]], rank: int, world_size: int) -> l
 
 
 class RandomState:
-    """``rng.pt``: this process's random states (Python, numpy, torch, CUDA), numpy's arrays as
-    lists so that they load with ``weights_only=True``."""
+    """The ``rng`` entry (per rank): this process's random states (Python, numpy, torch, CUDA),
+    numpy's arrays as lists so that they load with ``weights_only=True``. A resume on another
+    number of processes derives the streams afresh from the seed, rank and step, with a warning."""
 
-    def state_dict(self) -> dict[str, Any]:
+    def __init__(self, state: FitState):
+        self.state = state  # the loop's: restored before this entry (the step a new stream starts from)
+
+    def rank_state_dict(self) -> dict[str, Any]:
         return _portable_rng(rng_state())
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        set_rng_state(_native_rng(state))
+    def state_dict(self, per_rank: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """``rng.pt``: every rank's random state, in rank order."""
+        return list(per_rank)
 
-    def reseed(self, seed: int) -> None:
-        """Streams derived afresh (a resume on another number of processes)."""
-        torch.manual_seed(seed)
+    def load_state_dict(self, per_rank: list[dict[str, Any]], loading: Any) -> None:
+        if len(per_rank) == loading.world_size:
+            set_rng_state(_native_rng(per_rank[loading.rank]))
+            return
+        log.warning("resuming a run saved on %s process(es) on %s: data position is kept (in global "
+                    "samples) but RNG streams are re-derived, so this is not a bit-exact continuation",
+                    len(per_rank), loading.world_size)
+        torch.manual_seed(loading.config.seed + 7919 * (loading.rank + 1) + self.state.global_step)
+
+
+class Hyperparameters:
+    """The ``hparams`` entry: the module's ``save_hyperparameters()`` record as JSON (None, and
+    no file, when it recorded none), for the command line and exports; never loaded back."""
+
+    def __init__(self, module: Any):
+        self.module = module
+
+    def state_dict(self) -> Any:
+        hparams = getattr(self.module, "hparams", None)
+        return jsonable(hparams) if hparams else None
+
+    def load_state_dict(self, state: Any) -> None:
+        pass
 
 
 def torch_load(path: Path) -> Any:
     return torch.load(path, map_location="cpu", weights_only=True)
-
-
-def _loads_back(data: bytes) -> bool:
-    try:
-        torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)  # as a resume loads it
-        return True
-    except Exception:  # pickle.UnpicklingError names a type the loader refuses; any failure is one
-        return False
-
-
-def _torch_bytes(obj: Any) -> bytes:
-    buffer = io.BytesIO()
-    torch.save(obj, buffer)
-    return buffer.getvalue()
-
-
-def callback_state_bytes(callbacks: Any) -> bytes:
-    """``callbacks.pt``: the callbacks' states, checked to load back as a resume loads them
-    (``weights_only=True``; they are small). A state that would not is refused here, at the first
-    save, naming the callback and the value: otherwise every checkpoint of the run would be written
-    and verify, and only its resume would fail."""
-    states = callbacks.state_dict()
-    data = _torch_bytes(states)
-    if _loads_back(data):
-        return data
-    where: list[Any] = []
-    value: Any = states
-    while isinstance(value, (dict, list, tuple)):  # down to the innermost value that does not load back
-        items = value.items() if isinstance(value, dict) else enumerate(value)
-        bad = next(((k, v) for k, v in items if not _loads_back(_torch_bytes(v))), None)
-        if bad is None:
-            break  # the container itself (a namedtuple, say)
-        where.append(bad[0])
-        value = bad[1]
-    owner = next((type(cb).__name__ for cb in callbacks.callbacks if where and cb.state_key == where[0]), "?")
-    kind = f"{type(value).__module__}.{type(value).__qualname__}"
-    raise CheckpointError(
-        f"callback {owner}: its state_dict(){''.join(f'[{k!r}]' for k in where[1:])} holds a {kind} ({value!r:.60}), "
-        "which a resume cannot load (checkpoints are read with torch.load(weights_only=True)), so no checkpoint "
-        "of this run could be resumed: return plain Python values (float(x), int(x), x.item() for a numpy "
-        "scalar, x.tolist() for an array), tensors, or lists, tuples and dicts of them from state_dict()")
 
 
 def _portable_rng(state: dict[str, Any]) -> dict[str, Any]:
@@ -241,3 +240,41 @@ def _is_json(v: Any) -> bool:
         return True
     except TypeError:
         return False
+
+
+def choose_best_again(cfg: Any, state: FitState, old: dict[str, Any] | None, path: Path) -> None:
+    """``metric_for_best`` or its direction changed since ``path`` was saved (with the settings
+    ``old``): the restored best (a value of the old metric, or the old direction's best) would be
+    compared with the new metric's values. The best so far is chosen again from the evaluations in
+    the log history under this run's setting; its checkpoint is the one saved at that step, if it
+    is still there."""
+    if old is None:
+        return
+    old_key, key = old.get("metric_for_best"), cfg.metric_for_best
+    old_way = greater_is_better(old_key, old.get("greater_is_better")) if old_key else None
+    way = greater_is_better(key, cfg.greater_is_better) if key else None
+    if (old_key, old_way) == (key, way):
+        return
+    state.best_metric = state.best_step = state.best_checkpoint = None
+    if key is not None:
+        for row in state.log_history:
+            # a set-less key ("accuracy"): the one evaluation metric it names (training rows' keys are train/...)
+            found = key_candidates(key, (k for k in row if k != "step" and not k.startswith("train/")))
+            if len(found) == 1 and is_improvement(row[found[0]], state.best_metric, bool(way)):
+                state.best_metric, state.best_step = row[found[0]], int(row["step"])
+        if state.best_step is not None:
+            state.best_checkpoint = resolve_best(cfg.output_dir, f"checkpoint-{state.best_step}", state.best_step)
+    if key is None:
+        chosen = "none is tracked"
+    elif state.best_step is None:
+        chosen = "no evaluation logged so far has it"
+    else:
+        kept = Path(state.best_checkpoint).name if state.best_checkpoint else "none kept at that step"
+        chosen = f"step {state.best_step} ({key}={state.best_metric:.6g}, checkpoint: {kept})"
+    log.warning("metric_for_best changed since %s: %s -> %s; the best so far is chosen again from the logged "
+                "evaluations: %s. Checkpoints the earlier run kept or rotated by its own best stay as they are",
+                path.name, _direction(old_key, old_way), _direction(key, way), chosen)
+
+
+def _direction(key: str | None, greater: bool | None) -> str:
+    return "none" if key is None else f"{key} ({'higher' if greater else 'lower'} is better)"

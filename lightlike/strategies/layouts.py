@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from lightlike.checkpoint.files import OPTIMIZER_FILE, WEIGHTS_FILE
 from lightlike.errors import CheckpointError
 
 if TYPE_CHECKING:
@@ -99,9 +100,9 @@ class FullLayout(CheckpointLayout):
         weights = self.module_state_dict(module)
         optim_state = optimizer.state_dict() if optimizer is not None else None
         if self.strategy.is_global_zero:
-            writer.save_safetensors("model.safetensors", weights)
+            writer.save_safetensors(WEIGHTS_FILE, weights)
             if optim_state is not None:
-                writer.save_torch("optimizer.pt", optim_state)
+                writer.save_torch(OPTIMIZER_FILE, optim_state)
 
     def load(self, path: Path, module: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
         """Restore what ``save`` wrote; a sharded DCP checkpoint (written by FSDP) loads too: its
@@ -114,9 +115,9 @@ class FullLayout(CheckpointLayout):
             load_dcp_state(path / "dcp", self.strategy.unwrap(module), optimizer)
             return
 
-        self.load_module_state_dict(module, load_safetensors(path / "model.safetensors"))
+        self.load_module_state_dict(module, load_safetensors(path / WEIGHTS_FILE))
         if optimizer is not None:
-            state = torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True)
+            state = torch.load(path / OPTIMIZER_FILE, map_location="cpu", weights_only=True)
             try:
                 optimizer.load_state_dict(state)
             except ValueError as e:  # (after the optimizer's own load hooks, which may adapt the state)
@@ -158,7 +159,7 @@ class DCPLayout(CheckpointLayout):
         # weights only: a full resume from another layout was refused (resumes_from)
         from lightlike.checkpoint.weights import load_safetensors
 
-        self.load_module_state_dict(module, load_safetensors(path / "model.safetensors"))
+        self.load_module_state_dict(module, load_safetensors(path / WEIGHTS_FILE))
 
     def module_state_dict(self, module: nn.Module) -> dict[str, torch.Tensor]:
         """Full weights, all-gathered from the shards (collective; every rank gets them)."""
@@ -290,7 +291,7 @@ class DeepSpeedLayout(CheckpointLayout):
         if optimizer is None:
             weights = self.module_state_dict(module)
             if strategy.is_global_zero:
-                writer.save_safetensors("model.safetensors", weights)
+                writer.save_safetensors(WEIGHTS_FILE, weights)
             return
         engine = self._engine()
         strategy.broadcast_buffers(module)  # the checkpoint holds rank 0's (DeepSpeed leaves them to each rank)
@@ -332,8 +333,8 @@ class DeepSpeedLayout(CheckpointLayout):
         meta_file = path / META
         meta = json.loads(meta_file.read_text()) if meta_file.is_file() else None
         if meta is None or optimizer is None:
-            if (path / "model.safetensors").is_file():
-                self.load_module_state_dict(module, load_safetensors(path / "model.safetensors"))
+            if (path / WEIGHTS_FILE).is_file():
+                self.load_module_state_dict(module, load_safetensors(path / WEIGHTS_FILE))
                 return
             if meta is None:
                 raise CheckpointError(f"{path} holds neither model.safetensors nor a DeepSpeed checkpoint "

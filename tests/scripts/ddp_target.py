@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from helpers import Classifier, DictDataset, TokenClassifier  # noqa: E402
+from helpers import EMA, Classifier, DictDataset, KeepsEMA, TokenClassifier  # noqa: E402
 
 import lightlike as ll  # noqa: E402
 from lightlike.utils.memory import memory_footprint  # noqa: E402
@@ -327,6 +327,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--log-every", type=int, default=1)
     p.add_argument("--rank-seed", action="store_true", help="each rank seeds its module's build with its rank")
     p.add_argument("--unreadable-on-rank1", default="", help="rank 1's checksum pass of this checkpoint fails (EIO)")
+    p.add_argument("--ema", action="store_true", help="a user state, states={'ema': EMA()}, updated at each step's "
+                   "end (ema-rank{r}.pt: its state after the fit)")
     args = p.parse_args(argv)
     rank = int(os.environ.get("RANK", "0"))
     if args.unreadable_on_rank1 and rank == 1:  # a transient read error, or a node's stale view of the files
@@ -422,6 +424,9 @@ def main(argv: list[str] | None = None) -> None:
         callbacks.append(FailAt(args.fail_rank, args.fail_step, "first-attempt"))
     if args.mode == "stop-on-save":
         callbacks.append(StopOnSave(out))
+    ema = EMA() if args.ema else None
+    if ema is not None:
+        callbacks.append(KeepsEMA(ema))
     fitter = ll.Fitter(max_steps=None if args.epochs else args.steps, max_epochs=args.epochs or None,
                        batch_size=args.batch, grad_accum_steps=args.accum, learning_rate=1e-2,
                        lr_scheduler="constant", output_dir=str(out), loggers=["jsonl"], log_every=args.log_every,
@@ -431,7 +436,8 @@ def main(argv: list[str] | None = None) -> None:
                        strategy=strategy, precision=args.precision,
                        gradient_checkpointing=args.gradient_checkpointing,
                        eval_on_epoch_end=args.eval_on_epoch_end, auto_find_batch_size=args.mode == "oom",
-                       compile=bool(args.compile), compile_regions=args.compile == "regions")
+                       compile=bool(args.compile), compile_regions=args.compile == "regions",
+                       **({"states": {"ema": ema}} if ema is not None else {}))
     if model is None:
         context = fitter.init_module()  # sets up the process group (which may draw random numbers)
         torch.manual_seed(0)  # the same initial weights as the other runs
@@ -470,6 +476,8 @@ def main(argv: list[str] | None = None) -> None:
     # full weights (gathered from the shards under FSDP/ZeRO: collective, so every rank asks)
     full = {k: v.detach().clone().cpu() for k, v in strategy.checkpoint_layout.module_state_dict(fitter.model).items()}
     torch.save(full, out / f"final-rank{rank}.pt")
+    if ema is not None:
+        torch.save(ema.state_dict(), out / f"ema-rank{rank}.pt")
     scaler = getattr(strategy.precision, "scaler", None)
     if scaler is not None:
         (out / f"scaler-rank{rank}.json").write_text(json.dumps(
