@@ -111,7 +111,7 @@ class Fitter:
         self._resume_choice = None
         try:
             with output_dir_locked(self.setup_strategy(), self.config.output_dir), guarded(self):
-                retry = OutOfMemoryRetry(module, train) if self.config.auto_find_batch_size else None
+                retry = OutOfMemoryRetry(module, train, self.states) if self.config.auto_find_batch_size else None
                 while True:
                     try:
                         result = self._fit_once(module, train, val, resume)

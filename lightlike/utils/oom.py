@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import logging
 from typing import Any
 
@@ -34,7 +35,7 @@ class OutOfMemoryRetry:
     the place the first try started (fresh, or the checkpoint it resumed), down to batch size 1.
     The fit's loop calls ``applies``, then ``next_try``; ``release_resume_source`` once it ends."""
 
-    def __init__(self, module: Any, train: Any):
+    def __init__(self, module: Any, train: Any, states: dict[str, Any] | None = None):
         if isinstance(train, DataLoader):  # its batch size is its own: halving batch_size would change nothing
             raise ConfigError("auto_find_batch_size=True needs the training Dataset, not a DataLoader (the Fitter "
                               "cannot change a DataLoader's batch size): pass the Dataset, or drop "
@@ -44,8 +45,10 @@ class OutOfMemoryRetry:
                                       f"{lazy} have parameters that are not initialised yet (lazy modules): run one "
                                       "forward pass before fit() (with torch.no_grad(): module(batch)), or drop "
                                       "auto_find_batch_size")
-        self.module = module
+        self.module, self.states = module, dict(states or {})
         self.snapshot = {k: v.detach().clone() for k, v in module.state_dict().items()}
+        # the user's states (Fitter(states=...)) as the first try found them, for the next try
+        self.state_snapshots = {name: copy.deepcopy(s.state_dict()) for name, s in self.states.items()}
 
     def applies(self, error: BaseException, config: Any, strategy: Any) -> bool:
         """Whether ``error`` is an out-of-memory error a smaller batch may avoid."""
@@ -61,8 +64,8 @@ class OutOfMemoryRetry:
 
     def next_try(self, config: Any, strategy: Any, first_start: Any) -> tuple[Any, str | None]:
         """The next try's config and ``resume``: where the first try started (``first_start``),
-        not a checkpoint the failed try wrote (newer ones are set aside on resume). The module is
-        put back as the failed try found it."""
+        not a checkpoint the failed try wrote (newer ones are set aside on resume). The module and
+        the user's states are put back as the failed try found them."""
         new_bs, new_acc = smaller_batch(config.batch_size, config.grad_accum_steps)
         log.warning("out of memory at batch_size=%d: retrying from the start with batch_size=%d, "
                     "grad_accum_steps=%d", config.batch_size, new_bs, new_acc)
@@ -72,6 +75,8 @@ class OutOfMemoryRetry:
         else:
             self.module.load_state_dict(self.snapshot)
             self.module.zero_grad(set_to_none=True)
+        for name, saved in self.state_snapshots.items():
+            self.states[name].load_state_dict(copy.deepcopy(saved))
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
         resume = None if first_start is None else str(first_start)

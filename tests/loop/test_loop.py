@@ -158,6 +158,35 @@ def test_auto_find_batch_size_on_the_cpu_allocator_error_restarts_clean(tmp_path
     assert torch.equal(flat_params(model), flat_params(ref))  # no gradient left over from the failed try
 
 
+def test_auto_find_batch_size_starts_the_user_states_again_too(tmp_path):
+    """A retry starts from the first try's start: the user's states (Fitter(states=...)) as well
+    as the weights, so an EMA updated by the failed try's two steps ends as a fresh run's."""
+    from helpers import EMA, KeepsEMA
+
+    class OOMAtStepThree(Classifier):
+        calls = 0
+
+        def forward(self, batch):
+            self.calls += 1
+            if len(batch["x"]) > 8 and self.calls == 5:  # step 3's first micro-batch of the first try
+                raise RuntimeError("[enforce fail at alloc_cpu.cpp:117] . DefaultCPUAllocator: can't allocate memory")
+            return super().forward(batch)
+
+    def run(name, module, batch_size, grad_accum_steps, **kw):
+        ema = EMA()
+        ll.Fitter(max_steps=3, batch_size=batch_size, grad_accum_steps=grad_accum_steps, shuffle=False,
+                  output_dir=str(tmp_path / name), loggers=[], learning_rate=1e-2, states={"ema": ema},
+                  callbacks=[KeepsEMA(ema)], **kw).fit(module, DictDataset(n=96))
+        return ema
+
+    torch.manual_seed(0)
+    retried = run("a", OOMAtStepThree(), 16, 2, auto_find_batch_size=True)  # retried as 8 x 4
+    torch.manual_seed(0)
+    reference = run("b", Classifier(), 8, 4)
+    assert retried.updates == reference.updates == 3
+    assert torch.equal(retried.shadow, reference.shadow)
+
+
 def test_items_seen_counts_every_item(tmp_path):
     result = ll.Fitter(max_steps=5, batch_size=4, log_every=2, output_dir=str(tmp_path), loggers=[]).fit(
         Classifier(), DictDataset(n=12))
