@@ -1,6 +1,6 @@
 """``Checkpointer``: the one owner of what a training checkpoint holds.
 
-Layout of ``output_dir/checkpoint-{step}/`` (every file listed with size and CRC-32 in
+Layout of ``output_dir/checkpoint-{step}/`` (every file listed with size and checksum in
 ``manifest.json``, which is written last; see ``atomic.py``)::
 
     model.safetensors     full weights (strategies that shard write their own files instead;
