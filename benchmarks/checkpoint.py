@@ -1,13 +1,14 @@
 """Checkpoint cost against the raw libraries, and time to first step after resume.
 
 1. Save and load of a full training checkpoint (weights, AdamW state, scheduler, RNG, state,
-   manifest with CRC-32 checksums, fsync, atomic rename) against writing the same tensors with raw
-   ``safetensors.torch.save_file`` + ``torch.save`` (no checksums, no fsync). Ratio target <= 1.10.
+   manifest with XXH3-128 checksums, fsync, atomic rename) against writing the same tensors with
+   raw ``safetensors.torch.save_file`` + ``torch.save`` (no checksums, no fsync). Targets: a save
+   <= 1.10x the raw files plus their fsync, a verified load <= 1.30x the raw load.
    A lightlike checkpoint does two things the raw calls do not, both required of it: it is
-   durable (every file and directory fsynced before the rename) and verified (the CRC-32 of every
-   file checked on load, by default). So each figure is also printed against the same work done
-   by hand: the save against the raw files plus their fsync, the load against a CRC-32 of each
-   raw file (read in 1 MiB blocks, one thread) followed by the raw load. The load is also timed
+   durable (every file and directory fsynced before the rename) and verified (the checksum of
+   every file checked on load, by default). So each figure is also printed against the same work
+   done by hand: the save against the raw files plus their fsync, the load against an XXH3-128 of
+   each raw file (read in 1 MiB blocks, one thread) followed by the raw load. The load is also timed
    with ``verify_hashes=False`` (sizes only), and the save with ``async_save=True`` (the time the
    loop waits: files written; fsync and commit run in a thread). Loads are timed right after the
    save (the files in the page cache: the checksum's CPU cost shows in full) and from disk, as a
@@ -30,11 +31,11 @@ import shutil
 import statistics
 import tempfile
 import time
-import zlib
 from pathlib import Path
 from typing import Any
 
 import torch
+import xxhash
 from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.utils.data import Dataset
@@ -105,19 +106,19 @@ def raw_save(fitter: ll.Fitter, raw: Path) -> tuple[float, float]:
     return written, time.perf_counter() - t
 
 
-def crc_by_hand(path: Path) -> int:
-    """What a hand-written verification does: CRC-32 of the file, read in 1 MiB blocks."""
-    crc = 0
+def hash_by_hand(path: Path) -> str:
+    """What a hand-written verification does: XXH3-128 of the file, read in 1 MiB blocks."""
+    h = xxhash.xxh3_128()
     with open(path, "rb") as f:
         while block := f.read(1 << 20):
-            crc = zlib.crc32(block, crc)
-    return crc
+            h.update(block)
+    return h.hexdigest()
 
 
-def raw_load(fitter: ll.Fitter, raw: Path, expected: dict[str, int] | None = None) -> None:
-    """The baseline load; with ``expected`` (file name -> CRC-32) each file is checked first."""
-    for name, crc in (expected or {}).items():
-        if crc_by_hand(raw / name) != crc:
+def raw_load(fitter: ll.Fitter, raw: Path, expected: dict[str, str] | None = None) -> None:
+    """The baseline load; with ``expected`` (file name -> XXH3-128) each file is checked first."""
+    for name, digest in (expected or {}).items():
+        if hash_by_hand(raw / name) != digest:
             raise RuntimeError(f"{name} has changed")
     fitter.module.load_state_dict(load_file(str(raw / "model.safetensors")))
     fitter.optimizer.load_state_dict(torch.load(raw / "optimizer.pt", weights_only=True))
@@ -189,17 +190,17 @@ def bench_save(fitter: ll.Fitter, root: Path, repeats: int, each: bool) -> dict[
 def bench_load(fitter: ll.Fitter, root: Path, repeats: int) -> dict[str, list[float]]:
     """Load times of one lightlike checkpoint and the same tensors saved raw: right after they
     were written (in the page cache) and read from the disk. Each lightlike load is timed with
-    checksums verified (the default) and with sizes only; the raw load alone and after a CRC-32
-    of each file by hand (the same verification, written plainly)."""
+    checksums verified (the default) and with sizes only; the raw load alone and after an
+    XXH3-128 of each file by hand (the same verification, written plainly)."""
     fitter.state.global_step = 100
     path = fitter.checkpointer.save()
     raw = root / "raw"
     raw_save(fitter, raw)
-    expected = {f.name: crc_by_hand(f) for f in raw.iterdir()}
+    expected = {f.name: hash_by_hand(f) for f in raw.iterdir()}
     assert path is not None
     times: dict[str, list[float]] = {}
     cold = [False, True] if hasattr(os, "posix_fadvise") else [False]
-    names = ["ours", "sizes only", "raw", "raw + crc"]
+    names = ["ours", "sizes only", "raw", "raw + hash"]
     for i in range(repeats):
         for from_disk in cold:
             for name in names[i % 4:] + names[:i % 4]:  # each goes first in turn
@@ -208,7 +209,7 @@ def bench_load(fitter: ll.Fitter, root: Path, repeats: int) -> dict[str, list[fl
                 configure(fitter, verify_hashes=name == "ours")
                 t = time.perf_counter()
                 if name.startswith("raw"):
-                    raw_load(fitter, raw, expected if name == "raw + crc" else None)
+                    raw_load(fitter, raw, expected if name == "raw + hash" else None)
                 else:
                     fitter.checkpointer.load(path)
                 times.setdefault(f"{name}, disk" if from_disk else name, []).append(time.perf_counter() - t)
@@ -238,9 +239,9 @@ def bench_save_load(args: argparse.Namespace) -> None:
         for where, k in (("", ""), (" from disk", ", disk")):
             if f"raw{k}" not in ld:
                 continue
-            ours, fast, raw, crc = (m(ld[f"{n}{k}"]) for n in ("ours", "sizes only", "raw", "raw + crc"))
-            print(f"load{where}: lightlike {ours:.3f} s   raw {raw:.3f} s   ratio {ours / raw:.2f}   (raw + CRC-32 "
-                  f"by hand, the same checks: {crc:.3f} s, ratio {ours / crc:.2f}; sizes only: {fast:.3f} s, "
+            ours, fast, raw, hand = (m(ld[f"{n}{k}"]) for n in ("ours", "sizes only", "raw", "raw + hash"))
+            print(f"load{where}: lightlike {ours:.3f} s   raw {raw:.3f} s   ratio {ours / raw:.2f}   (raw + XXH3 "
+                  f"by hand, the same checks: {hand:.3f} s, ratio {ours / hand:.2f}; sizes only: {fast:.3f} s, "
                   f"ratio {fast / raw:.2f})")
     finally:
         shutil.rmtree(root, ignore_errors=True)

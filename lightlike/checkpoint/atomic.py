@@ -5,11 +5,12 @@ written into ``output_dir/.checkpoint-{step}.tmp-{pid}-{rand}`` (a name ``list_c
 never matches), flushed and fsynced; ``manifest.json`` is written and fsynced last; then one
 ``rename`` makes the directory ``checkpoint-{step}`` visible, and the parent directory is fsynced.
 
-Files written through the writer's own methods are checksummed as they are written, not read back:
-``torch.save`` streams through a CRC-32 (in place of the per-record CRC-32 of its zip container,
-which ``torch.load`` never checks, so the file costs what a plain ``torch.save`` costs), and a file
-a library writes (``model.safetensors``) is checksummed and fsynced by a helper thread while the
-next one is written. Files a library writes through ``path_for`` are read back at commit.
+Files written through the writer's own methods are checksummed (XXH3-128, ``manifest.CHECKSUM``)
+as they are written, not read back: ``torch.save`` streams through the hash (in place of the
+per-record CRC-32 of its zip container, which ``torch.load`` never checks, so the file costs what
+a plain ``torch.save`` costs), and a file a library writes (``model.safetensors``) is checksummed
+and fsynced by a helper thread while the next one is written. Files a library writes through
+``path_for`` are read back at commit.
 """
 
 from __future__ import annotations
@@ -27,7 +28,6 @@ import secrets
 import shutil
 import stat
 import sys
-import zlib
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from types import TracebackType
@@ -40,8 +40,10 @@ from lightlike.checkpoint.manifest import (
     FORMAT,
     MANIFEST,
     VERSION,
+    bytes_hash,
     file_hash,
     hash_files,
+    new_hasher,
     verify_checkpoint,
     written_by_lightlike,
 )
@@ -60,28 +62,32 @@ def fsync_path(path: Path) -> None:
 
 
 class Checksummed:
-    """A write-only file that keeps the CRC-32 of everything written through it. With a thread
-    pool (``pool``), a buffer of ``OVERLAP_BYTES`` or more is checksummed by a helper thread while
-    this one writes it (both release the GIL), so the checksum costs no time when there is a core
-    for it; either way the CRC is complete before ``write`` returns, while the caller still owns
-    the buffer. ``overlapped`` and ``inline`` count the writes checksummed each way.
+    """A write-only file that keeps the checksum (``manifest.CHECKSUM``) of everything written
+    through it: ``hexdigest()``. With a thread pool (``pool``), a buffer of ``OVERLAP_BYTES`` or
+    more is hashed by a helper thread while this one writes it (both release the GIL), so the
+    checksum costs no time when there is a core for it; either way the buffer is hashed before
+    ``write`` returns, while the caller still owns it, and the buffers in the order written.
+    ``overlapped`` and ``inline`` count the writes hashed each way.
     (``CheckpointWriter.save_torch`` writes through it; public so that a test can watch it.)"""
 
     def __init__(self, fh: Any, pool: ThreadPoolExecutor | None = None) -> None:
-        self.fh, self.crc, self.pool = fh, 0, pool
+        self.fh, self.hash, self.pool = fh, new_hasher(CHECKSUM), pool
         self.overlapped = self.inline = 0
 
     def write(self, data: Any) -> int:
         if self.pool is None or memoryview(data).nbytes < OVERLAP_BYTES:
             self.inline += 1
-            self.crc = zlib.crc32(data, self.crc)  # releases the GIL on large buffers
+            self.hash.update(data)
             return self.fh.write(data)
         self.overlapped += 1
-        crc = self.pool.submit(zlib.crc32, data, self.crc)
+        hashed = self.pool.submit(self.hash.update, data)
         try:
             return self.fh.write(data)
         finally:
-            self.crc = crc.result()
+            hashed.result()
+
+    def hexdigest(self) -> str:
+        return str(self.hash.hexdigest())
 
     def flush(self) -> None:
         self.fh.flush()
@@ -148,7 +154,7 @@ class CheckpointWriter:
     def write_bytes(self, rel: str, data: bytes) -> None:
         path = self.path_for(rel)
         path.write_bytes(data)
-        self._written(rel, path, f"{zlib.crc32(data):08x}")
+        self._written(rel, path, bytes_hash(data))
 
     def write_json(self, rel: str, obj: Any) -> None:
         self.write_bytes(rel, (json.dumps(obj, indent=2, sort_keys=True, allow_nan=True) + "\n").encode())
@@ -159,7 +165,7 @@ class CheckpointWriter:
             sink = Checksummed(fh, self._pool)
             with _zip_crc_off():
                 torch.save(obj, sink)  # type: ignore[arg-type]  # write() and flush() are all it uses
-        self._written(rel, path, f"{sink.crc:08x}")
+        self._written(rel, path, sink.hexdigest())
 
     def save_safetensors(self, rel: str, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> None:
         path = self.path_for(rel)

@@ -1,7 +1,7 @@
 """``Checkpointer``: saves and loads a fit's training checkpoints, driven by its registry.
 
-Layout of ``output_dir/checkpoint-{step}/`` (every file listed with size and CRC-32 in
-``manifest.json``, which is written last; see ``atomic.py``; the names: ``layout.py``)::
+Layout of ``output_dir/checkpoint-{step}/`` (every file listed with size and checksum in
+``manifest.json``, which is written last; see ``atomic.py``; the names: ``files.py``)::
 
     model.safetensors     full weights (strategies that shard write their own files instead;
                           the manifest's meta names the layout: ``state_format``)

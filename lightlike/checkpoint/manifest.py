@@ -1,12 +1,13 @@
-"""The manifest: every file of a checkpoint with its size and CRC-32, written last.
+"""The manifest: every file of a checkpoint with its size and checksum, written last.
 
 A directory named ``checkpoint-N`` is a checkpoint only if its ``manifest.json`` is present,
 parses, and every file it lists exists with the listed size (and checksum, unless disabled).
 
-The checksum guards against torn writes, truncation and bit flips, not against tampering: CRC-32
-(``zlib.crc32``, 5 GB/s here) catches every single-bit flip and every burst of up to 32 bits,
-and any other random corruption but for 1 in 2**32, at four times the speed of sha256 (1.2 GB/s
-here), which is what saving and verifying a large checkpoint waited on.
+The checksum guards against torn writes, truncation and bit flips, not against tampering. New
+manifests hold XXH3-128 (``xxhash.xxh3_128``; 30 GB/s here, as fast as memory is read, against
+4.2 GB/s for CRC-32 and 14 GB/s for CRC-32C): any random corruption goes unseen with a chance
+of 1 in 2**128. Each file's entry names its algorithm by its key; manifests written with CRC-32
+(``crc32``, ``zlib.crc32``) still verify.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import mmap
 import os
 import re
 import warnings
@@ -23,6 +25,8 @@ from concurrent.futures import ThreadPoolExecutor
 from itertools import pairwise
 from pathlib import Path
 from typing import Any
+
+import xxhash
 
 from lightlike.errors import CheckpointError
 
@@ -34,24 +38,40 @@ log = logging.getLogger("lightlike")
 
 
 #: the checksum written into new manifests (per file: ``{"size": ..., CHECKSUM: hex}``)
-CHECKSUM = "crc32"
+CHECKSUM = "xxh3_128"
+#: the checksums a manifest's file entries may hold: ``crc32`` in manifests written before XXH3
+CHECKSUMS = (CHECKSUM, "crc32")
+
+
+def new_hasher(algorithm: str = CHECKSUM) -> Any:
+    """A streaming hash object (``update``, ``hexdigest``): XXH3-128, or any of ``hashlib``'s.
+    Both release the GIL while they hash a large buffer."""
+    if algorithm == "xxh3_128":
+        return xxhash.xxh3_128()
+    return hashlib.new(algorithm)
+
+
+def bytes_hash(data: Any, algorithm: str = CHECKSUM) -> str:
+    """Hex checksum of a buffer, as ``file_hash`` gives it for a file holding those bytes."""
+    if algorithm == "crc32":
+        return f"{zlib.crc32(data):08x}"
+    h = new_hasher(algorithm)
+    h.update(data)
+    return h.hexdigest()
 
 
 def file_hash(path: str | Path, algorithm: str = CHECKSUM, chunk: int = 1 << 20, *, part_bytes: int | None = None,
               max_parts: int | None = None) -> str:
-    """Hex checksum of a file: ``crc32`` (8 hex digits) or ``sha256``. Read into one reused
-    buffer that stays in the CPU cache for the checksum (4.3 GB/s here, against 3.0 GB/s for
-    ``f.read`` of fresh 8 MiB blocks, each of which the allocator maps and faults in anew).
-    A large file's CRC-32 is computed in parts by several threads (one core does 4.3 GB/s; a
-    file in the page cache reads faster) and the parts' CRCs combined: up to ``max_parts``
-    parts (default: the cores, at most 8) of at least ``part_bytes`` (default ``PART_BYTES``)
-    each, every part read by ``crc_range``. (The two parameters let a test split small files.)"""
-    size = os.path.getsize(path)
+    """Hex checksum of a file: ``xxh3_128`` (32 hex digits), ``crc32`` (8) or any of
+    ``hashlib``'s. XXH3 and ``hashlib`` read the file through a memory map (``mapped_hash``).
+    CRC-32 reads into one reused ``chunk``-byte buffer that stays in the CPU cache, and a large
+    file's CRC-32 is computed in parts by several threads and the parts' CRCs combined: up to
+    ``max_parts`` parts (default: the cores, at most 8) of at least ``part_bytes`` (default
+    ``PART_BYTES``) each, every part read by ``crc_range``. (The two parameters let a test split
+    small files.)"""
     if algorithm != "crc32":
-        h = hashlib.new(algorithm)
-        for block in _blocks(path, 0, size, chunk):
-            h.update(block)
-        return h.hexdigest()
+        return mapped_hash(path, new_hasher(algorithm))
+    size = os.path.getsize(path)
     most = max_parts if max_parts is not None else min(os.cpu_count() or 1, 8)
     parts = min(most, size // (part_bytes or PART_BYTES))
     if parts <= 1:
@@ -67,6 +87,18 @@ def file_hash(path: str | Path, algorithm: str = CHECKSUM, chunk: int = 1 << 20,
         for fut, length in rest:
             crc = crc32_combine(crc, fut.result(), length)
     return f"{crc:08x}"
+
+
+def mapped_hash(path: str | Path, hasher: Any) -> str:
+    """``hasher``'s hex digest of a file's bytes, hashed where they lie: the file is mapped into
+    memory, so bytes in the page cache are hashed without a copy (30 GB/s here, against 14 GB/s
+    read into a buffer). As with any memory map (``safetensors`` loads through one), a read
+    error of the disk under it ends the process (SIGBUS) rather than raising ``OSError``."""
+    with open(path, "rb") as f:
+        if os.fstat(f.fileno()).st_size:  # an empty file cannot be mapped
+            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as view:
+                hasher.update(view)
+    return hasher.hexdigest()
 
 
 PART_BYTES = 32 << 20  # a file is split into parts of at least this size
@@ -121,8 +153,8 @@ def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
 
 
 def hash_files(paths: list[Path], algorithms: list[str] | None = None) -> list[str]:
-    """Checksums of several files at once: zlib and hashlib release the GIL on large buffers,
-    so threads check the big model and optimizer files in parallel."""
+    """Checksums of several files at once: xxhash, zlib and hashlib release the GIL on large
+    buffers, so threads check the big model and optimizer files in parallel."""
     algos = algorithms or [CHECKSUM] * len(paths)
     if len(paths) <= 1:
         return [file_hash(p, a) for p, a in zip(paths, algos, strict=True)]
@@ -184,17 +216,24 @@ def verify_checkpoint(path: str | Path, hashes: bool = True) -> dict[str, Any]:
                                   f"found {size}")
     if hashes:
         names = list(files)
-        for rel, digest in zip(names, hash_files([p / rel for rel in names]), strict=True):
-            if digest != files[rel][CHECKSUM]:
-                raise CheckpointError(f"{p}: file {rel} has changed contents ({CHECKSUM} mismatch: a bit flip?)")
+        algos = [entry_checksum(files[rel]) for rel in names]
+        for rel, algo, digest in zip(names, algos, hash_files([p / rel for rel in names], algos), strict=True):
+            if digest != files[rel][algo]:
+                raise CheckpointError(f"{p}: file {rel} has changed contents ({algo} mismatch: a bit flip?)")
     return manifest
+
+
+def entry_checksum(info: dict[str, Any]) -> str:
+    """The algorithm of a file entry of a manifest that ``verify_checkpoint`` has read: the first
+    of ``CHECKSUMS`` it holds."""
+    return next(algo for algo in CHECKSUMS if isinstance(info.get(algo), str))
 
 
 def _check_structure(manifest: dict[str, Any], files: Any) -> None:
     """``ValueError`` where a manifest that parses is not shaped as the writer shapes one (a
-    ``version`` number, a ``files`` object of ``{"size": int, CHECKSUM: hex}`` entries, a ``meta``
-    object), so that a damaged one is refused by name, as a truncated one is, not met later as a
-    ``KeyError``."""
+    ``version`` number, a ``files`` object of ``{"size": int, <one of CHECKSUMS>: hex}`` entries,
+    a ``meta`` object), so that a damaged one is refused by name, as a truncated one is, not met
+    later as a ``KeyError``."""
     version = manifest.get("version")
     if not isinstance(version, int) or isinstance(version, bool):
         raise ValueError(f"'version' is {version!r}, not a number")
@@ -207,8 +246,8 @@ def _check_structure(manifest: dict[str, Any], files: Any) -> None:
         if not isinstance(size, int) or isinstance(size, bool) or size < 0:
             raise ValueError(f"the entry of {rel!r} has no size" if "size" not in info
                              else f"the entry of {rel!r} has size {size!r}")
-        if not isinstance(info.get(CHECKSUM), str):
-            raise ValueError(f"the entry of {rel!r} has no checksum ({CHECKSUM})")
+        if not any(isinstance(info.get(algo), str) for algo in CHECKSUMS):
+            raise ValueError(f"the entry of {rel!r} has no checksum ({' or '.join(CHECKSUMS)})")
     if "meta" in manifest and not isinstance(manifest["meta"], dict):
         raise ValueError(f"'meta' is {manifest['meta']!r}, not an object")
 

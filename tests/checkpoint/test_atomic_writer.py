@@ -33,10 +33,10 @@ def test_a_seal_that_fails_removes_its_temp_folder(tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == []
 
 
-def test_manifest_names_the_step_and_lists_exact_sizes_and_crcs(tmp_path):
-    """manifest.json of checkpoint-7: step 7, and every file with its size and the zlib CRC-32
-    of its bytes on disk (computed here independently)."""
-    import zlib
+def test_manifest_names_the_step_and_lists_exact_sizes_and_checksums(tmp_path):
+    """manifest.json of checkpoint-7: step 7, and every file with its size and the XXH3-128 of
+    its bytes on disk (computed here independently)."""
+    import xxhash
 
     with CheckpointWriter(tmp_path, 7, meta={"kind": "full"}) as w:
         w.write_json("a.json", {"x": 1})
@@ -48,7 +48,7 @@ def test_manifest_names_the_step_and_lists_exact_sizes_and_crcs(tmp_path):
     assert sorted(m["files"]) == ["a.json", "sub/lib.bin", "t.pt"]
     for rel, info in m["files"].items():
         data = (ckpt / rel).read_bytes()
-        assert info == {"size": len(data), "crc32": f"{zlib.crc32(data):08x}"}
+        assert info == {"size": len(data), "xxh3_128": xxhash.xxh3_128(data).hexdigest()}
     assert torch.equal(torch.load(ckpt / "t.pt", weights_only=True)["w"], torch.arange(10.0))
 
 

@@ -118,20 +118,51 @@ def test_a_manifest_of_a_newer_layout_is_refused_by_name(tmp_path):
         assert find_latest_valid(tmp_path / "run").name == "checkpoint-2"
 
 
-def test_checksums_are_crc32(tmp_path):
+def test_checksums_are_xxh3_128(tmp_path):
     import json
-    import zlib
+
+    import xxhash
 
     train(tmp_path, steps=2)
     ckpt = tmp_path / "run" / "checkpoint-2"
     manifest = json.loads((ckpt / "manifest.json").read_text())
-    for rel, info in manifest["files"].items():  # each file's CRC-32, computed independently
-        assert info["crc32"] == f"{zlib.crc32((ckpt / rel).read_bytes()):08x}", rel
+    for rel, info in manifest["files"].items():  # each file's XXH3-128, computed independently
+        assert info == {"size": (ckpt / rel).stat().st_size,
+                        "xxh3_128": xxhash.xxh3_128((ckpt / rel).read_bytes()).hexdigest()}, rel
     target = ckpt / "model.safetensors"
     data = bytearray(target.read_bytes())
     data[-3] ^= 0x10
     target.write_bytes(bytes(data))
-    with pytest.raises(ll.CheckpointError, match=r"model.safetensors has changed contents \(crc32 mismatch"):
+    with pytest.raises(ll.CheckpointError, match=r"model.safetensors has changed contents \(xxh3_128 mismatch"):
+        verify_checkpoint(ckpt)
+
+
+def test_a_checkpoint_with_crc32_checksums_still_verifies_and_loads(tmp_path):
+    """A checkpoint whose manifest lists CRC-32s (``{"size", "crc32"}`` per file, as lightlike
+    wrote them before XXH3, made here with zlib.crc32) verifies, resumes and loads its weights;
+    a flipped bit in one of its files is still caught, named as a crc32 mismatch."""
+    import json
+    import shutil
+    import zlib
+
+    whole, _ = train(tmp_path, steps=6)
+    shutil.rmtree(tmp_path / "run" / "checkpoint-6")
+    ckpt = tmp_path / "run" / "checkpoint-4"
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    manifest["files"] = {rel: {"size": info["size"], "crc32": f"{zlib.crc32((ckpt / rel).read_bytes()):08x}"}
+                         for rel, info in manifest["files"].items()}
+    (ckpt / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True))
+    assert verify_checkpoint(ckpt)["files"] == manifest["files"]
+    module = Classifier()
+    module.load_weights(ckpt)
+    assert all(torch.equal(module.state_dict()[k], v) for k, v in load_file(str(ckpt / "model.safetensors")).items())
+    resumed, _ = train(tmp_path, steps=6, resume=str(ckpt))
+    assert torch.equal(flat_params(resumed), flat_params(whole))  # every file of it loaded, bit for bit
+    target = ckpt / "optimizer.pt"
+    data = bytearray(target.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    target.write_bytes(bytes(data))
+    with pytest.raises(ll.CheckpointError, match=r"optimizer.pt has changed contents \(crc32 mismatch"):
         verify_checkpoint(ckpt)
 
 
@@ -158,7 +189,7 @@ def test_large_files_are_checksummed_in_parts_and_combined_exactly(tmp_path, mon
         f.write_bytes(data(size))
         calls.clear()
         for chunk in (64, 1 << 20):
-            got = manifest.file_hash(f, chunk=chunk, part_bytes=1000, max_parts=8)
+            got = manifest.file_hash(f, "crc32", chunk=chunk, part_bytes=1000, max_parts=8)
             assert got == f"{zlib.crc32(f.read_bytes()):08x}", (size, chunk)
         parts = min(8, size // 1000)
         assert len(calls) == (2 * parts if parts > 1 else 0), (size, calls)
@@ -169,12 +200,13 @@ def test_large_files_are_checksummed_in_parts_and_combined_exactly(tmp_path, mon
 
 
 def test_writer_checksums_files_as_it_writes_them(tmp_path, monkeypatch):
-    """torch.save streams through the CRC (no read-back, torch's own zip CRCs switched off only
-    for that call; large buffers checksummed by a helper thread while they are written, small ones
-    inline, chained in order); library-written files are read back; every manifest CRC is the file's."""
+    """torch.save streams through the hash (no read-back, torch's own zip CRCs switched off only
+    for that call; large buffers hashed by a helper thread while they are written, small ones
+    inline, in order); library-written files are read back; every manifest checksum is the file's."""
     import collections
     import pickle
-    import zlib
+
+    import xxhash
 
     from lightlike.checkpoint import atomic, manifest
 
@@ -206,7 +238,7 @@ def test_writer_checksums_files_as_it_writes_them(tmp_path, monkeypatch):
     files = json.loads((ckpt / "manifest.json").read_text())["files"]
     assert sorted(files) == ["lib/shard.bin", "model.safetensors", "optimizer.pt", "state.json"]
     for rel, info in files.items():
-        assert info["crc32"] == f"{zlib.crc32((ckpt / rel).read_bytes()):08x}", rel
+        assert info["xxh3_128"] == xxhash.xxh3_128((ckpt / rel).read_bytes()).hexdigest(), rel
     assert read_back == {"model.safetensors": 1, "shard.bin": 1}
     counts = [(s.overlapped, s.inline) for s in sinks]
     assert sum(o for o, _ in counts) >= 4 and sum(i for _, i in counts) >= 4, counts

@@ -21,7 +21,7 @@ def test_checkpoint_benchmark_runs_and_cleans_up(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout
     for line in ("save: lightlike", "raw + fsync, the same durability", "save, async_save=True",
-                 "raw + CRC-32 by hand, the same checks", "time to first step after resume"):
+                 "raw + XXH3 by hand, the same checks", "time to first step after resume"):
         assert line in out, out
     if hasattr(os, "posix_fadvise"):
         assert "load from disk:" in out, out
