@@ -1,6 +1,6 @@
 """The registry: what a training checkpoint holds, one named entry per piece of state.
 
-An ``Entry`` names an object and the file it goes to (``layout.py``, the one table of names).
+An ``Entry`` names an object and the file it goes to (``files.py``, the one table of names).
 The ``Checkpointer`` writes and loads the entries and nothing else, besides the weights and
 optimizer state that the strategy writes in its own layout. Adding a piece of state to every
 checkpoint is one entry in ``Registry.of_fit``; a user adds theirs with
