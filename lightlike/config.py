@@ -83,6 +83,9 @@ class FitConfig:
     drop_last: bool = _f(False, "Drop the last incomplete training batch of each epoch.")
     shuffle: bool = _f(True, "Shuffle the training data every epoch (permutation of seed, epoch).")
     pin_memory: bool = _f(False, "Pin host memory in DataLoaders (useful with CUDA).")
+    remove_unused_columns: bool = _f(
+        True, "A Hugging Face datasets.Dataset: drop the columns the module's model does not take (logged once, "
+        "as the HF Trainer's remove_unused_columns); False passes every column to the collator.")
     seed: int = _f(0, "Seed for python, numpy, torch and DataLoader workers: 0 to 2**32 - 1 (the seeds whose "
                       "random streams all differ).")
     deterministic: bool = _f(False, "Use torch's deterministic algorithms during fit/validate/test/predict (as before them after).")
@@ -91,6 +94,9 @@ class FitConfig:
                         + " (configure_optimizers wins).")
     optimizer_kwargs: dict = _f({}, "More arguments of the optimizer's class, e.g. {'nesterov': True, "
                                     "'momentum': 0.9} for 'sgd' (names as torch.optim's; checked at set-up).")
+    optimizer_target_modules: Any = _f(
+        None, "GaLore optimizers: the modules whose weights get the low-rank projection: names, regexes, or "
+        "'all-linear' (the HF Trainer's optim_target_modules).")
     learning_rate: float = _f(1e-3, "Peak learning rate.")
     weight_decay: float = _f(0.0, "Weight decay (decoupled in AdamW, the L2 term in SGD); never on norm weights, 1-D parameters or names containing 'bias' (as the HF Trainer).")
     adam_beta1: float = _f(0.9, "Adam-family (adamw, adam, nadam, radam) beta1.")
@@ -122,6 +128,9 @@ class FitConfig:
     # -- evaluation ----------------------------------------------------------------------------
     eval_every: int | None = _f(None, "Evaluate every this many optimizer steps.")
     eval_on_epoch_end: bool = _f(False, "Evaluate at the end of every epoch.")
+    include_for_metrics: list = _f(
+        [], "What compute_metrics(eval_pred) gets besides predictions and labels: 'inputs' (eval_pred.inputs, "
+        "the batches' input_ids) and/or 'loss' (eval_pred.losses), as the HF Trainer's include_for_metrics.")
     eval_streaming: bool = _f(
         False, "Feed eval outputs to the module's streaming metrics instead of holding them all."
     )
@@ -178,6 +187,13 @@ class FitConfig:
         "one stays valid). None: wait for ever.")
     # -- performance switches ------------------------------------------------------------------
     gradient_checkpointing: bool = _f(False, "Ask the module to checkpoint activations.")
+    neftune_noise_alpha: float | None = _f(
+        None, "NEFTune: add uniform noise of scale alpha / sqrt(length * dim) to the input embeddings while "
+        "training (never in evaluation or prediction); the HF Trainer's neftune_noise_alpha.")
+    use_liger_kernel: bool = _f(False, "Patch a supported transformers model with liger-kernel's Triton kernels "
+                                       "before the strategy wraps it (CUDA only).")
+    liger_kernel_config: dict = _f({}, "Arguments of liger-kernel's apply function for the model, e.g. "
+                                       "{'rope': True, 'cross_entropy': False, 'fused_linear_cross_entropy': True}.")
     compile: bool = _f(False, "torch.compile each micro-batch's forward and loss as one function (evaluation: "
                               "forward, loss and metrics); the module's weights and names stay its own.")
     compile_mode: str | None = _f(None, "With compile=True: torch.compile's mode, one of "
@@ -377,6 +393,7 @@ OTHER_NAMES = {
     "per_device_eval_batch_size": "eval_batch_size", "gradient_accumulation_steps": "grad_accum_steps",
     "accumulate_grad_batches": "grad_accum_steps", "lr_scheduler_type": "lr_scheduler", "optim": "optimizer",
     "optim_args": "optimizer_kwargs (a dict, {'k': v}, where HF takes a 'k=v,k2=v2' string)",
+    "optim_target_modules": "optimizer_target_modules",
     "bf16": "precision='bf16-mixed'", "fp16": "precision='16-mixed'", "eval_steps": "eval_every",
     "eval_strategy": "eval_every or eval_on_epoch_end", "evaluation_strategy": "eval_every or eval_on_epoch_end",
     "logging_steps": "log_every", "report_to": "loggers", "save_steps": "save_every",
