@@ -39,7 +39,7 @@ import torch
 
 from lightlike.checkpoint.atomic import CheckpointWriter, not_saved_error, set_aside_in_the_way
 from lightlike.checkpoint.files import LAYOUTS, TRAINER_STATE_FILE, WEIGHTS_FILE
-from lightlike.checkpoint.manifest import list_checkpoints, verify_checkpoint
+from lightlike.checkpoint.manifest import list_checkpoints, start_verifying, verify_checkpoint
 from lightlike.checkpoint.registry import Registry
 from lightlike.checkpoint.resume import resolve_best, tidy_output_dir
 from lightlike.checkpoint.rotation import rotate_checkpoints
@@ -270,10 +270,12 @@ class Checkpointer:
         cfg, strategy = self.config, self.strategy
         path = Path(path)
         strategy.collectives.barrier("resume")  # no rank is still looking for the checkpoint to resume from
-        self._check_resumable(path, verify_checkpoint(path, hashes=cfg.verify_hashes and not verified))
-        loading = self.registry.read(path, cfg, strategy.global_rank, strategy.world_size)
-        self.registry.check_resume(loading)
-        strategy.checkpoint_layout.load(path, self.model, self.optimizer)
+        check = start_verifying(path, hashes=cfg.verify_hashes and not verified)
+        with check.first():  # the files are read while their checksums are computed
+            self._check_resumable(path, check.manifest)
+            loading = self.registry.read(path, cfg, strategy.global_rank, strategy.world_size)
+            self.registry.check_resume(loading)
+            strategy.checkpoint_layout.load(path, self.model, self.optimizer, verified=check.wait)
         self.registry.load(loading)
         self.resumed_from, self.latest = str(path), path
         state = self.loop.state

@@ -12,6 +12,7 @@ of 1 in 2**128. Each file's entry names its algorithm by its key; manifests writ
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -189,6 +190,15 @@ def written_by_lightlike(path: str | Path) -> bool:
 
 def verify_checkpoint(path: str | Path, hashes: bool = True) -> dict[str, Any]:
     """Return the manifest of a complete checkpoint, or raise naming the offending file."""
+    check = start_verifying(path, hashes)
+    check.wait()
+    return check.manifest
+
+
+def start_verifying(path: str | Path, hashes: bool = True) -> Verification:
+    """Check the manifest and every file's size now (raising naming the offending file), and
+    start the checksums in threads: ``wait()`` on the returned ``Verification`` before using
+    anything read from the files. So a load reads its files while they are checksummed."""
     p = Path(path)
     mpath = p / MANIFEST
     if not mpath.is_file():
@@ -214,13 +224,51 @@ def verify_checkpoint(path: str | Path, hashes: bool = True) -> dict[str, Any]:
         if size != info["size"]:
             raise CheckpointError(f"{p}: file {rel} is truncated or extended: expected {info['size']} bytes, "
                                   f"found {size}")
-    if hashes:
-        names = list(files)
-        algos = [entry_checksum(files[rel]) for rel in names]
-        for rel, algo, digest in zip(names, algos, hash_files([p / rel for rel in names], algos), strict=True):
-            if digest != files[rel][algo]:
-                raise CheckpointError(f"{p}: file {rel} has changed contents ({algo} mismatch: a bit flip?)")
-    return manifest
+    return Verification(p, manifest, hashes)
+
+
+class Verification:
+    """The checksums of a checkpoint's files (its manifest's), computed in threads from
+    construction on. ``wait()`` raises ``CheckpointError`` naming a file whose contents changed;
+    ``first()`` wraps reading the files, so that an error the reading meets (a damaged pickle,
+    say) is reported as the changed file it comes from, when one did."""
+
+    def __init__(self, path: Path, manifest: dict[str, Any], hashes: bool) -> None:
+        self.path, self.manifest = path, manifest
+        files = manifest["files"]
+        self._expected = [(rel, algo, files[rel][algo]) for rel in files
+                          for algo in [entry_checksum(files[rel])]] if hashes else []
+        self._pool: ThreadPoolExecutor | None = None
+        self._digests: Any = []
+        self._error: CheckpointError | None = None
+        if self._expected:
+            self._pool = ThreadPoolExecutor(max_workers=min(len(self._expected), os.cpu_count() or 1, 8),
+                                            thread_name_prefix="lightlike-verify")
+            self._digests = [self._pool.submit(file_hash, path / rel, algo) for rel, algo, _ in self._expected]
+
+    def wait(self) -> None:
+        if self._pool is not None:
+            try:
+                for (rel, algo, expected), digest in zip(self._expected, self._digests, strict=True):
+                    if digest.result() != expected:
+                        self._error = CheckpointError(
+                            f"{self.path}: file {rel} has changed contents ({algo} mismatch: a bit flip?)")
+                        break
+            finally:
+                self._pool.shutdown(wait=True, cancel_futures=True)
+                self._pool = None
+        if self._error is not None:
+            raise self._error
+
+    @contextlib.contextmanager
+    def first(self) -> Iterator[None]:
+        try:
+            yield
+        except BaseException:
+            self.wait()  # a changed file is what to report, if one is
+            raise
+        finally:
+            self.wait()
 
 
 def entry_checksum(info: dict[str, Any]) -> str:

@@ -16,6 +16,7 @@ import torch
 
 from lightlike.best import greater_is_better, is_improvement, key_candidates
 from lightlike.checkpoint.files import LAYOUTS, TRAINER_STATE_FILE
+from lightlike.checkpoint.manifest import verify_checkpoint
 from lightlike.checkpoint.resume import best_checkpoint_name, resolve_best
 from lightlike.errors import CheckpointError
 from lightlike.pending import LossBuffer
@@ -140,8 +141,12 @@ def saved_fit_state(path: Path | None, train_data: Any, policy: str, rank: int) 
     file = Path(path) / TRAINER_STATE_FILE if path is not None else None
     if file is None or not file.is_file():
         return None
-    saved = json.loads(file.read_text())
-    state = FitState.from_dict(saved["state"])
+    try:
+        saved = json.loads(file.read_text())
+        state = FitState.from_dict(saved["state"])
+    except (ValueError, KeyError, TypeError) as e:  # (UnicodeDecodeError is a ValueError)
+        verify_checkpoint(Path(path))  # read before the checkpoint is verified: a changed file is named as one
+        raise CheckpointError(f"{file} is unreadable ({type(e).__name__}: {e})") from e
     if restarts_epoch(saved, Path(path), train_data.dataset_length(), rank, train_data.world_size, policy):
         state.samples_in_epoch = state.batches_in_epoch = 0
         state.max_steps = -1  # the epochs' steps are counted again from the restarted epoch's start

@@ -24,7 +24,7 @@ import json
 import logging
 import os
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -71,9 +71,12 @@ class CheckpointLayout(ABC):
         waits on before committing."""
 
     @abstractmethod
-    def load(self, path: Path, module: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
-        """Restore what ``save`` wrote into a verified checkpoint at ``path`` (weights only when
-        ``optimizer`` is None). Called on every rank."""
+    def load(self, path: Path, module: nn.Module, optimizer: torch.optim.Optimizer | None,
+             verified: Callable[[], None] = lambda: None) -> None:
+        """Restore what ``save`` wrote into a checkpoint at ``path`` (weights only when
+        ``optimizer`` is None). Called on every rank. ``verified()`` returns once the files'
+        checksums are known good (it raises otherwise): called before anything is set, after
+        the files are read where they can be read first."""
 
     def module_state_dict(self, module: nn.Module) -> dict[str, torch.Tensor]:
         """Full, unsharded weights of the user's module (on CPU), for ``model.safetensors``."""
@@ -104,20 +107,25 @@ class FullLayout(CheckpointLayout):
             if optim_state is not None:
                 writer.save_torch(OPTIMIZER_FILE, optim_state)
 
-    def load(self, path: Path, module: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
-        """Restore what ``save`` wrote; a sharded DCP checkpoint (written by FSDP) loads too: its
-        names do not depend on the sharding."""
+    def load(self, path: Path, module: nn.Module, optimizer: torch.optim.Optimizer | None,
+             verified: Callable[[], None] = lambda: None) -> None:
+        """Restore what ``save`` wrote (both files read while ``verified`` checks them, then
+        set); a sharded DCP checkpoint (written by FSDP) loads too: its names do not depend on
+        the sharding."""
         from lightlike.checkpoint.weights import load_safetensors
 
         if (path / "dcp").is_dir():
             from lightlike.checkpoint.dcp import load_dcp_state
 
+            verified()
             load_dcp_state(path / "dcp", self.strategy.unwrap(module), optimizer)
             return
 
-        self.load_module_state_dict(module, load_safetensors(path / WEIGHTS_FILE))
+        weights = load_safetensors(path / WEIGHTS_FILE)
+        state = torch.load(path / OPTIMIZER_FILE, map_location="cpu", weights_only=True) if optimizer else None
+        verified()
+        self.load_module_state_dict(module, weights)
         if optimizer is not None:
-            state = torch.load(path / OPTIMIZER_FILE, map_location="cpu", weights_only=True)
             try:
                 optimizer.load_state_dict(state)
             except ValueError as e:  # (after the optimizer's own load hooks, which may adapt the state)
@@ -150,9 +158,11 @@ class DCPLayout(CheckpointLayout):
         self.strategy.broadcast_buffers(module)
         return save_dcp_state(writer.path_for(DCP_DIR), self.strategy.unwrap(module), optimizer, self.group)
 
-    def load(self, path: Path, module: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+    def load(self, path: Path, module: nn.Module, optimizer: torch.optim.Optimizer | None,
+             verified: Callable[[], None] = lambda: None) -> None:
         from lightlike.checkpoint.dcp import DCP_DIR, load_dcp_state
 
+        verified()
         if (path / DCP_DIR).is_dir():
             load_dcp_state(path / DCP_DIR, self.strategy.unwrap(module), optimizer)
             return
@@ -309,8 +319,9 @@ class DeepSpeedLayout(CheckpointLayout):
                                      "tag": DS_TAG, "precision": strategy.precision.name,
                                      "deepspeed_config": strategy.ds_config})
 
-    def load(self, path: Path, module: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
-        """Restore a checkpoint saved by this layout.
+    def load(self, path: Path, module: nn.Module, optimizer: torch.optim.Optimizer | None,
+             verified: Callable[[], None] = lambda: None) -> None:
+        """Restore a checkpoint saved by this layout (``verified()`` first).
 
         - Same world size: ``engine.load_checkpoint`` (module strict, ZeRO partitions with fp32
           master weights and optimizer state; not DeepSpeed's LR scheduler: lightlike restores its
@@ -329,6 +340,7 @@ class DeepSpeedLayout(CheckpointLayout):
         """
         from lightlike.checkpoint.weights import load_safetensors
 
+        verified()
         strategy = self.strategy
         meta_file = path / META
         meta = json.loads(meta_file.read_text()) if meta_file.is_file() else None

@@ -888,3 +888,28 @@ def test_a_fit_that_fails_commits_the_async_checkpoint_it_had_written(tmp_path):
     fitter = ll.Fitter(max_steps=9, batch_size=4, save_every=3, async_save=True, output_dir=str(out), loggers=[])
     assert fitter.fit(Classifier(), DictDataset(n=40), resume=True).global_step == 9
     assert os.path.basename(fitter.resumed_from) == "checkpoint-6"
+
+
+@pytest.mark.parametrize("damaged, where", [("optimizer.pt", "head"), ("trainer_state.json", "head"),
+                                            ("model.safetensors", "head"), ("model.safetensors", "tail"),
+                                            ("optimizer.pt", "tail")])
+def test_a_resume_reads_while_it_verifies_and_sets_nothing_from_a_damaged_file(tmp_path, damaged, where):
+    """The checksums run while the files are read (``start_verifying``): a damaged file is
+    reported as the changed file it is, even where reading it fails first (its format's first
+    bytes overwritten), and nothing of the checkpoint reaches the module, also where the file
+    reads as other numbers (its last tensor's bytes flipped)."""
+    train(tmp_path, steps=4)
+    ckpt = tmp_path / "run" / "checkpoint-4"
+    target = ckpt / damaged
+    data = bytearray(target.read_bytes())
+    at = range(8) if where == "head" else range(len(data) - 40, len(data) - 32)
+    for i in at:
+        data[i] ^= 0xFF
+    target.write_bytes(bytes(data))
+    torch.manual_seed(1)
+    model = Classifier()
+    before = flat_params(model).clone()
+    fitter = ll.Fitter(max_steps=6, batch_size=4, output_dir=str(tmp_path / "run"), loggers=[])
+    with pytest.raises(ll.CheckpointError, match=f"file {damaged} has changed contents"):
+        fitter.fit(model, DictDataset(n=40), resume=str(ckpt))
+    assert torch.equal(flat_params(model), before)
