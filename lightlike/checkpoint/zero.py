@@ -20,6 +20,7 @@ import contextlib
 import io
 import json
 import logging
+import pickle
 import struct
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,55 @@ import torch
 from lightlike.errors import CheckpointError
 
 META = "deepspeed_meta.json"
+
+#: the Python classes DeepSpeed's checkpoint files hold besides tensors and plain values (0.16 to
+#: 0.19: the loss scaler, the ZeRO stage, the fragment addresses of ZeRO-1/2's partitions)
+DEEPSPEED_GLOBALS = ("deepspeed.runtime.fp16.loss_scaler.LossScaler",
+                     "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler",
+                     "deepspeed.runtime.zero.config.ZeroStageEnum",
+                     "deepspeed.utils.tensor_fragment.fragment_address")
+_extra_globals: list[Any] = []
+
+
+def allow_deepspeed_globals(*classes: Any) -> None:
+    """Let DeepSpeed checkpoint files hold these classes too (a DeepSpeed release that pickles a
+    class ``DEEPSPEED_GLOBALS`` lacks): as ``torch.serialization.add_safe_globals``, for
+    checkpoints you trust to name only what the class's unpickling does safely."""
+    _extra_globals.extend(classes)
+
+
+def deepspeed_globals() -> list[Any]:
+    """``DEEPSPEED_GLOBALS`` imported (the ones this DeepSpeed has), and those allowed since."""
+    import importlib
+
+    found = []
+    for name in DEEPSPEED_GLOBALS:
+        module, _, attr = name.rpartition(".")
+        with contextlib.suppress(ImportError, AttributeError):
+            found.append(getattr(importlib.import_module(module), attr))
+    return found + _extra_globals
+
+
+def load_deepspeed_file(path: Path, mmap: bool = False) -> Any:
+    """One of DeepSpeed's ``.pt`` files, read as ``torch.load(weights_only=True)`` reads, with
+    ``deepspeed_globals()`` allowed: a file naming any other global is refused."""
+    try:
+        with torch.serialization.safe_globals(deepspeed_globals()):
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+    except pickle.UnpicklingError as e:
+        detail = next((line.strip() for line in str(e).splitlines() if "GLOBAL" in line), str(e).splitlines()[0])
+        raise CheckpointError(
+            f"{path} holds more than DeepSpeed's checkpoint files hold ({detail}): refused, since loading it "
+            "could run code. If you wrote this checkpoint with a DeepSpeed release that saves that class and "
+            "trust the file, allow the class with lightlike.checkpoint.allow_deepspeed_globals(cls)") from None
+
+
+def check_deepspeed_files(ds_dir: Path) -> None:
+    """Read every ``.pt`` file under ``ds_dir`` as ``load_deepspeed_file`` does (the pickles only:
+    the tensors' bytes stay on disk), before DeepSpeed's own loaders, which unpickle anything,
+    read them: a checkpoint whose files name other globals is refused, naming the file."""
+    for f in sorted(ds_dir.rglob("*.pt")):
+        load_deepspeed_file(f, mmap=True)
 
 
 def _location(checkpoint_dir: Path) -> tuple[Path, str]:
@@ -47,12 +97,13 @@ def _lazy_state_dict(checkpoint_dir: str | Path) -> dict[str, Any]:
     ds_dir, tag = _location(Path(checkpoint_dir))
     if not (ds_dir / tag).is_dir():
         raise CheckpointError(f"{ds_dir / tag} does not exist: not a complete DeepSpeed checkpoint")
+    check_deepspeed_files(ds_dir / tag)
     state = dict(get_fp32_state_dict_from_zero_checkpoint(str(ds_dir), tag=tag, lazy_mode=True))
     # frozen parameters: DeepSpeed (0.19.8) records them for zero-to-fp32 only at stage 2 and up;
     # under ZeRO-1 they are whole in the module states file (ZeRO-3 keeps empty placeholders there)
     states = sorted((ds_dir / tag).glob("*model_states.pt"))
     if states:
-        module = torch.load(states[0], map_location="cpu", weights_only=False, mmap=True).get("module") or {}
+        module = load_deepspeed_file(states[0], mmap=True).get("module") or {}
         for key, value in module.items():
             if key not in state and isinstance(value, torch.Tensor) and value.numel() > 0:
                 state[key] = value
@@ -129,6 +180,7 @@ def to_universal(checkpoint_dir: str | Path, out_dir: str | Path) -> Path:
     from deepspeed.checkpoint import ds_to_universal
 
     ds_dir, tag = _location(Path(checkpoint_dir))
+    check_deepspeed_files(ds_dir / tag)
     args = argparse.Namespace(input_folder=str(ds_dir / tag), output_folder=str(Path(out_dir) / "state"),
                               num_extract_workers=1, num_merge_workers=1, keep_temp_folder=False, strict=True,
                               inject_missing_state=True)

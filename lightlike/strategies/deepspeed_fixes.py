@@ -35,7 +35,9 @@ def repair_zero3_universal_load(zero: Any, optimizer_state_file: Path) -> None:
     for st in zero.optimizer.state.values():
         if isinstance(st.get("step"), torch.Tensor):
             st["step"] = st["step"].clone()
-    state = torch.load(optimizer_state_file, map_location="cpu", weights_only=False)
+    from lightlike.checkpoint.zero import load_deepspeed_file
+
+    state = load_deepspeed_file(optimizer_state_file)
     saved = state["optimizer_state_dict"]["param_groups"]
     groups = zero.param_groups
     if len(saved) != len(groups):

@@ -358,7 +358,10 @@ class DeepSpeedLayout(CheckpointLayout):
             return
         engine = self._engine()
         if meta["world_size"] == strategy.world_size and meta.get("stage") == strategy.stage:
+            from lightlike.checkpoint.zero import check_deepspeed_files
+
             load_dir, tag = str(path / meta["dir"]), meta["tag"]
+            check_deepspeed_files(Path(load_dir) / tag)  # DeepSpeed's loader unpickles whatever they hold
             load_path, _ = engine.load_checkpoint(load_dir, tag=tag, load_module_strict=True,
                                                   load_optimizer_states=True, load_lr_scheduler_states=False)
         else:

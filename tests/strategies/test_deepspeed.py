@@ -25,6 +25,7 @@ from launching import launch_each, moved_share, weights
 
 from lightlike import FitConfig
 from lightlike.checkpoint.manifest import verify_checkpoint
+from lightlike import errors as ll_errors
 from lightlike.errors import ConfigError
 
 deepspeed = pytest.importorskip("deepspeed")
@@ -299,6 +300,56 @@ def test_export_gives_the_final_weights(runs, tmp_path, strategy):
     fresh = Classifier(width=256)
     fresh.load_weights(tmp_path / "export")
     assert all(torch.equal(fresh.state_dict()[k], final[k]) for k in final)
+
+
+class Payload:
+    """What a crafted pickle holds: unpickling it creates ``marker`` (any code could run there)."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (Path.touch, (Path(self.marker),))
+
+
+def reseal(ckpt, rel):
+    """Rewrite the manifest entry of ``rel`` for its new contents, as a forger would."""
+    from lightlike.checkpoint.manifest import CHECKSUM, file_hash
+
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    entry = manifest["files"][rel]
+    entry.clear()
+    entry.update(size=(ckpt / rel).stat().st_size, **{CHECKSUM: file_hash(ckpt / rel)})
+    (ckpt / "manifest.json").write_text(json.dumps(manifest))
+
+
+@pytest.mark.parametrize("strategy, victim", [("deepspeed_zero2", "mp_rank_00_model_states.pt"),
+                                              ("deepspeed_zero3", "zero_pp_rank_1_mp_rank_00_optim_states.pt")])
+def test_a_deepspeed_file_with_a_pickled_payload_is_refused_before_it_runs(runs, tmp_path, strategy, victim):
+    """A checkpoint whose DeepSpeed files were replaced by a pickle that runs code, its manifest
+    re-sealed: export (API and command line) and a weights load refuse it by file name, and the
+    payload never runs. DeepSpeed's own readers unpickle anything (``weights_only=False``), so the
+    files are read first with ``weights_only=True`` and DeepSpeed's few classes allowed. The same
+    files as the run wrote them pass that reading (the other DeepSpeed tests resume and export them)."""
+    from lightlike.checkpoint.export import export_weights
+    from lightlike.checkpoint.zero import check_deepspeed_files, consolidated_state_dict
+
+    ckpt = tmp_path / "checkpoint-7"
+    shutil.copytree(runs(strategy) / "checkpoint-7", ckpt)
+    check_deepspeed_files(ckpt / "deepspeed")  # DeepSpeed's own files: allowed
+    marker = tmp_path / "payload-ran"
+    rel = f"deepspeed/state/{victim}"
+    torch.save({"module": Payload(marker)}, ckpt / rel)
+    reseal(ckpt, rel)
+    verify_checkpoint(ckpt)  # the forgery passes the checksums: only the reading can refuse it
+    for attempt in (lambda: export_weights(ckpt, tmp_path / "export"), lambda: consolidated_state_dict(ckpt)):
+        with pytest.raises(ll_errors.CheckpointError, match=f"{victim} holds more than DeepSpeed's checkpoint files hold"):
+            attempt()
+    p = subprocess.run([sys.executable, "-m", "lightlike", "export", str(ckpt), str(tmp_path / "cli")],
+                       capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert p.returncode != 0 and f"{victim} holds more than" in p.stderr, p.stderr[-2000:]
+    assert not marker.exists(), "the payload ran"
+    assert not (tmp_path / "export").exists() or not any((tmp_path / "export").iterdir())
 
 
 @pytest.mark.parametrize("strategy", ["deepspeed_zero1", "deepspeed_zero3"])
