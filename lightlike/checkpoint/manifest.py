@@ -173,9 +173,11 @@ def checkpoint_step(path: str | Path) -> int:
 
 def is_checkpoint_dir(path: str | Path) -> bool:
     """A ``checkpoint-N`` directory with lightlike's manifest (``written_by_lightlike``): what
-    lightlike counts, rotates and may remove. Another tool's ``checkpoint-N`` is none of these."""
+    lightlike counts, rotates and may remove. Another tool's ``checkpoint-N`` is none of these, nor
+    is a symbolic link (what it leads to may be another run's: it is never followed to delete)."""
     p = Path(path)
-    return p.is_dir() and CHECKPOINT_DIR_NAME.match(p.name) is not None and written_by_lightlike(p)
+    return (CHECKPOINT_DIR_NAME.match(p.name) is not None and not p.is_symlink() and p.is_dir()
+            and written_by_lightlike(p))
 
 
 def written_by_lightlike(path: str | Path) -> bool:
@@ -288,6 +290,9 @@ def _check_structure(manifest: dict[str, Any], files: Any) -> None:
     if not isinstance(files, dict):
         raise ValueError(f"'files' is a {type(files).__name__}, not an object")
     for rel, info in files.items():
+        parts = Path(rel).parts
+        if Path(rel).is_absolute() or ".." in parts or not parts:
+            raise ValueError(f"the entry {rel!r} names a file outside the checkpoint")
         if not isinstance(info, dict):
             raise ValueError(f"the entry of {rel!r} is a {type(info).__name__}, not an object")
         size = info.get("size")

@@ -44,7 +44,11 @@ def rotate_checkpoints(output_dir: str | Path, limit: int | None, protect: Itera
 
 def remove_checkpoint(path: Path) -> None:
     """Delete one of lightlike's checkpoint directories, the manifest first, so that a kill
-    mid-delete leaves a directory that is not a checkpoint. Raises the ``OSError`` met."""
+    mid-delete leaves a directory that is not a checkpoint; a symbolic link is removed as a link,
+    never followed. Raises the ``OSError`` met."""
+    if path.is_symlink():
+        path.unlink()
+        return
     (path / MANIFEST).unlink(missing_ok=True)
     shutil.rmtree(path)
 

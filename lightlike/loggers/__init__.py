@@ -35,9 +35,12 @@ log = logging.getLogger("lightlike")
 
 
 def own_log_files(log_dir: str | Path) -> list[Path]:
-    """The files in ``log_dir`` named as lightlike's loggers name theirs (``OWN_LOG_FILES``)."""
+    """The files in ``log_dir`` named as lightlike's loggers name theirs (``OWN_LOG_FILES``); none
+    when ``log_dir`` is a symbolic link (the files it leads to may be another run's)."""
     d = Path(log_dir)
-    return sorted(p for p in d.iterdir() if OWN_LOG_FILES.match(p.name) and p.is_file()) if d.is_dir() else []
+    if d.is_symlink() or not d.is_dir():
+        return []
+    return sorted(p for p in d.iterdir() if OWN_LOG_FILES.match(p.name) and p.is_file())
 
 
 def tensorboard_available() -> bool:

@@ -196,6 +196,47 @@ def test_overwrite_output_dir_removes_only_what_lightlike_wrote(tmp_path, caplog
     assert (aside / "checkpoint-9" / "pytorch_model.bin").read_bytes() == b"foreign"
 
 
+@pytest.mark.parametrize("link", ["checkpoint-1", "checkpoint-2", "logs"])
+def test_a_symlink_in_output_dir_is_never_followed_to_delete(tmp_path, link):
+    """``out/checkpoint-1`` (or the step this fit saves, or ``logs/``) a symbolic link to another
+    run's: ``overwrite_output_dir=True`` deleted the other run's manifest, then failed on rmtree
+    of the link. Nothing the link leads to is written or deleted; the link is not a checkpoint of
+    this run, and is moved aside where this fit saves its own step."""
+    other = tmp_path / "other"
+    fit(other, loggers=["csv"])
+    before = {p.relative_to(other): p.read_bytes() for p in other.rglob("*") if p.is_file() and p.name != ".lock"}
+    out = tmp_path / "run"
+    out.mkdir()
+    target = other / ("logs" if link == "logs" else "checkpoint-2")
+    (out / link).symlink_to(target, target_is_directory=True)
+    fit(out, loggers=["csv"] if link != "logs" else [], overwrite_output_dir=True)
+    after = {p.relative_to(other): p.read_bytes() for p in other.rglob("*") if p.is_file() and p.name != ".lock"}
+    assert after == before
+    verify_checkpoint(other / "checkpoint-2")
+    assert [p.name for p in list_checkpoints(out)] == ["checkpoint-2"]
+    assert not (out / "checkpoint-2").is_symlink()
+    asides = [p / link for p in out.iterdir() if p.name.startswith("set-aside-")]
+    if link == "checkpoint-2":  # in the way of this fit's save: moved aside, as a link
+        assert [p.resolve() for p in asides if p.is_symlink()] == [target.resolve()]
+    else:  # not counted as a checkpoint, not in the way: left where it is
+        assert (out / link).is_symlink() and not asides
+
+
+def test_a_manifest_naming_a_file_outside_the_checkpoint_is_refused_not_read(tmp_path):
+    """A re-sealed manifest whose entry is ``../../secret``: refused by name before any file is
+    read (its size or contents would otherwise be checked, and a loader could open it)."""
+    import json
+
+    out = tmp_path / "run"
+    fit(out)
+    ckpt = out / "checkpoint-2"
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    manifest["files"]["../../secret"] = dict(manifest["files"]["rng.pt"])
+    (ckpt / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ll.CheckpointError, match=r"entry '\.\./\.\./secret' names a file outside the checkpoint"):
+        verify_checkpoint(ckpt)
+
+
 # ---- read-only paths ----------------------------------------------------------------------------
 @pytest.mark.parametrize("where", ["output_dir", "its parent"])
 def test_a_read_only_output_dir_is_refused_at_set_up(tmp_path, where):
