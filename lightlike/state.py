@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -55,12 +56,55 @@ class FitState:
         return cls(**{k: v for k, v in data.items() if k in names})
 
     @classmethod
+    def check_saved(cls, data: Any, where: str) -> None:
+        """``data`` as ``to_dict`` writes it, or ``CheckpointError`` naming ``where`` (the file)
+        and the first field that is not: counts are integers >= 0 (the steps of the last
+        evaluation and save >= -1), ``epoch`` and ``items_seen`` numbers >= 0, the rest of their types."""
+        from lightlike.errors import CheckpointError
+
+        def bad(name: str, value: Any, want: str) -> CheckpointError:
+            return CheckpointError(f"{where}: {name} is {value!r}, not {want}: the file is not as lightlike writes "
+                                   "it (edited by hand?); resume from another checkpoint")
+
+        if not isinstance(data, dict):
+            raise bad("state", data, "an object of the fit's counters")
+        for f in dataclasses.fields(cls):
+            if f.name not in data:
+                continue
+            v, least = data[f.name], _LEAST.get(f.name)
+            is_int = isinstance(v, int) and not isinstance(v, bool)
+            if least is not None and not (is_int and v >= least):
+                raise bad(f.name, v, f"an integer >= {least}")
+            if f.name in ("epoch", "items_seen") and not (isinstance(v, (int, float)) and not isinstance(v, bool)
+                                                           and math.isfinite(v) and v >= 0):
+                raise bad(f.name, v, "a finite number >= 0")
+            if f.name == "best_metric" and not (v is None or (isinstance(v, (int, float)) and not isinstance(v, bool))):
+                raise bad(f.name, v, "a number or null")
+            if f.name == "best_step" and not (v is None or (is_int and v >= 0)):
+                raise bad(f.name, v, "an integer >= 0 or null")
+            if f.name == "best_checkpoint" and not (v is None or isinstance(v, str)):
+                raise bad(f.name, v, "a checkpoint's name or null")
+            if f.name == "log_history" and not (isinstance(v, list) and all(isinstance(r, dict) for r in v)):
+                raise bad(f.name, v if not isinstance(v, list) else "[...]", "a list of log rows (objects)")
+            if f.name == "tracker_runs" and not (isinstance(v, dict) and all(isinstance(x, str) for x in v.values())):
+                raise bad(f.name, v, "an object of tracker names to run ids")
+
+    @classmethod
     def saved_in(cls, checkpoint: str | Path) -> FitState | None:
         """The state saved in a checkpoint directory; None for a weights-only one."""
         from lightlike.checkpoint.files import TRAINER_STATE_FILE
 
         path = Path(checkpoint) / TRAINER_STATE_FILE
-        return cls.from_dict(json.loads(path.read_text())["state"]) if path.is_file() else None
+        if not path.is_file():
+            return None
+        data = json.loads(path.read_text())
+        cls.check_saved(data.get("state") if isinstance(data, dict) else data, str(path))
+        return cls.from_dict(data["state"])
+
+
+#: the least value of each integer counter of ``FitState`` (``check_saved``)
+_LEAST = {"global_step": 0, "max_steps": -1, "epoch_index": 0, "batches_in_epoch": 0, "samples_in_epoch": 0,
+          "samples_seen": 0, "skipped_steps": 0, "last_eval_step": -1, "last_save_step": -1}
 
 
 @dataclass

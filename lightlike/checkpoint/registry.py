@@ -178,13 +178,29 @@ class Registry:
         post-load policy (``after_load``), in order."""
         for e in self:
             if e.restore and e.name in loading.saved:
-                if e.per_rank:
-                    e.obj.load_state_dict(loading.saved[e.name], loading)
-                else:
-                    e.obj.load_state_dict(loading.saved[e.name])
+                saved = loading.saved[e.name]
+                if e.name == "scheduler":
+                    check_scheduler_state(saved, loading.path / e.file)
+                try:
+                    e.obj.load_state_dict(*((saved, loading) if e.per_rank else (saved,)))
+                except (TypeError, KeyError, AttributeError, IndexError, ValueError) as err:
+                    # what a hand-edited file gives deep inside a load_state_dict: named by its file
+                    raise CheckpointError(f"{loading.path / e.file} ({e.name}) could not be restored from what it "
+                                          f"holds ({type(err).__name__}: {err}): is it as the run wrote it (edited "
+                                          "by hand?)") from err
         for e in self:
             if e.restore and not e.user and hasattr(e.obj, "after_load"):
                 e.obj.after_load(loading)
+
+
+def check_scheduler_state(saved: Any, file: Path) -> None:
+    """A learning-rate scheduler's state as torch's ``state_dict`` writes it: its step count
+    (``last_epoch``) an integer >= 0. torch's ``load_state_dict`` takes any dict as it is."""
+    last = saved.get("last_epoch") if isinstance(saved, dict) else None
+    if not isinstance(saved, dict) or not (isinstance(last, int) and not isinstance(last, bool) and last >= 0):
+        what = f"last_epoch is {last!r}" if isinstance(saved, dict) else f"holds a {type(saved).__name__}"
+        raise CheckpointError(f"{file}: {what}, not a scheduler state with a step count >= 0 (edited by hand?); "
+                              "resume from another checkpoint")
 
 
 def _read(file: Path, entry: Entry) -> Any:

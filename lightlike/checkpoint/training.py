@@ -25,7 +25,8 @@ from lightlike.utils.seed import rng_state, set_rng_state
 
 log = logging.getLogger("lightlike")
 
-__all__ = ["LAYOUTS", "Hyperparameters", "LoopState", "RandomState", "jsonable", "saved_fit_state", "torch_load"]
+__all__ = ["LAYOUTS", "Hyperparameters", "LoopState", "RandomState", "check_trainer_state", "jsonable", "saved_fit_state",
+           "torch_load"]
 
 
 class LoopState:
@@ -68,6 +69,7 @@ class LoopState:
         whose training data had another length (unless ``resume_data_changed='restart_epoch'``:
         the epoch then starts again, ``restarts_epoch``)."""
         saved, path = loading.saved["trainer_state"], loading.path
+        check_trainer_state(saved, path / TRAINER_STATE_FILE)
         self.restart = restarts_epoch(saved, path, self.data_length, loading.rank, loading.world_size,
                                       loading.config.resume_data_changed)
         position = 0 if self.restart else saved["state"].get("samples_in_epoch", 0)
@@ -143,14 +145,46 @@ def saved_fit_state(path: Path | None, train_data: Any, policy: str, rank: int) 
         return None
     try:
         saved = json.loads(file.read_text())
-        state = FitState.from_dict(saved["state"])
-    except (ValueError, KeyError, TypeError) as e:  # (UnicodeDecodeError is a ValueError)
+        check_trainer_state(saved, file)
+    except (ValueError, CheckpointError) as e:  # (UnicodeDecodeError is a ValueError)
         verify_checkpoint(Path(path))  # read before the checkpoint is verified: a changed file is named as one
+        if isinstance(e, CheckpointError):
+            raise
         raise CheckpointError(f"{file} is unreadable ({type(e).__name__}: {e})") from e
+    state = FitState.from_dict(saved["state"])
     if restarts_epoch(saved, Path(path), train_data.dataset_length(), rank, train_data.world_size, policy):
         state.samples_in_epoch = state.batches_in_epoch = 0
         state.max_steps = -1  # the epochs' steps are counted again from the restarted epoch's start
     return state
+
+
+def check_trainer_state(saved: Any, file: Path) -> None:
+    """``trainer_state.json`` as ``LoopState.state_dict`` writes it, or one ``CheckpointError``
+    naming the file and the first field that is not (``FitState.check_saved`` for its state)."""
+    def bad(name: str, value: Any, want: str) -> CheckpointError:
+        return CheckpointError(f"{file}: {name} is {value!r}, not {want}: the file is not as lightlike writes it "
+                               "(edited by hand?); resume from another checkpoint")
+
+    if not isinstance(saved, dict):
+        raise bad("the file's content", saved, "an object")
+    if "state" not in saved:
+        raise bad("state", None, "the fit's counters")
+    FitState.check_saved(saved["state"], str(file))
+    pending = saved.get("pending_per_rank")
+    n = saved.get("world_size", len(pending) if isinstance(pending, list) else None)  # older files: no world_size
+    if not (isinstance(n, int) and not isinstance(n, bool) and n >= 1):
+        raise bad("world_size", n, "a number of processes >= 1")
+    for key, each in (("pending_per_rank", lambda v: isinstance(v, list)),
+                      ("batches_in_epoch_per_rank", lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0),
+                      ("data_length_per_rank", lambda v: v is None or (isinstance(v, int) and v >= 0))):
+        value = saved.get(key)
+        if key == "data_length_per_rank" and value is None:
+            continue  # written by an earlier lightlike: refused only where the data changed (restarts_epoch)
+        if not (isinstance(value, list) and len(value) == n and all(each(v) for v in value)):
+            raise bad(key, value, f"a list of {n} per-rank values")
+    total = saved.get("loss_total")
+    if not (isinstance(total, list) and len(total) == 2 and all(isinstance(v, (int, float)) for v in total)):
+        raise bad("loss_total", total, "[loss sum, item sum]")
 
 
 def pending_for_rank(per_rank: list[list[Any]], rank: int, world_size: int) -> list[Any]:

@@ -91,7 +91,8 @@ class Precision:
         return {}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        pass
+        if not isinstance(state, Mapping):
+            raise TypeError(f"a precision's state is a dict, not a {type(state).__name__}")
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.name!r})"

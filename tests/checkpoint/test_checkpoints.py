@@ -913,3 +913,65 @@ def test_a_resume_reads_while_it_verifies_and_sets_nothing_from_a_damaged_file(t
     with pytest.raises(ll.CheckpointError, match=f"file {damaged} has changed contents"):
         fitter.fit(model, DictDataset(n=40), resume=str(ckpt))
     assert torch.equal(flat_params(model), before)
+
+
+@pytest.mark.parametrize("edit, field", [
+    (lambda d: d.update(state=5), "state is 5"),
+    (lambda d: d["state"].update(global_step=-7), "global_step is -7, not an integer >= 0"),
+    (lambda d: d["state"].update(samples_in_epoch="12"), "samples_in_epoch is '12'"),
+    (lambda d: d["state"].update(epoch=float("nan")), "epoch is nan, not a finite number"),
+    (lambda d: d["state"].update(log_history={"step": 1}), "log_history"),
+    (lambda d: d.update(batches_in_epoch_per_rank=[3, 3]), "batches_in_epoch_per_rank is \\[3, 3\\], not a list of 1"),
+    (lambda d: d.update(loss_total="x"), "loss_total is 'x'"),
+    (lambda d: d.pop("world_size") and d.update(pending_per_rank=None), "world_size is None"),
+])
+def test_a_hand_edited_trainer_state_is_refused_naming_the_file_and_the_field(tmp_path, edit, field):
+    """``trainer_state.json`` edited and the manifest re-sealed: ``{"state": 5}`` was an
+    AttributeError naming no file, ``global_step=-7`` trained on. Each is one CheckpointError
+    naming the file and the field, before anything is restored."""
+    from lightlike.checkpoint.manifest import CHECKSUM, file_hash
+
+    train(tmp_path, steps=4)
+    ckpt = tmp_path / "run" / "checkpoint-4"
+    file = ckpt / "trainer_state.json"
+    data = json.loads(file.read_text())
+    edit(data)
+    file.write_text(json.dumps(data))
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    manifest["files"]["trainer_state.json"] = {"size": file.stat().st_size, CHECKSUM: file_hash(file)}
+    (ckpt / "manifest.json").write_text(json.dumps(manifest))
+    torch.manual_seed(1)
+    model = Classifier()
+    before = flat_params(model).clone()
+    with pytest.raises(ll.CheckpointError, match=f"trainer_state.json: {field}"):
+        ll.Fitter(max_steps=6, batch_size=4, output_dir=str(tmp_path / "run"), loggers=[]).fit(
+            model, DictDataset(n=40), resume=str(ckpt))
+    assert torch.equal(flat_params(model), before)
+    if "per_rank" not in field and "loss_total" not in field and "world_size" not in field:
+        with pytest.raises(ll.CheckpointError, match=f"trainer_state.json: {field}"):
+            ll.FitState.saved_in(ckpt)  # the state alone, as callbacks and tools read it
+
+
+@pytest.mark.parametrize("file, edit, says", [
+    ("scheduler.pt", lambda d: d.update(last_epoch=-7), r"scheduler.pt: last_epoch is -7"),
+    ("scheduler.pt", lambda d: 5, r"scheduler.pt: holds a int"),
+    ("rng.pt", lambda d: [{"torch": "x"}], r"rng.pt \(rng\) could not be restored"),
+    ("precision.pt", lambda d: [1, 2], r"precision.pt \(precision\) could not be restored"),
+])
+def test_a_hand_edited_state_file_is_refused_naming_it(tmp_path, file, edit, says):
+    """The other state files, re-sealed after an edit: refused by name (the scheduler's step
+    count is checked; torch's load_state_dict takes any dict), not torch's bare error or a
+    scheduler that goes on from step -7."""
+    from lightlike.checkpoint.manifest import CHECKSUM, file_hash
+
+    train(tmp_path, steps=4)
+    ckpt = tmp_path / "run" / "checkpoint-4"
+    data = torch.load(ckpt / file, weights_only=True)
+    edited = edit(data)
+    torch.save(data if edited is None else edited, ckpt / file)
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    manifest["files"][file] = {"size": (ckpt / file).stat().st_size, CHECKSUM: file_hash(ckpt / file)}
+    (ckpt / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ll.CheckpointError, match=says):
+        ll.Fitter(max_steps=6, batch_size=4, output_dir=str(tmp_path / "run"), loggers=[]).fit(
+            Classifier(), DictDataset(n=40), resume=str(ckpt))
