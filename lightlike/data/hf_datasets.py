@@ -49,6 +49,10 @@ def is_hf_iterable(data: Any) -> bool:
     return ds is not None and isinstance(data, ds.IterableDataset)
 
 
+class CollateError(DataError):
+    """A batch that cannot be made; the message names the column and what to change."""
+
+
 class HFCollator:
     """Batches items as transformers' data collators do: ``label``/``label_ids`` become
     ``labels``; numbers and lists of numbers become tensors (no ``set_format("torch")``
@@ -74,7 +78,7 @@ class HFCollator:
             lengths = {len(item["input_ids"]) for item in items}
             ragged = len(lengths) > 1
             if ragged and self.pad_token_id is None:
-                raise DataError(f"column 'input_ids' holds sequences of different lengths {sorted(lengths)} in one "
+                raise CollateError(f"column 'input_ids' holds sequences of different lengths {sorted(lengths)} in one "
                                 "batch and no pad token is known: give the module one (HFModel(model, tokenizer=...) "
                                 "or pad_token_id=...), or a data_collator that pads, or pad the dataset")
         batch = self.padder(items)
@@ -113,8 +117,10 @@ class DatasetCollate:
             items = [self._kept(item) for item in items]
         try:
             return self.collate(items)
+        except CollateError:
+            raise
         except DataError as e:
-            raise DataError(f"the {self.what} dataset's items cannot be batched: {e}. Drop or fix that column "
+            raise CollateError(f"the {self.what} dataset's items cannot be batched: {e}. Drop or fix that column "
                             "(dataset.remove_columns([...]); remove_unused_columns=True drops the columns the model "
                             "does not take), or give the module a data_collator that batches it") from e
 
