@@ -15,13 +15,20 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
+import os
+import sys
+from pathlib import Path
 
 import pytest
 import torch
-from helpers import StopAt
 
-import lightlike as ll
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from helpers import StopAt  # noqa: E402
+from launching import launch  # noqa: E402
+
+import lightlike as ll  # noqa: E402
 
 datasets = pytest.importorskip("datasets")
 transformers = pytest.importorskip("transformers")
@@ -173,6 +180,13 @@ def test_a_stream_is_reshuffled_every_epoch_through_its_own_set_epoch(tmp_path):
     assert seen_ids(module) == expected[0] + expected[1]
 
 
+def test_a_stream_read_by_two_workers_gives_every_item_once(tmp_path):
+    """``datasets`` splits a stream over DataLoader workers itself (a shard each): not again."""
+    module = Sees()
+    ll.Fitter(max_steps=6, batch_size=4, num_workers=2, output_dir=str(tmp_path), **QUIET).fit(module, stream())
+    assert sorted(seen_ids(module)) == list(range(20))  # 2 workers x (4 + 4 + 2)
+
+
 def test_a_stream_killed_mid_epoch_resumes_with_the_items_of_the_uninterrupted_run(tmp_path):
     def go(out, stop=None, resume=None):
         torch.manual_seed(0)
@@ -188,3 +202,41 @@ def test_a_stream_killed_mid_epoch_resumes_with_the_items_of_the_uninterrupted_r
     resumed = go(tmp_path / "cut", resume=True)
     assert seen_ids(resumed) == seen_ids(reference)[4 * 3:]  # epoch 0's rest, then epoch 1's reshuffled start
     assert torch.equal(resumed.lin.weight, reference.lin.weight)
+
+
+class Predicts(Sees):
+    """Predicts each item's ``idx`` (for order checks) besides its logits."""
+
+    def predictions(self, outputs, batch):
+        return batch["idx"]
+
+
+def _two_process_target(out):
+    """Run by torchrun: each rank writes the items it trained on and the predictions it got."""
+    rank = int(os.environ["RANK"])
+    module = Predicts()
+    fitter = ll.Fitter(max_steps=6, batch_size=4, output_dir=str(out / "fit"), log_level="warning", **QUIET)
+    fitter.fit(module, stream())
+    predicted = fitter.predict(module, stream(9)).predictions.tolist()
+    (out / f"rank{rank}.json").write_text(json.dumps({"seen": seen_ids(module), "predicted": predicted}))
+
+
+def test_a_stream_on_two_processes_is_split_by_node(tmp_path):
+    p = launch(2, tmp_path, script=Path(__file__))
+    assert p.returncode == 0, p.stderr[-4000:]
+    from datasets.distributed import split_dataset_by_node
+
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    for rank, got in enumerate(ranks):
+        expected = []
+        for epoch in (0, 1):  # 10 items a rank: 3 batches an epoch, 6 steps
+            share = split_dataset_by_node(stream(), rank=rank, world_size=2)
+            share.set_epoch(epoch)
+            expected += [item["idx"] for item in share]
+        assert got["seen"] == expected
+        assert got["predicted"] == [item["idx"] for item in stream(9)]  # gathered whole, in the stream's order
+    assert sorted(ranks[0]["seen"][:10] + ranks[1]["seen"][:10]) == list(range(20))  # every item once
+
+
+if __name__ == "__main__":
+    _two_process_target(Path(sys.argv[1]))
