@@ -189,6 +189,7 @@ class HFModel(HFWrapper):
 
     def __init__(self, model: Any, *, tokenizer: Any = None, pad_token_id: int | None = None):
         from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+        from transformers.utils import find_labels
 
         if type(model).__name__ in set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()):
             raise ModuleContractError(
@@ -199,6 +200,9 @@ class HFModel(HFWrapper):
         super().__init__(model, ignore_index=IGNORE_INDEX, tokenizer=tokenizer, pad_token_id=pad_token_id)
         #: the model's forward takes use_cache: passed False (no key/value cache built or collected)
         self.cache_off = "use_cache" in module_batch_keys(model)
+        #: the batch keys the HF Trainer collects as labels (``find_labels``): ``labels``, or
+        #: ``start_positions`` and ``end_positions`` for question answering
+        self.label_names = tuple(find_labels(type(model)))
 
     @property
     def batch_keys(self) -> frozenset[str]:
@@ -218,6 +222,14 @@ class HFModel(HFWrapper):
         if self.cache_off and "use_cache" not in batch:
             return self.model(**batch, use_cache=False)
         return self.model(**batch)
+
+    def labels(self, batch: Any) -> Any:
+        """The batch's labels as the HF Trainer collects them (``label_names``), a tuple when
+        there are several; None when the batch lacks one."""
+        values = tuple(batch.get(k) for k in self.label_names) if isinstance(batch, Mapping) else ()
+        if not values or any(v is None for v in values):
+            return None
+        return values[0] if len(values) == 1 else values
 
     def loss(self, outputs: Any, batch: Any) -> torch.Tensor:
         loss = outputs.get("loss") if isinstance(outputs, Mapping) else getattr(outputs, "loss", None)

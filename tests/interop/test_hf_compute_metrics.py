@@ -7,7 +7,8 @@ The real Trainer (eval only, on the CPU) and lightlike evaluate the same tiny mo
 * a sequence classifier (BERT) on a GLUE-like set: the bare logits array, the labels,
   ``include_for_metrics`` inputs (padded with -100 across batches) and losses;
 * T5, whose outputs carry a key/value cache: a (logits, encoder states) tuple, no cache;
-* a causal LM with ``preprocess_logits_for_metrics`` (argmax per batch, before gathering).
+* a causal LM with ``preprocess_logits_for_metrics`` (argmax per batch, before gathering);
+* question answering: labels are the (start, end) positions' tuple, as the Trainer's.
 
 A compute_metrics that returns a non-dict is one error naming what to return.
 """
@@ -47,6 +48,7 @@ def received(into):
         into.append(eval_pred)
         predictions, labels = eval_pred[0], eval_pred[1]
         logits = predictions[0] if isinstance(predictions, tuple) else predictions
+        labels = labels[0] if isinstance(labels, tuple) else labels
         hits = logits == labels if logits.ndim == labels.ndim else logits.argmax(-1) == labels
         return {"hits": float(hits[labels != -100].mean())}
     return compute_metrics
@@ -155,3 +157,19 @@ def test_a_compute_metrics_returning_a_non_dict_says_what_to_return():
     data = datasets.Dataset.from_dict({"input_ids": [[2, 3], [4, 5]], "label": [0, 1]})
     with pytest.raises(ll.errors.ModuleContractError, match=r"compute_metrics returned a float: return a dict"):
         ll.Fitter(batch_size=2, loggers=[]).validate(module, data)
+
+
+def test_question_answering_labels_are_the_trainers_tuple_of_positions(tmp_path):
+    """The Trainer's label names for question answering (``find_labels``): a (start, end) tuple."""
+    data = datasets.Dataset.from_dict({"input_ids": [[2, 3, 4, 5], [6, 7], [8, 9, 10], [11, 12, 13]],
+                                       "start_positions": [1, 0, 2, 1], "end_positions": [2, 1, 2, 2]})
+    config = transformers.BertConfig(vocab_size=16, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                     intermediate_size=32, max_position_embeddings=16)
+    torch.manual_seed(0)
+    model = transformers.BertForQuestionAnswering(config)
+    want, _ = trainer_eval(copy.deepcopy(model), data, tmp_path, processing_class=tokenizer())
+    got, _ = lightlike_eval(HFModel(model, tokenizer=tokenizer()), data)
+    assert isinstance(got.label_ids, tuple) and len(got.label_ids) == 2  # start_positions, end_positions
+    assert_same(got.label_ids, want.label_ids)
+    assert isinstance(got.predictions, tuple) and len(got.predictions) == 2  # start_logits, end_logits
+    assert_same(got.predictions, want.predictions)
