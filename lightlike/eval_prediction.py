@@ -7,6 +7,9 @@ joins them. A ``compute_metrics`` that takes one argument is the HF Trainer's: i
 (as a method, a staticmethod, or set on the module: ``module.compute_metrics = compute_metrics``).
 The arrays are made once, at the end of an evaluation, from the joined tensors (bfloat16 as
 float32, which numpy lacks, as the Trainer does); padding stays ``PAD_VALUE`` (-100), as there.
+Each batch's predictions are first put in the form the Trainer's ``prediction_step`` gives
+(``TrainerForm``: a model output's values without its loss and cache, the bare logits when
+that is all), and ``preprocess_logits_for_metrics`` is applied to them, batch by batch.
 """
 
 from __future__ import annotations

@@ -492,7 +492,7 @@ def _evaluate_batch(model: Any, module: Any, strategy: Strategy, batch: Any, rea
         if streams:
             for s in streams.values():
                 s.update(outputs, batch)
-    if collect:
+    if form is not None:
         pred = call_hook(module.predictions, "predictions", batch, where, outputs, batch)
         tally.preds.append(detach_cpu(rows_only(form.predictions(pred, label), where)))
         if label is not None:
