@@ -79,7 +79,7 @@ def assert_same(got, want):
             assert_same(g, w)
         return
     assert got.dtype == want.dtype and got.shape == want.shape
-    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(got, want)
 
 
 def test_a_classifier_gets_the_bare_logits_inputs_and_losses_as_from_the_trainer(tmp_path):
