@@ -11,6 +11,7 @@
   ``set_epoch`` (each epoch's items are ``datasets``' own order for that epoch), and a run killed
   mid-epoch and resumed sees exactly the items the uninterrupted run sees; read by two DataLoader
   workers it gives every item once (``datasets`` splits it over them, lightlike does not again);
+  for evaluation it is read in the main process, in order;
 * on two processes (torchrun, gloo) each rank trains on ``split_dataset_by_node``'s share of a
   stream, and the predictions of a streamed and of a map-style set come back whole, in order.
 """
@@ -191,6 +192,13 @@ def test_a_stream_read_by_two_workers_gives_every_item_once(tmp_path):
     module = Sees()
     ll.Fitter(max_steps=6, batch_size=4, num_workers=2, output_dir=str(tmp_path), **QUIET).fit(module, stream())
     assert sorted(seen_ids(module)) == list(range(20))  # 2 workers x (4 + 4 + 2)
+
+
+def test_a_streamed_evaluation_set_is_read_in_order_in_the_main_process(tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="lightlike")
+    result = ll.Fitter(batch_size=3, num_workers=2, **QUIET).predict(Predicts(), stream(10))
+    assert result.predictions.tolist() == [item["idx"] for item in stream(10)]
+    assert "read in the main process (num_workers=0)" in caplog.text
 
 
 def test_a_stream_killed_mid_epoch_resumes_with_the_items_of_the_uninterrupted_run(tmp_path):
