@@ -257,6 +257,9 @@ class FitConfig:
             v = getattr(self, name)
             need(v is None or (isinstance(v, int) and v > 0), f"{name} must be a positive int or None, got {v!r}", name)
         need(self.num_workers >= 0, f"num_workers must be >= 0, got {self.num_workers}", "num_workers")
+        need(not isinstance(self.include_for_metrics, str) and set(self.include_for_metrics) <= {"inputs", "loss"},
+             f"include_for_metrics takes a list of 'inputs' and/or 'loss', got {self.include_for_metrics!r}",
+             "include_for_metrics")
         for name in ("learning_rate", "weight_decay", "adam_epsilon", "momentum", "lr_end"):
             v = getattr(self, name)
             need(math.isfinite(v), f"{name} must be finite, got {v!r}", name)

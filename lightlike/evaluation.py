@@ -33,9 +33,9 @@ from torch.utils.data import DataLoader
 from lightlike.best import greater_is_better, is_improvement  # noqa: F401  (also lightlike.evaluation's)
 from lightlike.data.workers import start_workers
 from lightlike.errors import ConfigError, DataError, LightlikeError, ModuleContractError, on_every_rank
-from lightlike.eval_prediction import call_compute_metrics, defines_compute_metrics
+from lightlike.eval_prediction import TrainerForm, call_compute_metrics, defines_compute_metrics
 from lightlike.interop.metrics import adapt_streaming_metrics
-from lightlike.module import TaskModule
+from lightlike.module import TaskModule, batch_length
 from lightlike.outputs import (  # noqa: F401  (PAD_VALUE: also lightlike.evaluation.PAD_VALUE)
     PAD_VALUE,
     concat,
@@ -402,6 +402,7 @@ def run_evaluation(
     keep_outputs: bool = False,
     compiled: Any = None,
     on_batch: Callable[[str, int, int | None], None] | None = None,
+    include: Any = (),
 ) -> tuple[dict[str, float], Any, Any]:
     """Evaluate one set. Returns ``(metrics, predictions, labels)``; predictions/labels are
     collected (on CPU, in dataset order) when ``keep_outputs`` (predict) or when the module
@@ -409,11 +410,13 @@ def run_evaluation(
     ``labels(batch)`` is None are unlabelled: no loss, no metrics, only predictions.
     ``compiled``: a fit's ``CompiledStep`` (``compile=True``), which computes forward, loss and
     metrics as one compiled function. ``on_batch(prefix, i, num_batches)``: called after each of
-    this rank's batches (the callbacks' ``on_eval_batch_end``; a progress bar)."""
+    this rank's batches (the callbacks' ``on_eval_batch_end``; a progress bar). ``include``:
+    ``FitConfig.include_for_metrics`` (``TrainerForm``: what an HF ``compute_metrics`` gets)."""
     num_batches = _num_batches(loader) if on_batch is not None else None
     streaming, streams, wants_whole_set = _streams_for(module, strategy, streaming)
     collect = keep_outputs or (wants_whole_set and not streaming)
     tally = _Tally(strategy.root_device, prefix)
+    form = TrainerForm(module, include) if collect else None
     # the mode comes back as it was: train(mode) of the user's module's (not a wrapper's) flag,
     # which runs a train() override, then each submodule that was in another mode than that
     # (a frozen BatchNorm in a training module) set back as it was
@@ -426,7 +429,7 @@ def run_evaluation(
             for i, (batch, real) in enumerate(_in_lockstep(batches, strategy) if strategy.forward_is_collective
                                               else ((b, True) for b in batches)):
                 _evaluate_batch(model, module, strategy, strategy.batch_to_device(batch), real, i, tally,
-                                streams, collect, keep_outputs, compiled)
+                                streams, form, keep_outputs, compiled)
                 if on_batch is not None and real:
                     on_batch(prefix, i, num_batches)
         finally:
@@ -435,8 +438,9 @@ def run_evaluation(
                 if m.training != mode:  # a submodule in another mode than its parent (a frozen norm)
                     m.training = mode
     metrics, predictions, label_set = _joined(tally, loader, strategy, collect)
-    if tally.labelled and wants_whole_set and not streaming:
-        extra = call_compute_metrics(module, predictions, label_set) or {}  # HF's compute_metrics(eval_pred) too
+    label_set, inputs, losses = form.unpack(label_set) if form is not None else (label_set, None, None)
+    if tally.labelled and wants_whole_set and not streaming:  # HF's compute_metrics(eval_pred) too
+        extra = call_compute_metrics(module, predictions, label_set, inputs, losses) or {}
         metrics.update({f"{prefix}/{k}": _as_float(v, k) for k, v in extra.items()})
     if streams and tally.labelled:
         metrics.update({f"{prefix}/{k}": _as_float(s.compute(), k) for k, s in streams.items()})
@@ -452,9 +456,9 @@ def _num_batches(loader: Any) -> int | None:
 
 
 def _evaluate_batch(model: Any, module: Any, strategy: Strategy, batch: Any, real: bool, i: int, tally: _Tally,
-                    streams: Any, collect: bool, keep_outputs: bool, compiled: Any = None) -> None:
+                    streams: Any, form: TrainerForm | None, keep_outputs: bool, compiled: Any = None) -> None:
     """One batch: forward; loss and metrics into ``tally`` when it is labelled; its predictions
-    and labels kept when ``collect``. A stand-in batch (``real=False``: this rank's share is
+    and labels kept when ``form`` (how they are kept) is given. A stand-in batch (``real=False``: this rank's share is
     done) only runs a forward whose output is dropped, to keep the others' gathers company."""
     where = f"in {tally.prefix} batch {i}"
     if not real:
@@ -464,7 +468,9 @@ def _evaluate_batch(model: Any, module: Any, strategy: Strategy, batch: Any, rea
             else:
                 compiled.evaluate(model, batch, False, where)
         return
+    collect = form is not None
     label = call_hook(module.labels, "labels", batch, where, batch) if collect else None
+    loss = None
     # the default labels() reads mappings only: a tuple batch counts as labelled unless the
     # module's own labels() says otherwise
     default_labels = type(module).labels is _base_module().labels
@@ -486,11 +492,11 @@ def _evaluate_batch(model: Any, module: Any, strategy: Strategy, batch: Any, rea
         if streams:
             for s in streams.values():
                 s.update(outputs, batch)
-    if collect:
+    if form is not None:
         pred = call_hook(module.predictions, "predictions", batch, where, outputs, batch)
-        tally.preds.append(detach_cpu(rows_only(pred, where)))
+        tally.preds.append(detach_cpu(rows_only(form.predictions(pred, label), where)))
         if label is not None:
-            tally.labels.append(detach_cpu(label))
+            tally.labels.append(detach_cpu(form.labels(label, batch, loss, batch_length(batch))))
     tally.n_batches += 1
 
 

@@ -341,8 +341,9 @@ class Fitter:
         self.train_data = train_data = build_train_data(
             train, batch_size=cfg.batch_size, shuffle=cfg.shuffle, drop_last=cfg.drop_last,
             num_workers=cfg.num_workers, pin_memory=cfg.pin_memory, seed=cfg.seed,
-            rank=strategy.global_rank, world_size=strategy.world_size)
-        eval_sets = self._eval_loaders(val)
+            rank=strategy.global_rank, world_size=strategy.world_size, module=module,
+            remove_unused_columns=cfg.remove_unused_columns)
+        eval_sets = self._eval_loaders(val, module=module)
         for option in ("eval_every", "eval_on_epoch_end"):
             if getattr(cfg, option) and not eval_sets:
                 raise ConfigError(f"{option} is set but fit() got no evaluation data: pass val=..., or drop {option}")
@@ -422,13 +423,14 @@ class Fitter:
             self.strategy = strategy
         return self.strategy
 
-    def _eval_loaders(self, data: Any, default_name: str = "val") -> dict[str, Any]:
-        cfg, strategy = self.config, self.strategy
+    def _eval_loaders(self, data: Any, default_name: str = "val", module: Any = None) -> dict[str, Any]:
+        cfg, strategy, module = self.config, self.strategy, module if module is not None else self.module
         assert strategy is not None
         return {
             name: build_eval_loader(d, batch_size=cfg.eval_batch_size or cfg.batch_size,
                                     num_workers=cfg.num_workers, pin_memory=cfg.pin_memory,
-                                    rank=strategy.global_rank, world_size=strategy.world_size, name=name)
+                                    rank=strategy.global_rank, world_size=strategy.world_size, name=name,
+                                    module=module, remove_unused_columns=cfg.remove_unused_columns)
             for name, d in normalise_eval_sets(data, default_name).items()
         }
 
@@ -478,6 +480,7 @@ class Fitter:
             for name, loader in run.eval_sets.items():
                 m, _, _ = run_evaluation(self.model, self.module, loader, self.strategy, name,
                                          streaming=self.config.eval_streaming, compiled=run.compiled,
+                                         include=self.config.include_for_metrics,
                                          on_batch=self.callbacks.eval_batch_hook(self))  # a progress bar
                 metrics.update(m)
         state = self.state
@@ -534,7 +537,8 @@ class Fitter:
             model = self._prepare_for_eval(module)
             loader = self._eval_loaders(data, default_name="predict")["predict"]
             metrics, preds, labels = run_evaluation(model, module, loader, strategy, "predict",
-                                                    streaming=self.config.eval_streaming, keep_outputs=True)
+                                                    streaming=self.config.eval_streaming, keep_outputs=True,
+                                                    include=self.config.include_for_metrics)
             return PredictionResult(preds, labels, metrics)
 
     def search(self, module_factory: Any, space: Any, n_trials: int, **options: Any) -> Any:
@@ -551,7 +555,8 @@ class Fitter:
         model = self._prepare_for_eval(module)
         metrics: dict[str, float] = {}
         for name, loader in self._eval_loaders(data, default_name=default_name).items():
-            m, _, _ = run_evaluation(model, module, loader, strategy, name, streaming=self.config.eval_streaming)
+            m, _, _ = run_evaluation(model, module, loader, strategy, name, streaming=self.config.eval_streaming,
+                                     include=self.config.include_for_metrics)
             metrics.update(m)
         return metrics
 

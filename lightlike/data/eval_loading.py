@@ -18,6 +18,7 @@ from torch.utils.data import (
 )
 
 from lightlike.data.checked import CheckedDataset, DefaultCollate
+from lightlike.data.hf_datasets import loader_inputs
 from lightlike.data.iterable import ShardedIterable
 from lightlike.data.loader_info import (
     already_split,
@@ -45,6 +46,8 @@ def build_eval_loader(
     world_size: int = 1,
     collate_fn: Callable | None = None,
     name: str = "eval",
+    module: Any = None,
+    remove_unused_columns: bool = True,
 ) -> DataLoader:
     """In-order loader; on several ranks each takes a disjoint, unpadded share. It has its own
     generator: starting an iterator must not draw from the global RNG (that would perturb the
@@ -62,8 +65,11 @@ def build_eval_loader(
         return data
     if not isinstance(data, Dataset) and not hasattr(data, "__getitem__"):
         raise DataError(f"{name} data of type {type(data).__name__} is neither a Dataset nor a DataLoader")
+    inputs = loader_inputs(data, module, what=name, num_workers=num_workers, training=False,
+                           remove_unused_columns=remove_unused_columns)
+    data, num_workers, collate_fn = inputs.data, inputs.num_workers, collate_fn or inputs.collate_fn
     if isinstance(data, IterableDataset):
-        if (world_size > 1 or num_workers > 1) and not getattr(data, "shards_itself", False):
+        if (world_size > 1 or num_workers > 1) and not inputs.shards_itself:
             data = ShardedIterable(data, rank, world_size, block=batch_size)  # each item once, in order
         return DataLoader(data, batch_size=batch_size, num_workers=num_workers, collate_fn=collate_fn,
                           pin_memory=pin_memory, generator=torch.Generator(),

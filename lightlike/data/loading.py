@@ -20,6 +20,7 @@ from torch.utils.data import (
 )
 
 from lightlike.data.checked import CheckedDataset, DefaultCollate
+from lightlike.data.hf_datasets import loader_inputs, set_dataset_epoch
 from lightlike.data.iterable import ShardedIterable
 from lightlike.data.loader_info import (
     already_split,
@@ -211,6 +212,7 @@ class TrainData:
                         epoch, start, n, world, n - start, left_out)
 
     def _fresh_iterator(self, epoch: int) -> Any:
+        set_dataset_epoch(self.loader.dataset, epoch)  # a streaming dataset reshuffles through its own
         if self.generator is not None:
             self.generator.manual_seed(self.seed + epoch)  # DataLoader worker seeds
             if getattr(self.loader, "persistent_workers", False) and getattr(self.loader, "_iterator", None) is not None:
@@ -241,7 +243,12 @@ def build_train_data(
     rank: int = 0,
     world_size: int = 1,
     collate_fn: Callable | None = None,
+    module: Any = None,
+    remove_unused_columns: bool = True,
 ) -> TrainData:
+    """The training loader of ``data`` (a Dataset, a Hugging Face dataset or a DataLoader) and
+    what the loop needs to know about it; ``module`` names its ``data_collator`` and the columns
+    it reads (``lightlike/data/hf_datasets.py``)."""
     if data is None:
         raise DataError("fit() needs training data: fit(module, train_dataset, val_dataset)")
     if isinstance(data, DataLoader):
@@ -261,10 +268,13 @@ def build_train_data(
         raise DataError(
             f"training data of type {type(data).__name__} is neither a torch Dataset nor a DataLoader"
         )
+    inputs = loader_inputs(data, module, what="training", num_workers=num_workers, rank=rank, world_size=world_size,
+                           remove_unused_columns=remove_unused_columns)
+    data, num_workers, collate_fn = inputs.data, inputs.num_workers, collate_fn or inputs.collate_fn
     generator = torch.Generator()
     generator.manual_seed(seed)
     if isinstance(data, IterableDataset):
-        if (world_size > 1 or num_workers > 1) and not getattr(data, "shards_itself", False):
+        if (world_size > 1 or num_workers > 1) and not inputs.shards_itself:
             data = ShardedIterable(data, rank, world_size)  # each item once over ranks and workers
         loader = DataLoader(data, batch_size=batch_size, num_workers=num_workers, drop_last=drop_last,
                             pin_memory=pin_memory, collate_fn=collate_fn, generator=generator,

@@ -40,6 +40,7 @@ from torch.nn import functional as F
 from lightlike.checkpoint.export import export_weights, fsync_replace
 from lightlike.checkpoint.weights import load_safetensors
 from lightlike.data.collators import mask_padded_context
+from lightlike.data.hf_datasets import HFCollator
 from lightlike.data.keys import module_batch_keys
 from lightlike.errors import CheckpointError, DataError, ModuleContractError
 from lightlike.module import TaskModule, batch_length
@@ -54,12 +55,24 @@ class HFWrapper(TaskModule):
     """What every wrapper of a ``transformers`` model shares: the model is ``self.model``, its
     config is recorded in ``hparams["hf_config"]`` and its class in ``hparams["hf_class"]``
     (saved in every checkpoint as ``hparams.json``: what ``export_hf`` rebuilds it from), and
-    ``gradient_checkpointing=True`` switches on the model's own activation checkpointing."""
+    ``gradient_checkpointing=True`` switches on the model's own activation checkpointing.
 
-    def __init__(self, model: Any, *, ignore_index: int = IGNORE_INDEX):
+    ``data_collator`` batches the items of a dataset passed to ``fit``/``validate``/``predict``
+    (``lightlike.data.HFCollator``): sequences of different lengths are padded with
+    ``pad_token_id``, else the ``tokenizer``'s pad token (and its ``padding_side``), else the
+    model config's ``pad_token_id``; set ``module.data_collator`` to another collator (a
+    transformers one) to replace it."""
+
+    def __init__(self, model: Any, *, ignore_index: int = IGNORE_INDEX, tokenizer: Any = None,
+                 pad_token_id: int | None = None):
         super().__init__()
         self.model = model
         self.ignore_index = ignore_index
+        if pad_token_id is None and tokenizer is not None:
+            pad_token_id = getattr(tokenizer, "pad_token_id", None)
+        if pad_token_id is None:
+            pad_token_id = getattr(getattr(model, "config", None), "pad_token_id", None)
+        self.data_collator = HFCollator(pad_token_id, getattr(tokenizer, "padding_side", None) or "right")
         config = getattr(model, "config", None)
         if config is not None and hasattr(config, "to_json_string"):
             self.hparams["hf_config"] = json.loads(config.to_json_string(use_diff=False))
@@ -92,8 +105,9 @@ class HFCausalLM(HFWrapper):
     The model is ``self.model``; its config is recorded in ``hparams["hf_config"]`` (saved in
     every checkpoint as ``hparams.json``), which is what ``export_hf`` rebuilds it from."""
 
-    def __init__(self, model: Any, *, ignore_index: int = IGNORE_INDEX, model_inputs: tuple[str, ...] = MODEL_INPUTS):
-        super().__init__(model, ignore_index=ignore_index)
+    def __init__(self, model: Any, *, ignore_index: int = IGNORE_INDEX, model_inputs: tuple[str, ...] = MODEL_INPUTS,
+                 tokenizer: Any = None, pad_token_id: int | None = None):
+        super().__init__(model, ignore_index=ignore_index, tokenizer=tokenizer, pad_token_id=pad_token_id)
         self.model_inputs = tuple(model_inputs)
 
     @property
@@ -173,15 +187,22 @@ class HFModel(HFWrapper):
     The labels are counted as they are, not shifted: a causal LM, whose loss shifts them inside,
     is refused here and belongs in ``HFCausalLM``."""
 
-    def __init__(self, model: Any):
+    def __init__(self, model: Any, *, tokenizer: Any = None, pad_token_id: int | None = None):
         from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+        from transformers.utils import find_labels
 
         if type(model).__name__ in set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()):
             raise ModuleContractError(
                 f"HFModel got a causal LM ({type(model).__name__}), whose loss shifts the labels by one inside: "
                 "counting them as they are would weigh its micro-batches wrongly. Wrap it in "
                 "lightlike.interop.HFCausalLM instead")
-        super().__init__(model, ignore_index=IGNORE_INDEX)  # what transformers' losses ignore
+        # what transformers' losses ignore
+        super().__init__(model, ignore_index=IGNORE_INDEX, tokenizer=tokenizer, pad_token_id=pad_token_id)
+        #: the model's forward takes use_cache: passed False (no key/value cache built or collected)
+        self.cache_off = "use_cache" in module_batch_keys(model)
+        #: the batch keys the HF Trainer collects as labels (``find_labels``): ``labels``, or
+        #: ``start_positions`` and ``end_positions`` for question answering
+        self.label_names = tuple(find_labels(type(model)))
 
     @property
     def batch_keys(self) -> frozenset[str]:
@@ -192,7 +213,23 @@ class HFModel(HFWrapper):
         if not isinstance(batch, Mapping):
             raise ModuleContractError(f"HFModel takes a dict batch (the model's keyword arguments: input_ids, "
                                       f"labels, ...), got {type(batch).__name__}")
+        for key, value in batch.items():
+            if type(value) is list and value and not isinstance(value[0], torch.Tensor):
+                raise DataError(
+                    f"batch column {key!r} holds {type(value[0]).__name__} values, which {type(self.model).__name__} "
+                    f"cannot take: drop the column (remove_unused_columns=True drops the columns the model's forward "
+                    f"does not name; dataset.remove_columns([{key!r}])) or turn it into numbers (tokenize it)")
+        if self.cache_off and "use_cache" not in batch:
+            return self.model(**batch, use_cache=False)
         return self.model(**batch)
+
+    def labels(self, batch: Any) -> Any:
+        """The batch's labels as the HF Trainer collects them (``label_names``), a tuple when
+        there are several; None when the batch lacks one."""
+        values = tuple(batch.get(k) for k in self.label_names) if isinstance(batch, Mapping) else ()
+        if not values or any(v is None for v in values):
+            return None
+        return values[0] if len(values) == 1 else values
 
     def loss(self, outputs: Any, batch: Any) -> torch.Tensor:
         loss = outputs.get("loss") if isinstance(outputs, Mapping) else getattr(outputs, "loss", None)
