@@ -1,0 +1,105 @@
+"""NEFTune (Jain et al., 2023, "NEFTune: Noisy Embeddings Improve Instruction Finetuning").
+
+``neftune_noise_alpha=alpha`` adds uniform noise to the output of the module's input embeddings
+while training: for each item ``i`` of a batch of embeddings ``(batch, length, dim)``,
+``U(-a_i, a_i)`` with ``a_i = alpha / sqrt(L_i * dim)``, drawn as
+``torch.empty_like(embeddings).uniform_(-1, 1) * a_i`` from torch's generator of the embeddings'
+device (the one lightlike's checkpoints save, so a resumed fit draws the same noise). ``L_i`` is
+item ``i``'s real length, the sum of its ``attention_mask`` row when the batch given to the module
+is a dict with an ``attention_mask`` of the embeddings' ``(batch, length)`` shape, else the
+padded ``length`` (the HF Trainer always uses the padded length; with no padding the two agree).
+
+No noise is added where the embedding module is in eval mode (evaluation and prediction). The
+hooks are the only change: ``NEFTuneHooks.remove()`` leaves the modules exactly as they came.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightlike.errors import ConfigError
+
+
+def input_embeddings(module: nn.Module) -> nn.Module:
+    """The module whose output NEFTune makes noisy: ``module.input_embeddings()`` where the module
+    defines it; else the input embeddings of the ``transformers`` model it holds as ``model``
+    (``HFModel``, ``HFCausalLM``; PEFT models too) or is itself (``get_input_embeddings()``).
+    A ``ConfigError`` saying how to name one otherwise."""
+    own = getattr(module, "input_embeddings", None)
+    if callable(own):
+        found = own()
+    else:
+        holder = getattr(module, "model", None)
+        holder = holder if callable(getattr(holder, "get_input_embeddings", None)) else module
+        getter = getattr(holder, "get_input_embeddings", None)
+        found = getter() if callable(getter) else None
+    if not isinstance(found, nn.Module):
+        raise ConfigError(
+            f"neftune_noise_alpha is set, but {type(module).__name__} names no input embeddings (got "
+            f"{type(found).__name__}): define a method input_embeddings(self) returning the nn.Embedding whose output "
+            "gets the noise (an HFModel/HFCausalLM finds it by get_input_embeddings()), or drop neftune_noise_alpha",
+            settings=("neftune_noise_alpha",))
+    return found
+
+
+class NEFTuneHooks:
+    """The two hooks of one fit: a forward pre-hook on the ``TaskModule`` that reads each batch's
+    ``attention_mask``, and a forward hook on its input embeddings that adds the noise.
+    ``remove()`` takes both off (idempotent)."""
+
+    def __init__(self, module: nn.Module, alpha: float):
+        if not (isinstance(alpha, (int, float)) and math.isfinite(alpha) and alpha > 0):
+            raise ConfigError(f"neftune_noise_alpha must be a finite number > 0 (the paper uses 5, 10, 15), got "
+                              f"{alpha!r}", settings=("neftune_noise_alpha",))
+        self.alpha = float(alpha)
+        self.embeddings = input_embeddings(module)
+        self.mask: torch.Tensor | None = None
+        self.handles = [module.register_forward_pre_hook(self._read_mask),
+                        self.embeddings.register_forward_hook(self._add_noise)]
+
+    def _read_mask(self, module: nn.Module, args: tuple[Any, ...]) -> None:
+        batch = args[0] if args else None
+        self.mask = batch.get("attention_mask") if isinstance(batch, Mapping) else None
+
+    def _add_noise(self, module: nn.Module, args: tuple[Any, ...], output: torch.Tensor) -> torch.Tensor | None:
+        if not module.training:
+            return None
+        return output + neftune_noise(output, self.alpha, self.mask)
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles, self.mask = [], None
+
+
+def neftune_noise(embeddings: torch.Tensor, alpha: float, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """The noise added to ``embeddings`` ``(batch, length, dim)``: ``U(-a_i, a_i)`` per item, with
+    ``a_i = alpha / sqrt(L_i * dim)``, ``L_i`` the row sum of ``attention_mask`` where it has the
+    embeddings' ``(batch, length)`` shape (at least 1), else ``length``. Draws from torch's generator."""
+    if embeddings.ndim != 3:
+        raise ConfigError(f"neftune_noise_alpha: the input embeddings gave a tensor of shape {tuple(embeddings.shape)}, "
+                          "not (batch, length, dim)", settings=("neftune_noise_alpha",))
+    batch, length, dim = embeddings.shape
+    if attention_mask is not None and tuple(attention_mask.shape) == (batch, length):
+        lengths = attention_mask.sum(-1).clamp(min=1).to(torch.float32)
+    else:
+        lengths = torch.full((batch,), float(length), device=embeddings.device)
+    scale = alpha / torch.sqrt(lengths.to(embeddings.device) * dim)
+    noise = torch.empty_like(embeddings).uniform_(-1, 1)
+    return noise * scale.to(embeddings.dtype).view(batch, 1, 1)
+
+
+def attach_neftune(module: nn.Module, alpha: float | None, previous: NEFTuneHooks | None = None) -> NEFTuneHooks | None:
+    """The fit's NEFTune hooks on ``module`` (None when ``alpha`` is None), after removing
+    ``previous`` (an earlier try's, say)."""
+    if previous is not None:
+        previous.remove()
+    return None if alpha is None else NEFTuneHooks(module, alpha)
+
+
+__all__ = ["NEFTuneHooks", "attach_neftune", "input_embeddings", "neftune_noise"]
