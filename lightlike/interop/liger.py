@@ -26,14 +26,14 @@ _SETTINGS = ("use_liger_kernel", "liger_kernel_config")
 def liger_model(module: Any) -> Any:
     """The ``transformers`` model Liger patches: the one an ``HFModel``/``HFCausalLM`` holds as
     ``model`` (the base model of a PEFT model), or ``module`` itself; a ``ConfigError`` otherwise."""
-    candidate = getattr(module, "model", module)
-    get_base = getattr(candidate, "get_base_model", None)  # a PeftModel: its transformers model
-    if callable(get_base):
-        candidate = get_base()
     try:
         from transformers import PreTrainedModel
     except ImportError:
         PreTrainedModel = None  # noqa: N806  (no transformers: the module holds no transformers model)
+    candidate = module if PreTrainedModel and isinstance(module, PreTrainedModel) else getattr(module, "model", module)
+    get_base = getattr(candidate, "get_base_model", None)  # a PeftModel: its transformers model
+    if callable(get_base):
+        candidate = get_base()
     if PreTrainedModel is None or not isinstance(candidate, PreTrainedModel):
         raise ConfigError(
             f"use_liger_kernel=True patches a transformers model, and {type(module).__name__} holds none (its model is a "

@@ -142,8 +142,9 @@ def test_a_fit_with_neftune_equals_a_hand_written_loop_with_the_same_hook(tmp_pa
                              {"params": [p for p in ref.parameters() if p.ndim < 2], "weight_decay": 0.0}],
                             lr=1e-2, fused=True)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: max(0.0, (steps - s) / steps))
-    torch.manual_seed(seed)
-    for batch in list(DataLoader(data, batch_size=4))[:steps]:
+    batches = list(DataLoader(data, batch_size=4))[:steps]  # (a DataLoader's iterator draws from the generator)
+    torch.manual_seed(seed)  # the Fitter seeds it at set-up
+    for batch in batches:
         ref.loss(ref(batch), batch).backward()
         opt.step()
         sched.step()
