@@ -75,14 +75,10 @@ def check_liger_config(liger: Any, model: Any, kernel_config: dict[str, Any]) ->
 def apply_liger(module: Any, config: Any, device_type: str) -> None:
     """With ``config.use_liger_kernel``: liger-kernel's kernels applied to the ``transformers``
     model in ``module`` (``liger_model``), whose fit runs on ``device_type``; each reason it
-    cannot be is a ``ConfigError``. Without it: nothing (a non-empty ``liger_kernel_config`` is
-    an error: it would be ignored)."""
-    kernel_config = dict(config.liger_kernel_config or {})
-    if not config.use_liger_kernel:
-        if kernel_config:
-            raise ConfigError("liger_kernel_config is set but use_liger_kernel is False: set use_liger_kernel=True, "
-                              "or drop liger_kernel_config", settings=_SETTINGS)
+    cannot be is a ``ConfigError``. Without it: nothing."""
+    if not config.use_liger_kernel:  # (a liger_kernel_config without it: FitConfig.validate refuses it)
         return
+    kernel_config = dict(config.liger_kernel_config or {})
     model = liger_model(module)
     if device_type != "cuda":
         raise ConfigError(f"use_liger_kernel=True: liger-kernel's kernels are Triton kernels for CUDA GPUs, and this "

@@ -68,10 +68,9 @@ def test_a_module_without_a_transformers_model_is_refused_by_name(tmp_path):
 
 
 def test_a_liger_kernel_config_without_use_liger_kernel_is_an_error_not_ignored(tmp_path):
-    fitter = ll.Fitter(max_steps=2, batch_size=4, liger_kernel_config={"rope": False}, output_dir=str(tmp_path),
-                       loggers=[], accelerator="cpu")
-    with pytest.raises(ConfigError, match="use_liger_kernel is False"):
-        fitter.fit(Classifier(), DictDataset(n=8))
+    with pytest.raises(ConfigError, match="use_liger_kernel is False") as e:
+        ll.Fitter(max_steps=2, liger_kernel_config={"rope": False}, output_dir=str(tmp_path))
+    assert e.value.settings == ("use_liger_kernel", "liger_kernel_config")
 
 
 def test_the_patched_model_is_the_transformers_model_inside_the_wrapper_and_inside_peft():

@@ -255,10 +255,11 @@ def test_a_module_without_named_embeddings_and_a_bad_alpha_are_one_error_at_set_
     with pytest.raises(ConfigError, match="input_embeddings"):
         fitter.fit(module, DictDataset(n=8))
     assert fitter.state.global_step == 0 and hooks_of(module) == before
-    for bad in (0.0, -1.0, float("nan")):
-        with pytest.raises(ConfigError, match="neftune_noise_alpha"):
-            ll.Fitter(max_steps=2, neftune_noise_alpha=bad, output_dir=str(tmp_path), loggers=[]).fit(
-                BagOfEmbeddings(), Padded(n=8))
+    for bad in (0.0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(ConfigError, match="neftune_noise_alpha must be a finite number > 0"):
+            ll.Fitter(max_steps=2, neftune_noise_alpha=bad, output_dir=str(tmp_path), loggers=[])
+        with pytest.raises(ConfigError, match="neftune_noise_alpha must be a finite number > 0"):
+            NEFTuneHooks(BagOfEmbeddings(), bad)
 
 
 def test_an_hf_causal_lm_gets_the_noise_on_its_input_embeddings(tmp_path):
