@@ -293,3 +293,20 @@ def test_an_hf_causal_lm_gets_the_noise_on_its_input_embeddings(tmp_path):
     assert torch.equal(got[0], clean + neftune_noise(clean, 5.0, batch["attention_mask"]))
     assert torch.equal(got[1], clean)
     assert hooks_of(module) == before
+
+
+def test_under_ddp_each_rank_adds_the_papers_noise_and_leaves_no_hook(tmp_path):
+    """Two processes (torchrun, gloo): every training forward's embeddings, as the DDP-wrapped
+    module made them, equal the hand-computed noise (real lengths) from that moment's random state."""
+    import json
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from launching import SCRIPTS, run_ok
+
+    run_ok(2, tmp_path, script=SCRIPTS / "neftune_target.py")
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    for got in ranks:
+        assert got["checks"] == [True] * 4 and got["neftune_on_during_fit"] and got["hooks_left"] == 0
+    assert ranks[0]["weights"] == ranks[1]["weights"]
