@@ -67,8 +67,8 @@ class Fitter:
     in every checkpoint (``state-<name>.pt``, by the main rank) and restored before the first step
     of a resumed fit. During and after a fit,
     ``module``, ``model`` (the module as the strategy wrapped it), ``optimizer``, ``scheduler``,
-    ``state``, ``control``, ``strategy``, ``checkpointer`` and ``phase`` (what the fit is doing,
-    for error reports) are public.
+    ``state``, ``control``, ``strategy``, ``checkpointer``, ``neftune`` (the fit's NEFTune hooks) and
+    ``phase`` (what the fit is doing, for error reports) are public.
     """
 
     def __init__(self, config: FitConfig | None = None, *, callbacks: list[Callback] | None = None,
