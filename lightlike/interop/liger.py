@@ -47,13 +47,17 @@ def import_liger() -> Any:
     naming the extra (or Triton) when it is missing."""
     try:
         return importlib.import_module("liger_kernel.transformers.monkey_patch")
-    except ModuleNotFoundError as error:
-        if error.name and error.name.split(".")[0] == "triton":
+    except ImportError as error:
+        missing = (getattr(error, "name", None) or "").split(".")[0]
+        if missing == "triton":
             raise ConfigError("use_liger_kernel=True: liger-kernel is installed but Triton is not (liger-kernel's "
                               "kernels are Triton kernels): pip install triton, or drop use_liger_kernel",
                               settings=_SETTINGS) from error
-        raise ConfigError("use_liger_kernel=True needs liger-kernel: pip install 'lightlike[liger]' (on a machine "
-                          "with a CUDA GPU), or drop use_liger_kernel", settings=_SETTINGS) from error
+        if missing == "liger_kernel":
+            raise ConfigError("use_liger_kernel=True needs liger-kernel: pip install 'lightlike[liger]' (on a machine "
+                              "with a CUDA GPU), or drop use_liger_kernel", settings=_SETTINGS) from error
+        raise ConfigError(f"use_liger_kernel=True: liger-kernel failed to import ({error}): install a liger-kernel "
+                          "release made for this transformers, or drop use_liger_kernel", settings=_SETTINGS) from error
 
 
 def check_liger_config(liger: Any, model: Any, kernel_config: dict[str, Any]) -> None:
