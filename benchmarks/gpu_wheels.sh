@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The wheels the GPU machines' image lacks (DeepSpeed and what it needs: its Python is 3.12), for
 # tests/gpu/test_cuda.py's DeepSpeed cases, and liger-kernel (pure Python over the image's Triton) for
-# tests/gpu/test_liger.py and benchmarks/liger.py. Made here, where PyPI is reachable, into .whl/ (ignored
+# tests/gpu/test_liger_gpu.py and benchmarks/liger.py. Made here, where PyPI is reachable, into .whl/ (ignored
 # by git: .git/info/exclude); the device tool carries them (carry=[".whl"]) and
 # benchmarks/gpu_session.sh installs them there. ~5 MB.
 #

@@ -1,5 +1,5 @@
 """``use_liger_kernel`` where it cannot run: each reason is one ``ConfigError`` at set-up, before
-any step, and the model is left untouched. (On a GPU with liger-kernel: tests/gpu/test_liger.py.)"""
+any step, and the model is left untouched. (On a GPU with liger-kernel: tests/gpu/test_liger_gpu.py.)"""
 
 from __future__ import annotations
 

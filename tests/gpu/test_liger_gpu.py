@@ -1,4 +1,4 @@
-"""``use_liger_kernel=True`` on a GPU with liger-kernel (``LIGHTLIKE_TEST_GPU=1 pytest tests/gpu/test_liger.py``;
+"""``use_liger_kernel=True`` on a GPU with liger-kernel (``LIGHTLIKE_TEST_GPU=1 pytest tests/gpu/test_liger_gpu.py``;
 skipped without CUDA or liger-kernel: benchmarks/gpu_wheels.sh carries its wheel to a lent GPU).
 
 The same Llama from the same weights, trained by lightlike unpatched and patched (liger-kernel's
