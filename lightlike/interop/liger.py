@@ -28,18 +28,22 @@ def liger_model(module: Any) -> Any:
     ``model`` (the base model of a PEFT model), or ``module`` itself; a ``ConfigError`` otherwise."""
     try:
         from transformers import PreTrainedModel
-    except ImportError:
-        PreTrainedModel = None  # noqa: N806  (no transformers: the module holds no transformers model)
-    candidate = module if PreTrainedModel and isinstance(module, PreTrainedModel) else getattr(module, "model", module)
+    except ImportError:  # no transformers: the module holds no transformers model
+        raise _holds_none(module, module) from None
+    candidate = module if isinstance(module, PreTrainedModel) else getattr(module, "model", module)
     get_base = getattr(candidate, "get_base_model", None)  # a PeftModel: its transformers model
     if callable(get_base):
         candidate = get_base()
-    if PreTrainedModel is None or not isinstance(candidate, PreTrainedModel):
-        raise ConfigError(
-            f"use_liger_kernel=True patches a transformers model, and {type(module).__name__} holds none (its model is a "
-            f"{type(candidate).__name__}): wrap the model in lightlike.interop.HFCausalLM or HFModel, or drop "
-            "use_liger_kernel", settings=_SETTINGS)
+    if not isinstance(candidate, PreTrainedModel):
+        raise _holds_none(module, candidate)
     return candidate
+
+
+def _holds_none(module: Any, candidate: Any) -> ConfigError:
+    return ConfigError(
+        f"use_liger_kernel=True patches a transformers model, and {type(module).__name__} holds none (its model is a "
+        f"{type(candidate).__name__}): wrap the model in lightlike.interop.HFCausalLM or HFModel, or drop "
+        "use_liger_kernel", settings=_SETTINGS)
 
 
 def import_liger() -> Any:

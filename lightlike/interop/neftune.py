@@ -94,7 +94,7 @@ def neftune_noise(embeddings: torch.Tensor, alpha: float, attention_mask: torch.
     return noise * scale.to(embeddings.dtype).view(batch, 1, 1)
 
 
-def attach_neftune(module: nn.Module, alpha: float | None, previous: NEFTuneHooks | None = None) -> NEFTuneHooks | None:
+def attach_neftune(module: Any, alpha: float | None, previous: NEFTuneHooks | None = None) -> NEFTuneHooks | None:
     """The fit's NEFTune hooks on ``module`` (None when ``alpha`` is None), after removing
     ``previous`` (an earlier try's, say)."""
     if previous is not None:
