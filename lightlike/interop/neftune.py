@@ -6,8 +6,10 @@ while training: for each item ``i`` of a batch of embeddings ``(batch, length, d
 ``torch.empty_like(embeddings).uniform_(-1, 1) * a_i`` from torch's generator of the embeddings'
 device (the one lightlike's checkpoints save, so a resumed fit draws the same noise). ``L_i`` is
 item ``i``'s real length, the sum of its ``attention_mask`` row when the batch given to the module
-is a dict with an ``attention_mask`` of the embeddings' ``(batch, length)`` shape, else the
-padded ``length`` (the HF Trainer always uses the padded length; with no padding the two agree).
+is a dict with an ``attention_mask`` of the embeddings' ``(batch, length)`` shape (for the second
+call of the embeddings in one forward, a seq2seq decoder's input: ``decoder_attention_mask``),
+else the padded ``length`` (the HF Trainer always uses the padded length; with no padding the
+two agree).
 
 No noise is added where the embedding module is in eval mode (evaluation and prediction). The
 hooks are the only change: ``NEFTuneHooks.remove()`` leaves the modules exactly as they came.
@@ -22,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightlike.errors import ConfigError
+from lightlike.errors import ConfigError, ModuleContractError
 
 
 def input_embeddings(module: nn.Module) -> nn.Module:
@@ -48,33 +50,60 @@ def input_embeddings(module: nn.Module) -> nn.Module:
 
 
 class NEFTuneHooks:
-    """The two hooks of one fit: a forward pre-hook on the ``TaskModule`` that reads each batch's
-    ``attention_mask``, and a forward hook on its input embeddings that adds the noise.
-    ``remove()`` takes both off (idempotent)."""
+    """The hooks of one fit: a forward pre-hook on the ``TaskModule`` that reads each batch's
+    masks, a forward hook that marks the module's forward ended (a training forward that never
+    called the embeddings is an error, not a fit without noise), and a forward hook on its input
+    embeddings (and the ``nn.Embedding`` modules tied to their weight: T5's encoder's and
+    decoder's) that adds the noise. Within one forward of the module, the first call of the
+    embeddings takes ``attention_mask``'s lengths and the second (a seq2seq decoder's input)
+    ``decoder_attention_mask``'s, each where it has the embeddings' shape (else the padded
+    length). ``remove()`` takes the hooks off (idempotent)."""
 
     def __init__(self, module: nn.Module, alpha: float):
         if not (isinstance(alpha, (int, float)) and math.isfinite(alpha) and alpha > 0):
             raise ConfigError(f"neftune_noise_alpha must be a finite number > 0 (the paper uses 5, 10, 15), got "
                               f"{alpha!r}", settings=("neftune_noise_alpha",))
         self.alpha = float(alpha)
+        self.module_name = type(module).__name__
         self.embeddings = input_embeddings(module)
-        self.mask: torch.Tensor | None = None
-        self.handles = [module.register_forward_pre_hook(self._read_mask),
-                        self.embeddings.register_forward_hook(self._add_noise)]
+        weight = getattr(self.embeddings, "weight", None)  # the embeddings tied to it (T5's encoder's, decoder's)
+        tied = [m for m in module.modules() if isinstance(m, nn.Embedding) and weight is not None and m.weight is weight]
+        self.masks: list[Any] = []
+        self.calls, self.inside = 0, False
+        self.handles = [module.register_forward_pre_hook(self._read_masks),
+                        module.register_forward_hook(self._forward_ended),
+                        *(m.register_forward_hook(self._add_noise) for m in dict.fromkeys([self.embeddings, *tied]))]
 
-    def _read_mask(self, module: nn.Module, args: tuple[Any, ...]) -> None:
+    def _read_masks(self, module: nn.Module, args: tuple[Any, ...]) -> None:
         batch = args[0] if args else None
-        self.mask = batch.get("attention_mask") if isinstance(batch, Mapping) else None
+        keys = ("attention_mask", "decoder_attention_mask")
+        self.masks = [batch.get(k) for k in keys] if isinstance(batch, Mapping) else []
+        self.calls, self.inside = 0, True
+
+    def _forward_ended(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        self.masks, self.inside = [], False
+        if module.training and self.calls == 0:
+            raise ModuleContractError(
+                f"neftune_noise_alpha: {self.module_name}'s forward never called its input embeddings "
+                f"({type(self.embeddings).__name__}), so no noise was added: define input_embeddings() to return the "
+                "embedding module the forward calls, or drop neftune_noise_alpha")
 
     def _add_noise(self, module: nn.Module, args: tuple[Any, ...], output: torch.Tensor) -> torch.Tensor | None:
         if not module.training:
             return None
-        return output + neftune_noise(output, self.alpha, self.mask)
+        if not self.inside:  # a recomputation in backward would draw noise for lengths it cannot know
+            raise ModuleContractError(
+                "neftune_noise_alpha: the input embeddings ran outside the module's forward (activation "
+                "checkpointing around them recomputes them in backward), where the items' lengths are unknown: "
+                "checkpoint only the blocks after the embeddings, or drop neftune_noise_alpha")
+        mask = self.masks[self.calls] if self.calls < len(self.masks) else None
+        self.calls += 1
+        return output + neftune_noise(output, self.alpha, mask)
 
     def remove(self) -> None:
         for handle in self.handles:
             handle.remove()
-        self.handles, self.mask = [], None
+        self.handles, self.masks, self.inside = [], [], False
 
 
 def neftune_noise(embeddings: torch.Tensor, alpha: float, attention_mask: torch.Tensor | None = None) -> torch.Tensor:

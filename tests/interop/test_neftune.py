@@ -310,3 +310,94 @@ def test_under_ddp_each_rank_adds_the_papers_noise_and_leaves_no_hook(tmp_path):
     for got in ranks:
         assert got["checks"] == [True] * 4 and got["neftune_on_during_fit"] and got["hooks_left"] == 0
     assert ranks[0]["weights"] == ranks[1]["weights"]
+
+
+def test_a_seq2seq_models_decoder_input_takes_its_own_mask_or_the_padded_length():
+    """T5 embeds the encoder's and the decoder's inputs with one shared embedding: the encoder's
+    items take their attention_mask lengths, the decoder's (of the same length here) theirs from
+    decoder_attention_mask, or the padded length without it, never the encoder's."""
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    from lightlike.interop import HFModel
+
+    torch.manual_seed(0)
+    t5 = T5ForConditionalGeneration(T5Config(vocab_size=VOCAB, d_model=16, d_kv=8, d_ff=32, num_layers=1, num_heads=2,
+                                             decoder_start_token_id=0, pad_token_id=0))
+    module, shared = HFModel(t5), t5.encoder.embed_tokens  # tied to get_input_embeddings(), which is never called
+    assert shared is not t5.get_input_embeddings() and t5.decoder.embed_tokens.weight is shared.weight
+    data = Padded(n=4)
+    batch = next(iter(DataLoader(data, batch_size=4)))
+    encoder_mask = batch.pop("attention_mask")
+    batch = {"input_ids": batch["input_ids"], "attention_mask": encoder_mask, "labels": batch["input_ids"].roll(1, 1)}
+    decoder_mask = torch.ones_like(encoder_mask)
+    decoder_mask[:, -2:] = 0
+    calls: list[tuple] = []
+    hooks = NEFTuneHooks(module, 5.0)
+    handles = []
+    for embeddings in (t5.encoder.embed_tokens, t5.decoder.embed_tokens):
+        handles += [embeddings.register_forward_pre_hook(lambda m, a: calls.append((a[0].clone(), torch.get_rng_state()))),
+                    embeddings.register_forward_hook(lambda m, a, out: calls.append(out.detach().clone()))]
+    try:
+        module.train()
+        module(batch)
+        module({**batch, "decoder_attention_mask": decoder_mask})
+    finally:
+        for handle in handles:
+            handle.remove()
+        hooks.remove()
+    assert len(calls) == 8  # (input, state) and output, encoder and decoder, twice
+    decoder_lengths = [torch.full((4,), LENGTH), decoder_mask.sum(1)]
+    for forward in range(2):
+        for side, lengths in ((0, encoder_mask.sum(1)), (1, decoder_lengths[forward])):
+            (ids, state), noisy = calls[4 * forward + 2 * side], calls[4 * forward + 2 * side + 1]
+            g = torch.Generator()
+            g.set_state(state)
+            scale = 5.0 / torch.sqrt(lengths.to(torch.float32) * 16)
+            clean = nn.functional.embedding(ids, shared.weight).detach()
+            expected = clean + torch.empty(clean.shape).uniform_(-1, 1, generator=g) * scale.view(-1, 1, 1)
+            assert torch.equal(noisy, expected), (forward, side)
+    assert not torch.equal(encoder_mask.sum(1), torch.full((4,), LENGTH))
+
+
+def test_embeddings_recomputed_outside_the_modules_forward_are_one_clear_error():
+    """Activation checkpointing around the embeddings recomputes them in backward, where the
+    items' lengths are unknown: an error, not noise of another scale than the forward's."""
+    from torch.utils.checkpoint import checkpoint
+
+    from lightlike.errors import ModuleContractError
+
+    class CheckpointedEmbeddings(BagOfEmbeddings):
+        def forward(self, batch):
+            h = checkpoint(lambda ids: torch.tanh(self.emb(ids)), batch["input_ids"], use_reentrant=False)
+            m = batch["attention_mask"].unsqueeze(-1).to(h.dtype)
+            return self.head((h * m).sum(1) / m.sum(1))
+
+    module = CheckpointedEmbeddings()
+    batch = next(iter(DataLoader(Padded(n=4), batch_size=4)))
+    hooks = NEFTuneHooks(module, 5.0)
+    try:
+        loss = module.loss(module(batch), batch)
+        with pytest.raises(ModuleContractError, match="outside the module's forward"):
+            loss.backward()
+    finally:
+        hooks.remove()
+
+
+def test_a_training_forward_that_never_calls_the_named_embeddings_is_an_error_not_a_fit_without_noise(tmp_path):
+    class NamesAnother(BagOfEmbeddings):
+        def __init__(self):
+            super().__init__()
+            self.unused = nn.Embedding(VOCAB, DIM)
+
+        def input_embeddings(self):
+            return self.unused
+
+    from lightlike.errors import ModuleContractError
+
+    module = NamesAnother()
+    before = hooks_of(module)
+    fitter = ll.Fitter(max_steps=2, batch_size=4, neftune_noise_alpha=5.0, output_dir=str(tmp_path), loggers=[],
+                       model_summary=False, accelerator="cpu")
+    with pytest.raises(ModuleContractError, match="never called its input embeddings"):
+        fitter.fit(module, Padded(n=8))
+    assert fitter.state.global_step == 0 and hooks_of(module) == before
