@@ -8,10 +8,13 @@
 #      with CUDA's random state;
 #   3. benchmarks/overhead.py --device cuda: the per-step overhead on a tiny model on the GPU;
 #   4. benchmarks/gpt_throughput.py: FSDP2 under torchrun against a hand-written FSDP2 loop;
+#   4b. benchmarks/liger.py: use_liger_kernel=True against the unpatched Llama, peak memory and step time
+#      (tests/gpu/test_liger_gpu.py runs with test_cuda.py in 2.; liger-kernel's wheel from gpu_wheels.sh);
 #   5. the whole suite with the GPU visible, for what time is left of BUDGET seconds.
 # Results go to $OUT (the device tool's folder) or ./gpu-out.
 #
 #   bash benchmarks/gpu_session.sh            # BUDGET=540 s by default
+#   bash benchmarks/gpu_session.sh --tiny     # on the CPU: only the Liger line, on a tiny model (its own check)
 #
 # Through the device tool: run(command="bash benchmarks/gpu_session.sh", carry=[".whl"], timeout_s=600)
 # (.whl/ from benchmarks/gpu_wheels.sh: DeepSpeed, which the image lacks; without it its cases skip): with the
@@ -24,6 +27,16 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 start=$SECONDS
 left() { echo $((BUDGET - (SECONDS - start))); }
+liger_line() {  # Liger kernels against the unpatched model: peak memory and step time ratios
+  echo "== liger.py: use_liger_kernel=True against the unpatched Llama (peak memory, step time) $*"
+  timeout 120 "${PYTHON:-python3}" benchmarks/liger.py "$@" >"$OUT/liger.txt" 2>&1
+  echo "liger rc $?"
+  grep -E '^(Llama|HFCausalLM|loss from labels)' "$OUT/liger.txt"
+}
+if [ "${1:-}" = "--tiny" ]; then
+  liger_line --tiny
+  exit 0
+fi
 
 if ls .whl/*.whl >/dev/null 2>&1; then  # DeepSpeed and its needs (benchmarks/gpu_wheels.sh), carried
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -34,7 +47,7 @@ fi
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
   python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name())"
   python3 -c "import deepspeed; print('deepspeed', deepspeed.__version__)" 2>&1 | tail -1
-  python3 -m pip list 2>/dev/null | grep -i -E '^(torch|tensorboard|tqdm|safetensors|deepspeed|numpy|pytest|pytest-xdist|transformers|lightning|accelerate) '
+  python3 -m pip list 2>/dev/null | grep -i -E '^(torch|tensorboard|tqdm|safetensors|deepspeed|numpy|pytest|pytest-xdist|transformers|lightning|accelerate|liger[-_]kernel|triton) '
   nproc
 } >"$OUT/env.txt" 2>&1
 cat "$OUT/env.txt"
@@ -52,13 +65,15 @@ export LIGHTLIKE_TEST_GPU=1  # tests/conftest.py hides the GPU from the tests wi
 echo "== tests/gpu/test_cuda.py, $(left) s left"
 # one worker per test (pyproject's --dist loadfile and 4 workers ran the file's 14 tests one after
 # another: each launch starts CUDA, and over 180 s the last two, three launches each, did not finish)
-timeout 180 python3 -m pytest tests/gpu/test_cuda.py -n 14 --maxprocesses 14 --dist load -p no:cacheprovider \
+timeout 180 python3 -m pytest tests/gpu/test_cuda.py tests/gpu/test_liger_gpu.py -n 14 --maxprocesses 14 --dist load -p no:cacheprovider \
   -v -o console_output_style=classic --durations=0 --junitxml="$OUT/cuda.xml" >"$OUT/cuda.log" 2>&1
 grep -E ' (PASSED|FAILED|ERROR) |passed|failed' "$OUT/cuda.log" | sed 's/^\[gw[0-9]*\] *//' | tail -20
 
 echo "== overhead.py --device cuda"
 [ "$(left)" -gt 60 ] && timeout 60 python3 benchmarks/overhead.py --device cuda --steps 2000 --repeats 5 >"$OUT/overhead_cuda.txt" 2>&1
 tail -8 "$OUT/overhead_cuda.txt"
+
+[ "$(left)" -gt 150 ] && liger_line
 
 rest=$(left)
 if [ "$rest" -gt 100 ]; then

@@ -290,6 +290,11 @@ class FitConfig:
         if self.compile_mode is not None:
             _choice("compile_mode", self.compile_mode, COMPILE_MODES)
         self._check_compile_options()
+        alpha = self.neftune_noise_alpha  # NEFTune and Liger (lightlike/interop/neftune.py, liger.py)
+        need(alpha is None or (math.isfinite(alpha) and alpha > 0), "neftune_noise_alpha must be a finite number > 0 "
+             f"(the NEFTune paper uses 5, 10, 15) or None, got {alpha!r}", "neftune_noise_alpha")
+        need(self.use_liger_kernel or not self.liger_kernel_config, "liger_kernel_config is set but use_liger_kernel "
+             "is False: set use_liger_kernel=True, or drop liger_kernel_config", "use_liger_kernel", "liger_kernel_config")
         for name in ("log_level", "log_level_other_ranks"):
             _choice(name, getattr(self, name).strip().lower(), LOG_LEVELS, shown=getattr(self, name))
         for name in ("max_grad_norm", "max_grad_value"):

@@ -36,6 +36,8 @@ from lightlike.data.eval_loading import build_eval_loader, normalise_eval_sets
 from lightlike.data.loading import build_train_data
 from lightlike.errors import ConfigError, DataError
 from lightlike.evaluation import run_evaluation
+from lightlike.interop.liger import apply_liger
+from lightlike.interop.neftune import attach_neftune
 from lightlike.lazy import materialise_lazy_modules
 from lightlike.loggers import build_loggers, log_result
 from lightlike.loggers.console import setup_logging
@@ -65,8 +67,8 @@ class Fitter:
     in every checkpoint (``state-<name>.pt``, by the main rank) and restored before the first step
     of a resumed fit. During and after a fit,
     ``module``, ``model`` (the module as the strategy wrapped it), ``optimizer``, ``scheduler``,
-    ``state``, ``control``, ``strategy``, ``checkpointer`` and ``phase`` (what the fit is doing,
-    for error reports) are public.
+    ``state``, ``control``, ``strategy``, ``checkpointer``, ``neftune`` (the fit's NEFTune hooks) and
+    ``phase`` (what the fit is doing, for error reports) are public.
     """
 
     def __init__(self, config: FitConfig | None = None, *, callbacks: list[Callback] | None = None,
@@ -92,6 +94,7 @@ class Fitter:
         self.resumed_from: str | None = None
         self.phase = "set-up"
         self._resume_choice: Path | None = None  # where this fit's first try started (an out-of-memory retry's too)
+        self.neftune: Any = None  # a fit's NEFTune hooks (lightlike/interop/neftune.py), removed when it ends
 
     def init_module(self) -> Any:
         """Context in which to build a module too large for one device: ``with
@@ -126,6 +129,7 @@ class Fitter:
                 return result
         finally:
             self.preemption.uninstall()
+            self.neftune = attach_neftune(module, None, self.neftune)  # removed, whatever the exit
 
     def _fit_once(self, module: TaskModule, train: Any, val: Any, resume: bool | str | None) -> FitResult:
         run = self._set_up(module, train, val, resume)
@@ -367,12 +371,14 @@ class Fitter:
         that holds them (with the callbacks and the loop's state)."""
         cfg, strategy, module = self.config, self.strategy, self.module
         assert strategy is not None
+        apply_liger(module, cfg, strategy.root_device.type)  # use_liger_kernel: before the strategy wraps it
         if cfg.gradient_checkpointing:  # the module's own switch (HF's name), which it may override
             module.gradient_checkpointing_enable()
         else:
             module.gradient_checkpointing_disable()
         materialise_lazy_modules(module, run.train_data.loader)  # nn.LazyLinear & co.: shaped before wrapping
         module.zero_grad(set_to_none=True)  # gradients left by an earlier fit that failed, or by the user
+        self.neftune = attach_neftune(module, cfg.neftune_noise_alpha, self.neftune)  # off again when fit() ends
         if manual.is_manual(module):  # several optimizers, stepped by the module (lightlike/manual.py)
             model, pairs = manual.set_up(cfg, module, strategy)
             run.manual = manual.ManualStep(module, module.num_items, pairs)

@@ -7,6 +7,8 @@ used (``import lightlike`` imports none of them):
 * ``lightlike.interop.metrics``: ``torchmetrics`` objects as streaming metrics, reduced across
   processes (``TorchMetric``);
 * ``lightlike.search``: hyperparameter search over ``optuna`` (``Fitter.search``).
+* ``lightlike.interop.neftune`` and ``lightlike.interop.liger``: what ``neftune_noise_alpha`` and
+  ``use_liger_kernel`` do at a fit's set-up (liger-kernel is imported only with the latter).
 """
 
 from __future__ import annotations
