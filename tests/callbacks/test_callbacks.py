@@ -360,3 +360,22 @@ def test_a_nan_metric_never_counts_as_an_improvement():
         state.global_step = step
         stopper.on_evaluate(None, state, control, {"val/loss": value})
     assert not control.should_training_stop and stopper.best == 0.7
+
+
+def test_a_fresh_control_returned_clears_no_flag_another_callback_set(tmp_path):
+    """At step 3's on_step_end one callback sets ``control.should_save``; the next returns a fresh
+    ``Control(should_training_stop=True)``: both act (a checkpoint of step 3, and the fit stops
+    there). A merge that copied every flag of the returned Control would clear the save."""
+    class Save(ll.Callback):
+        def on_step_end(self, fitter, state, control):
+            if state.global_step == 3:
+                control.should_save = True
+
+    class Stop(ll.Callback):
+        def on_step_end(self, fitter, state, control):
+            if state.global_step == 3:
+                return ll.Control(should_training_stop=True)
+
+    result = fit(tmp_path, [Save(), Stop()], max_steps=8, save_strategy="no").fit(Classifier(), DictDataset(n=40))
+    assert result.global_step == 3
+    assert (tmp_path / "run" / "checkpoint-3" / "manifest.json").is_file()

@@ -102,6 +102,23 @@ def test_a_stop_signal_ends_a_fit_waiting_for_a_hung_worker(target, tmp_path):
     assert not _alive(worker)
 
 
+def test_the_grace_counts_from_the_signal_not_from_the_start_of_the_wait(target, tmp_path):
+    """The loop has waited for the hung batch longer than the grace (3 s) when SIGTERM comes:
+    it still gets its full grace after the signal before exiting with code 75 (a watchdog that
+    counted from the start of the wait would exit at once). A lower bound only: a slower machine
+    makes the time after the signal longer, never shorter."""
+    t = target("--hang", "--grace", "3")
+    t.wait_for("hung")
+    time.sleep(4.5)  # the wait is already past the grace
+    signalled = time.monotonic()
+    os.kill(t.p.pid, signal.SIGTERM)
+    code, err = t.finish(limit=60)
+    after = time.monotonic() - signalled
+    assert code == EXIT_PREEMPTED, err
+    assert "preemption_grace=3 s" in err
+    assert after >= 2.9, f"exited {after:.2f} s after the signal: the grace was counted from the wait's start"
+
+
 def test_a_second_sigterm_while_the_process_exits_keeps_exit_code_75(target, tmp_path):
     """SIGTERM after step 3: checkpoint-3 is saved and fit raises Preempted, with the handlers it
     found put back (the default ones). A second SIGTERM 0.3 s after fit raised, while the process

@@ -127,7 +127,7 @@ def test_the_best_checkpoint_follows_the_direction_of_the_metrics_name(tmp_path,
 
 
 def test_direction_rule_by_name():
-    lower = ["val/loss", "val/eval_loss", "val/error", "val/error_rate", "val/word_errors", "val/top5-err",
+    lower = ["val/loss", "val/eval_loss", "val/celoss", "val/EvalLoss", "val/error", "val/error_rate", "val/word_errors", "val/top5-err",
              "val/ppl", "val/perplexity", "val/cer", "val/mse", "val/RMSE", "val/mae", "val/nll"]
     higher = ["val/accuracy", "val/f1", "val/bleu", "val/auc", "val/terror_index", "val/precision"]
     assert [m for m in lower if greater_is_better(m, None)] == []
