@@ -250,12 +250,18 @@ def _missing_key_error(e: KeyError, batch: Mapping, who: str, where: str, where_
 
 
 def _sequence_read_error(e: TypeError, batch: Any, who: str, where: str, where_args: Any) -> DataError | None:
-    """A batch that is a tuple/list, read by key (``batch["x"]``): say so, naming the read."""
-    if not isinstance(batch, (list, tuple)) or "indices must be integers" not in str(e):
+    """A batch that is a tuple/list or a tensor, read by key (``batch["x"]``): say so, naming the read."""
+    as_tensor = isinstance(batch, torch.Tensor) and "invalid data type 'str'" in str(e)
+    if not as_tensor and (not isinstance(batch, (list, tuple)) or "indices must be integers" not in str(e)):
         return None
     known, container = _subscripted(e, batch)
     if not (known and container is batch):
         return None
+    if as_tensor:
+        return DataError(
+            f"{who} read the batch by key {where.format(*where_args)}, but the batch is a tensor of shape "
+            f"{tuple(batch.shape)}, not a mapping (a tensor given as the dataset is a dataset of its rows): use "
+            "the batch as a tensor, or give a dataset whose items are dicts ({'x': ..., 'y': ...})")
     return DataError(
         f"{who} read the batch by key {where.format(*where_args)}, but the batch is a {type(batch).__name__} of "
         f"{len(batch)} elements, not a mapping: index it by position (batch[0]) or let the dataset return dicts"

@@ -364,3 +364,39 @@ def test_seed_range_gives_distinct_streams_at_its_ends():
         streams.append(tuple(torch.rand(4).tolist()))
     assert len(set(streams)) == 4
     assert re.search(r"0 to 2\*\*32 - 1", ll.FitConfig.help()["seed"])
+
+
+class RowRegressor(ll.TaskModule):
+    """A module whose batch is a tensor of rows (``by_key``: one that reads ``batch["x"]``)."""
+
+    def __init__(self, by_key=False):
+        super().__init__()
+        self.by_key = by_key
+        self.lin = nn.Linear(4, 1)
+
+    def forward(self, batch):
+        return self.lin(batch["x"] if self.by_key else batch)
+
+    def loss(self, outputs, batch):
+        return outputs.pow(2).mean()
+
+
+def test_a_tensor_as_the_dataset_trains_as_its_rows_and_a_read_by_key_says_so(tmp_path):
+    """``fit(module, torch.randn(64, 4))`` ended in torch's ``new(): invalid data type 'str'``. A
+    tensor is a dataset of its rows: the weights equal a hand loop over its rows in batches; a
+    module that reads the batch by key gets one DataError saying the batch is a tensor."""
+    data = torch.randn(64, 4, generator=torch.Generator().manual_seed(0))
+    torch.manual_seed(0)
+    module = RowRegressor()
+    torch.manual_seed(0)
+    hand = RowRegressor()
+    fitter(tmp_path, max_steps=3, shuffle=False, optimizer="sgd", learning_rate=0.1, lr_scheduler="constant").fit(module, data)
+    opt = torch.optim.SGD(hand.parameters(), lr=0.1)
+    for i in range(3):
+        hand.loss(hand(data[4 * i:4 * i + 4]), None).backward()
+        opt.step()
+        opt.zero_grad()
+    assert all(torch.equal(a, b) for a, b in zip(module.parameters(), hand.parameters(), strict=True))
+    with pytest.raises(ll.DataError, match=r"the module read the batch by key at step 1, micro-batch 0, but the batch "
+                                           r"is a tensor of shape \(4, 4\), not a mapping"):
+        fitter(tmp_path, overwrite_output_dir=True).fit(RowRegressor(by_key=True), data)
