@@ -119,10 +119,51 @@ def _overrides(cb: Callback, event: str) -> bool:
     return getattr(method, "__func__", method) is not getattr(Callback, event)
 
 
+#: the hooks of Lightning's ``Callback`` and the HF Trainer's ``TrainerCallback`` that lightlike
+#: never calls, and the event that takes their place (None: none does)
+OTHER_HOOKS: dict[str, str | None] = {
+    "on_train_start": "on_fit_start", "on_train_begin": "on_fit_start", "on_train_end": "on_fit_end",
+    "on_train_epoch_start": "on_epoch_start", "on_epoch_begin": "on_epoch_start", "on_train_epoch_end": "on_epoch_end",
+    "on_train_batch_start": "on_step_start", "on_step_begin": "on_step_start", "on_train_batch_end": "on_step_end",
+    "on_pre_optimizer_step": "on_before_optimizer_step", "on_optimizer_step": "on_step_end",
+    "on_validation_start": "on_evaluate", "on_validation_end": "on_evaluate",
+    "on_validation_epoch_start": "on_evaluate", "on_validation_epoch_end": "on_evaluate",
+    "on_validation_batch_end": "on_eval_batch_end", "on_prediction_step": "on_eval_batch_end",
+    "on_save_checkpoint": "on_save", "on_init_end": None, "on_substep_end": None,
+    "on_before_backward": None, "on_after_backward": None, "on_before_zero_grad": None,
+    "on_test_start": None, "on_test_end": None, "on_predict_start": None, "on_predict_end": None,
+    "on_load_checkpoint": None, "on_sanity_check_start": None, "on_sanity_check_end": None,
+}
+
+
+def check_callbacks(callbacks: list[Any]) -> None:
+    """Each entry a ``Callback`` (else one ``ConfigError`` naming what it is); a hook named as in
+    Lightning or the HF Trainer that lightlike never calls is warned about, naming the event
+    that takes its place (a method that silently never runs would be a stop or a save not done)."""
+    for cb in callbacks:
+        if not isinstance(cb, Callback):
+            what = "a class, not an instance: pass " + f"{cb.__name__}()" if isinstance(cb, type) else \
+                f"an instance of {type(cb).__name__}"
+            raise ConfigError(f"callbacks= holds {what}, not a lightlike Callback: subclass lightlike.Callback and "
+                              f"override its events ({', '.join(EVENTS[:6])}, ...)", settings=("callbacks",))
+        for name, event in OTHER_HOOKS.items():
+            if callable(getattr(type(cb), name, None)):
+                instead = (f"override {event}(fitter, state, control{', ...' if event in PAYLOAD else ''}) instead"
+                           if event else "lightlike has no such event (no hook inside the step: the loop in "
+                           "lightlike/fitter.py is meant to be read)")
+                warnings.warn(f"{type(cb).__name__}.{name} is a Lightning / HF Trainer hook that lightlike never "
+                              f"calls: {instead}", UserWarning, stacklevel=3)
+
+
+#: events called with more than (fitter, state, control)
+PAYLOAD = ("on_log", "on_evaluate", "on_eval_batch_end", "on_save", "on_exception")
+
+
 class CallbackList:
     """Calls an event on every callback, in order."""
 
     def __init__(self, callbacks: list[Callback]):
+        check_callbacks(callbacks)
         self.callbacks = list(callbacks)
         # per event, the bound methods of the callbacks that override it: an event nobody
         # listens to costs one dict lookup per step

@@ -379,3 +379,30 @@ def test_a_fresh_control_returned_clears_no_flag_another_callback_set(tmp_path):
     result = fit(tmp_path, [Save(), Stop()], max_steps=8, save_strategy="no").fit(Classifier(), DictDataset(n=40))
     assert result.global_step == 3
     assert (tmp_path / "run" / "checkpoint-3" / "manifest.json").is_file()
+
+
+def test_a_lightning_or_hf_hook_lightlike_never_calls_is_warned_about_and_a_non_callback_refused(tmp_path):
+    """A callback ported from Lightning (``on_train_batch_end``) or the HF Trainer
+    (``on_step_begin``) would silently never run: each such method is warned about, naming the
+    event that takes its place; ``callbacks=[object()]`` (or a class) is one ConfigError."""
+    class Ported(ll.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            raise AssertionError("never called")
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            raise AssertionError("never called")
+
+        def on_after_backward(self, trainer, pl_module):
+            raise AssertionError("never called")
+
+    with pytest.warns(UserWarning) as caught:
+        fit(tmp_path, [Ported()], max_steps=1).fit(Classifier(), DictDataset(n=8))
+    said = [str(w.message) for w in caught]
+    assert any("Ported.on_train_batch_end is a Lightning / HF Trainer hook that lightlike never calls: override "
+               "on_step_end(fitter, state, control) instead" in m for m in said), said
+    assert any("Ported.on_step_begin" in m and "on_step_start(fitter, state, control)" in m for m in said), said
+    assert any("Ported.on_after_backward" in m and "no such event" in m for m in said), said
+    for bad, what in ((object(), "callbacks= holds an instance of object, not a lightlike Callback"),
+                      (ll.EarlyStopping, "callbacks= holds a class, not an instance: pass EarlyStopping\\(\\)")):
+        with pytest.raises(ll.ConfigError, match=what):
+            fit(tmp_path, [bad], max_steps=1, overwrite_output_dir=True).fit(Classifier(), DictDataset(n=8))
