@@ -447,10 +447,20 @@ def run_evaluation(
     label_set, inputs, losses = form.unpack(label_set) if form is not None else (label_set, None, None)
     if tally.labelled and wants_whole_set and not streaming:  # HF's compute_metrics(eval_pred) too
         extra = call_compute_metrics(module, predictions, label_set, inputs, losses) or {}
-        metrics.update({f"{prefix}/{k}": _as_float(v, k) for k, v in extra.items()})
+        _merge(metrics, {f"{prefix}/{k}": _as_float(v, k) for k, v in extra.items()}, module, "compute_metrics()")
     if streams and tally.labelled:
-        metrics.update({f"{prefix}/{k}": _as_float(s.compute(), k) for k, s in streams.items()})
+        _merge(metrics, {f"{prefix}/{k}": _as_float(s.compute(), k) for k, s in streams.items()}, module,
+               "streaming_metrics()")
     return metrics, predictions, label_set
+
+
+def _merge(metrics: dict[str, float], more: dict[str, float], module: Any, source: str) -> None:
+    """``more`` into ``metrics``; a key both give is ``source``'s, with a warning (once per
+    module class and key): a per-batch value replaced without a word would be misread."""
+    for key in sorted(more.keys() & metrics.keys()):
+        _warn_once((type(module), key), f"{source} of {type(module).__name__} gives {key!r}, which loss/metrics() "
+                   f"give too: {source}'s value is the one reported; rename one of them to keep both")
+    metrics.update(more)
 
 
 def _num_batches(loader: Any) -> int | None:
@@ -561,7 +571,7 @@ def _as_float(v: Any, key: str) -> float:
 _warned: set[type] = set()
 
 
-def _warn_once(key: type, message: str) -> None:
+def _warn_once(key: Any, message: str) -> None:
     if key not in _warned:
         _warned.add(key)
         log.warning(message)

@@ -400,3 +400,20 @@ def test_a_tensor_as_the_dataset_trains_as_its_rows_and_a_read_by_key_says_so(tm
     with pytest.raises(ll.DataError, match=r"the module read the batch by key at step 1, micro-batch 0, but the batch "
                                            r"is a tensor of shape \(4, 4\), not a mapping"):
         fitter(tmp_path, overwrite_output_dir=True).fit(RowRegressor(by_key=True), data)
+
+
+def test_a_compute_metrics_key_that_metrics_gives_too_is_warned_about(tmp_path, caplog):
+    """``metrics()`` gives the per-batch ``accuracy``; ``compute_metrics`` returns its own
+    ``accuracy``: it silently replaced the other. Now the reported value is still
+    compute_metrics' (the HF Trainer's only source), and a warning names the key, once."""
+    class Both(Classifier):
+        def compute_metrics(self, predictions, labels):
+            return {"accuracy": 0.25, "f1": 0.5}
+
+    with caplog.at_level(logging.WARNING, logger="lightlike"):
+        metrics = fitter(tmp_path).validate(Both(), DictDataset(n=8))
+        fitter(tmp_path).validate(Both(), DictDataset(n=8))
+    assert metrics["val/accuracy"] == 0.25 and metrics["val/f1"] == 0.5
+    said = [r.getMessage() for r in caplog.records if "gives 'val/accuracy'" in r.getMessage()]
+    assert said == ["compute_metrics() of Both gives 'val/accuracy', which loss/metrics() give too: compute_metrics()'s "
+                    "value is the one reported; rename one of them to keep both"]
