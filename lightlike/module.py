@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextvars
 import inspect
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -90,6 +90,14 @@ class TaskModule(nn.Module):
         """Return an optimizer, or ``(optimizer, scheduler)``, to take over from the built-in
         ones. A scheduler returned here is stepped once per optimizer step. Default: None. A
         module with ``training_step`` returns a list of optimizers (or of such pairs)."""
+        return None
+
+    def checkpoint_keys(self) -> Collection[str] | None:
+        """The keys of ``state_dict()`` that checkpoints hold; None (the default): all of them. A
+        module that trains a part of a frozen base names that part (``HFCausalLM``/``HFModel``
+        around a ``peft.PeftModel``: its adapter, through ``lightlike.checkpoint.frozen.trained_keys``);
+        its checkpoints then record the rest by a fingerprint, and a resume onto another base is
+        refused (docs/checkpoints.md)."""
         return None
 
     def gradient_checkpointing_enable(self) -> None:
