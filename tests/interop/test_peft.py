@@ -8,6 +8,7 @@ are the libraries themselves: peft and transformers reading back what was writte
 from __future__ import annotations
 
 import json
+import re
 import os
 import subprocess
 import sys
@@ -219,3 +220,20 @@ def test_save_only_model_and_load_best_at_end_load_the_adapter_into_the_base(tmp
     if best.name != "checkpoint-6":  # the final weights were replaced by the best ones
         last = load_file(str(tmp_path / "run" / "checkpoint-6" / "model.safetensors"))
         assert any(not torch.equal(last[k], saved[k]) for k in saved)
+
+
+def test_the_lora_example_runs_and_exports_an_adapter_peft_loads(tmp_path):
+    """examples/hf_lora.py, shortened: the loss on the text goes down, the checkpoint holds the
+    adapter alone, and the exported adapter loaded by peft gives the trained module's logits."""
+    out = tmp_path / "lora"
+    p = subprocess.run([sys.executable, str(ROOT / "examples" / "hf_lora.py"), "--max-steps", "12", "--output-dir",
+                        str(out)], capture_output=True, text=True, timeout=240, cwd=tmp_path,
+                       env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert p.returncode == 0, p.stderr[-3000:]
+    before, after = map(float, re.search(r"loss on the text: ([\d.]+) before, ([\d.]+) after", p.stdout).groups())
+    assert after < before
+    assert "PeftModel.from_pretrained gives the trained logits: True" in p.stdout
+    saved = load_file(str(out / "checkpoint-12" / "model.safetensors"))
+    assert saved and all("lora_" in k for k in saved)
+    assert (out / "adapter" / "adapter_model.safetensors").is_file()
+    assert (out / "merged" / "model.safetensors").is_file()
