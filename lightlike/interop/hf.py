@@ -19,7 +19,10 @@ and token classification, question answering, seq2seq, masked LM): ``forward`` i
 
 ``export_hf(checkpoint_dir or module, out_dir)`` writes a folder that the matching
 ``AutoModelFor....from_pretrained(out_dir)`` loads (``config.json`` naming the architecture,
-``model.safetensors``); tied embeddings are written once and tied again on load.
+``model.safetensors``); tied embeddings are written once and tied again on load. Around a
+``peft.PeftModel`` the wrappers checkpoint the adapter alone (``checkpoint_keys``) and
+``export_hf`` writes the adapter folder, or with ``merge=True`` the merged model
+(``lightlike/interop/peft.py``).
 
 transformers is imported only by ``export_hf`` and ``HFModel`` (and by whoever built the model).
 """

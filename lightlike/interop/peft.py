@@ -72,9 +72,9 @@ def adapter_model(state: Mapping[str, torch.Tensor], hparams: Mapping[str, Any],
     config = peft.PeftConfig.from_peft_type(**dict(hparams["peft_config"]))
     peft_model = peft.get_peft_model(model, config)
     own = peft_model.state_dict()
-    if base is not None:  # the base it was trained on? (the frozen part of the wrapper's state, by its names)
+    frozen = {prefix + k: v for k, v in own.items() if k not in state}  # none: a checkpoint of the whole model
+    if base is not None and frozen:  # the base it was trained on? (the frozen part of the wrapper's state, by name)
         saved = base_fingerprint_file(src)
-        frozen = {prefix + k: v for k, v in own.items() if k not in state}
         check_fingerprint(src, saved, fingerprint(frozen) if saved else None)
     trainable = [n for n, p in peft_model.named_parameters() if p.requires_grad]
     missing = [k for k in trainable if k not in state]
