@@ -180,6 +180,9 @@ class TaskModule(nn.Module):
             manifest = verify_checkpoint(p.parent, hashes=verify_hashes)
             if p.name not in manifest["files"]:
                 raise CheckpointError(f"{p.parent}: {p.name} is not listed in its {MANIFEST}")
+            from lightlike.checkpoint.frozen import check_base
+
+            check_base(self, p.parent)  # an adapter's checkpoint: trained on this module's base?
         state = load_file(str(p))
         from lightlike.checkpoint.weights import load_module_state
 

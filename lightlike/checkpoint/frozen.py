@@ -69,7 +69,7 @@ def fingerprint(state: Mapping[str, torch.Tensor]) -> str:
         t = state[name].detach()
         h.update(f"{name}|{t.dtype}|{tuple(t.shape)}\n".encode())
         if t.numel():
-            h.update(t.to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy())
+            h.update(t.to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
     return h.hexdigest()
 
 
@@ -133,6 +133,16 @@ def check_fingerprint(path: Path, saved: Mapping[str, Any] | None, current: str 
         "started from (same model, revision and dtype) before wrapping it, or start a new fit without resume")
 
 
+def check_base(module: nn.Module, path: Path) -> None:
+    """``module.load_weights`` of a checkpoint at ``path``: refuse it when it was trained on
+    another base than ``module``'s (its ``base_fingerprint.json`` against the module's frozen part)."""
+    saved = base_fingerprint_file(path)
+    if saved is None:
+        return
+    keys = checkpoint_keys(module)
+    check_fingerprint(path, saved, None if keys is None else fingerprint(frozen_state(module, keys)))
+
+
 def base_fingerprint_file(path: Path) -> Mapping[str, Any] | None:
     """The ``base_fingerprint.json`` of the checkpoint at ``path``, or None without one."""
     import json
@@ -143,5 +153,5 @@ def base_fingerprint_file(path: Path) -> Mapping[str, Any] | None:
     return json.loads(file.read_text()) if file.is_file() else None
 
 
-__all__ = ["BaseFingerprint", "check_fingerprint", "checkpoint_keys", "expected_state", "fingerprint",
+__all__ = ["BaseFingerprint", "check_base", "check_fingerprint", "checkpoint_keys", "expected_state", "fingerprint",
            "frozen_state", "saved_state", "trained_keys"]

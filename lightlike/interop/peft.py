@@ -94,7 +94,7 @@ def _base(base: Any, hf_config: Any, cls: type | None, dtype: torch.dtype) -> An
             model = cls(hf_config) if cls is not None else transformers.AutoModelForCausalLM.from_config(hf_config)
         return model.to(dtype)
     if isinstance(base, (str, os.PathLike)):
-        loader = cls if cls is not None else transformers.AutoModelForCausalLM
+        loader: Any = cls if cls is not None else transformers.AutoModelForCausalLM
         return loader.from_pretrained(str(base), dtype=dtype)
     if isinstance(base, torch.nn.Module):
         if is_peft_model(base):

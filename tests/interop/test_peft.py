@@ -8,8 +8,8 @@ are the libraries themselves: peft and transformers reading back what was writte
 from __future__ import annotations
 
 import json
-import re
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -124,6 +124,8 @@ def test_an_interrupted_lora_fit_resumes_bit_for_bit(tmp_path):
     fresh = lora_module()
     fresh.load_weights(tmp_path / "ref" / "checkpoint-6")
     assert all(torch.equal(fresh.state_dict()[k], want[k]) for k in want)
+    with pytest.raises(ll.CheckpointError, match="another base model"):  # ... and is refused on another base
+        lora_module(tiny_base(seed=7)).load_weights(tmp_path / "ref" / "checkpoint-6")
 
 
 def test_a_resume_onto_another_base_is_refused_naming_both_fingerprints(tmp_path):
@@ -237,3 +239,16 @@ def test_the_lora_example_runs_and_exports_an_adapter_peft_loads(tmp_path):
     assert saved and all("lora_" in k for k in saved)
     assert (out / "adapter" / "adapter_model.safetensors").is_file()
     assert (out / "merged" / "model.safetensors").is_file()
+
+
+def test_merge_of_a_model_without_an_adapter_is_refused(tmp_path):
+    with pytest.raises(ll.ConfigError, match=r"merge=True\) merges a PEFT adapter.*drop merge=True"):
+        export_hf(HFCausalLM(tiny_base()), tmp_path / "out", merge=True)
+    assert not (tmp_path / "out").exists()
+    fit(HFCausalLM(tiny_base()), tmp_path / "run", steps=2)
+    with pytest.raises(ll.ConfigError, match="holds a whole model, not a PEFT adapter"):
+        export_hf(tmp_path / "run" / "checkpoint-2", tmp_path / "out", merge=True)
+    p = subprocess.run([sys.executable, "-m", "lightlike", "export", str(tmp_path / "run" / "checkpoint-2"),
+                        str(tmp_path / "cli"), "--merge"], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert p.returncode == 2 and "--merge and --base are for a PEFT adapter's checkpoint" in p.stderr
