@@ -4,7 +4,7 @@
                   [--model.ARG VALUE ...] [--data FILE.py:FUNCTION] [--resume [CHECKPOINT]]
     lightlike validate|test|predict MODULE_PATH:ClassName [--checkpoint DIR] [same options]
     lightlike config [MODULE_PATH:ClassName] [same options] [--format toml|yaml|json] [--comments]
-    lightlike export CHECKPOINT_DIR OUT_DIR [--no-verify-hashes]
+    lightlike export CHECKPOINT_DIR OUT_DIR [--no-verify-hashes] [--merge --base BASE_DIR]
 
 Every ``FitConfig`` field is a flag and a config-file key, and every constructor argument of the
 module is a ``--model.NAME`` flag and a key of the file's ``model`` table, all generated (see
@@ -61,7 +61,8 @@ COMMANDS = {
     "test": "evaluate on the test data (test_data(), else val_data(), or --data); prints the metrics as JSON",
     "predict": "predictions in dataset order, written to output_dir/predictions.pt; prints the metrics",
     "config": "print the full resolved config (defaults filled in) as TOML, YAML or JSON",
-    "export": "write a plain model.safetensors (+ hparams/config) from a checkpoint",
+    "export": ("write a plain model.safetensors (+ hparams/config) from a checkpoint; a PEFT adapter's as the "
+               "adapter folder PeftModel.from_pretrained loads (--merge --base BASE_DIR: the merged model)"),
 }
 RUNS = ("fit", "validate", "test", "predict")
 EVALS = ("validate", "test", "predict")
@@ -493,9 +494,23 @@ def _cmd_export(argv: list[str]) -> int:
     p.add_argument("out_dir", help="where model.safetensors (+ hparams.json, config.json) go")
     p.add_argument("--no-verify-hashes", "--no_verify_hashes", dest="no_verify_hashes", action="store_true",
                    help="check sizes only (fast, for huge models)")
+    p.add_argument("--merge", action="store_true",
+                   help="a PEFT adapter's checkpoint: write the merged model (needs --base) instead of the adapter")
+    p.add_argument("--base", default=None, help="a PEFT adapter's checkpoint: the base model's folder "
+                   "(from_pretrained), checked against the checkpoint's base fingerprint")
     args = p.parse_args(argv)
 
-    path = export_weights(args.checkpoint_dir, args.out_dir, hashes=not args.no_verify_hashes)
+    hparams = Path(args.checkpoint_dir) / HPARAMS_FILE
+    if hparams.is_file() and json.loads(hparams.read_text()).get("peft_config"):  # the adapter alone
+        from lightlike.interop.hf import export_hf
+
+        path = export_hf(args.checkpoint_dir, args.out_dir, hashes=not args.no_verify_hashes, base=args.base,
+                         merge=args.merge)
+    elif args.merge or args.base:
+        raise ConfigError(f"--merge and --base are for a PEFT adapter's checkpoint; {args.checkpoint_dir} holds a "
+                          "whole model (its hparams.json names no peft_config): drop them")
+    else:
+        path = export_weights(args.checkpoint_dir, args.out_dir, hashes=not args.no_verify_hashes)
     print(f"wrote {path}")
     return 0
 

@@ -25,6 +25,7 @@ from lightlike.callbacks.base import Callback, CallbackList
 from lightlike.callbacks.checks import built_in_callbacks
 from lightlike.callbacks.progress import ProgressBar
 from lightlike.checkpoint.checkpointer import Checkpointer
+from lightlike.checkpoint.frozen import BaseFingerprint
 from lightlike.checkpoint.lock import output_dir_locked
 from lightlike.checkpoint.registry import user_states
 from lightlike.checkpoint.resume import resolve_resume
@@ -379,6 +380,7 @@ class Fitter:
         materialise_lazy_modules(module, run.train_data.loader)  # nn.LazyLinear & co.: shaped before wrapping
         module.zero_grad(set_to_none=True)  # gradients left by an earlier fit that failed, or by the user
         self.neftune = attach_neftune(module, cfg.neftune_noise_alpha, self.neftune)  # off again when fit() ends
+        base = BaseFingerprint.of(module)  # of the frozen base a partial module checkpoints without, before sharding
         if manual.is_manual(module):  # several optimizers, stepped by the module (lightlike/manual.py)
             model, pairs = manual.set_up(cfg, module, strategy)
             run.manual = manual.ManualStep(module, module.num_items, pairs)
@@ -399,7 +401,8 @@ class Fitter:
         self.resumed_from = None
         self.checkpointer = Checkpointer(cfg, strategy, module=module, model=model, optimizer=optimizer,
                                          scheduler=scheduler, callbacks=self.callbacks,
-                                         loop=LoopState(self.state, run.losses, run.train_data), states=self.states)
+                                         loop=LoopState(self.state, run.losses, run.train_data), states=self.states,
+                                         base=base)
 
     def _set_up_step(self, run: FitRun, pairs: list[tuple[Any, Any]]) -> None:
         """The training step (the module's own, or the automatic one) and the step context it

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextvars
 import inspect
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -92,6 +92,14 @@ class TaskModule(nn.Module):
         module with ``training_step`` returns a list of optimizers (or of such pairs)."""
         return None
 
+    def checkpoint_keys(self) -> Collection[str] | None:
+        """The keys of ``state_dict()`` that checkpoints hold; None (the default): all of them. A
+        module that trains a part of a frozen base names that part (``HFCausalLM``/``HFModel``
+        around a ``peft.PeftModel``: its adapter, through ``lightlike.checkpoint.frozen.trained_keys``);
+        its checkpoints then record the rest by a fingerprint, and a resume onto another base is
+        refused (docs/checkpoints.md)."""
+        return None
+
     def gradient_checkpointing_enable(self) -> None:
         """Switch activation checkpointing on. The Fitter calls it at set-up when
         ``gradient_checkpointing=True`` (and ``gradient_checkpointing_disable()`` otherwise).
@@ -172,6 +180,9 @@ class TaskModule(nn.Module):
             manifest = verify_checkpoint(p.parent, hashes=verify_hashes)
             if p.name not in manifest["files"]:
                 raise CheckpointError(f"{p.parent}: {p.name} is not listed in its {MANIFEST}")
+            from lightlike.checkpoint.frozen import check_base
+
+            check_base(self, p.parent)  # an adapter's checkpoint: trained on this module's base?
         state = load_file(str(p))
         from lightlike.checkpoint.weights import load_module_state
 

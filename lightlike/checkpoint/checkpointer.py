@@ -6,6 +6,8 @@ Layout of ``output_dir/checkpoint-{step}/`` (every file listed with size and che
     model.safetensors     full weights (strategies that shard write their own files instead;
                           the manifest's meta names the layout: ``state_format``)
     hparams.json          the module's hyperparameters, when it recorded any
+    base_fingerprint.json the frozen base's fingerprint, when the module checkpoints only the
+                          part it trains (``TaskModule.checkpoint_keys``; ``frozen.py``)
     config.json           the FitConfig of the run
     optimizer.pt          optimizer state (the strategy's too)  \\
     scheduler.pt          LR scheduler state                     |
@@ -56,7 +58,7 @@ class Checkpointer:
 
     def __init__(self, config: FitConfig, strategy: Any, *, module: Any, model: Any, optimizer: Any,
                  scheduler: Any, callbacks: Any, loop: LoopState, states: Mapping[str, Any] | None = None,
-                 registry: Registry | None = None):
+                 registry: Registry | None = None, base: Any = None):
         """The fit's objects; ``registry`` defaults to ``Registry.of_fit`` of them, with the user's
         ``states`` (``Fitter(states=...)``) after the built-in entries."""
         self.strategy = strategy
@@ -64,7 +66,7 @@ class Checkpointer:
         self.callbacks, self.loop = callbacks, loop
         self.registry = registry if registry is not None else Registry.of_fit(
             config, strategy, module=module, optimizer=optimizer, scheduler=scheduler, callbacks=callbacks,
-            loop=loop, states=states)
+            loop=loop, states=states, base=base)
         self.config = config
         self.in_flight: tuple[CheckpointWriter, Any, Any] | None = None  # (writer, shards' future, seal's future)
         self.resumed_from: str | None = None

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightlike.checkpoint.frozen import expected_state, saved_state
 from lightlike.checkpoint.weights import check_shapes, save_safetensors
 from lightlike.errors import CheckpointError
 
@@ -38,10 +39,10 @@ def save_dcp_state(directory: Path, module: nn.Module, optimizer: torch.optim.Op
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
     if optimizer is None:
-        state: dict[str, Any] = {"model": get_model_state_dict(module)}
+        state: dict[str, Any] = {"model": saved_state(module, get_model_state_dict(module))}
     else:
         model_sd, optim_sd = get_state_dict(module, optimizer)
-        state = {"model": model_sd, "optim": optim_sd}
+        state = {"model": saved_state(module, model_sd), "optim": optim_sd}  # what checkpoint_keys() names
     writer = dcp.FileSystemWriter(directory, sync_files=True)
     # a tensor every rank holds (a buffer) is written by the lowest rank holding it: rank 0's, the
     # copy the checkpoint promises (DCP's default takes whichever rank's plan is smallest)
@@ -76,6 +77,10 @@ def load_dcp_state(directory: Path, module: nn.Module, optimizer: torch.optim.Op
         state = {"model": model_sd, "optim": optim_sd}
         if not any(k.startswith("optim.") for k in stored):
             raise CheckpointError(f"{directory.parent} holds weights only and cannot be resumed")
+    # the part the module checkpoints (checkpoint_keys), and any frozen key the checkpoint holds too
+    whole = len(state["model"])
+    state["model"] = expected_state(module, state["model"], _stored_shapes(stored, state["model"]))
+    strict_set = strict and len(state["model"]) == whole
     # names and global shapes, from DCP's metadata, before any rank reads: one error listing every
     # misfit, the same on every rank (DCP's own names one shape mismatch per rank)
     check_shapes(_class_name(module), _own_shapes(state["model"]), _stored_shapes(stored, state["model"]),
@@ -87,10 +92,10 @@ def load_dcp_state(directory: Path, module: nn.Module, optimizer: torch.optim.Op
         raise CheckpointError(f"{directory.parent} could not be loaded into {_class_name(module)}: "
                               f"{_failures(error)}") from error
     if optimizer is None:
-        set_model_state_dict(module, state["model"], options=_options(strict=strict))
+        set_model_state_dict(module, state["model"], options=_options(strict=strict_set))
     else:
         set_state_dict(module, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
-                       options=_options(strict=strict))
+                       options=_options(strict=strict_set))
 
 
 def _class_name(module: nn.Module) -> str:

@@ -16,6 +16,7 @@ OPTIMIZER_FILE = "optimizer.pt"
 #: each built-in registry entry's file, by entry name, in the order they are written and loaded
 FILES = {
     "hparams": "hparams.json",  # the module's save_hyperparameters() record (never loaded back)
+    "base_fingerprint": "base_fingerprint.json",  # the frozen base a partial module was trained on (frozen.py)
     "config": "config.json",  # the run's FitConfig
     "scheduler": "scheduler.pt",
     "precision": "precision.pt",  # the GradScaler's state

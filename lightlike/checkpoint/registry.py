@@ -40,6 +40,7 @@ from lightlike.checkpoint.files import (
     USER_STATE_NAME,
     user_state_file,
 )
+from lightlike.checkpoint.frozen import BaseFingerprint
 from lightlike.checkpoint.settings import RunSettings
 from lightlike.checkpoint.training import Hyperparameters, RandomState, torch_load
 from lightlike.errors import CheckpointError, ConfigError
@@ -84,12 +85,15 @@ class Registry:
 
     @classmethod
     def of_fit(cls, config: Any, strategy: Any, *, module: Any, optimizer: Any, scheduler: Any, callbacks: Any,
-               loop: Any, states: Mapping[str, Any] | None = None) -> Registry:
+               loop: Any, states: Mapping[str, Any] | None = None, base: Any = None) -> Registry:
         """What every checkpoint of a fit holds besides the strategy's files, then the user's
         ``states``. Each built-in entry owns its post-load policy: ``config`` the changed settings,
-        ``trainer_state`` the best checkpoint, ``rng`` another number of processes."""
+        ``trainer_state`` the best checkpoint, ``rng`` another number of processes, and ``base_fingerprint``
+        (``base``, a ``BaseFingerprint`` taken at set-up) refuses a checkpoint trained on another base."""
         entries = [
             Entry("hparams", Hyperparameters(module), FILES["hparams"], training=False, restore=False, required=False),
+            Entry("base_fingerprint", base if base is not None else BaseFingerprint(), FILES["base_fingerprint"],
+                  training=False, required=False),
             Entry("config", RunSettings(config, module, optimizer, scheduler, loop.order_key), FILES["config"],
                   training=False, required=False),
             *([Entry("scheduler", scheduler, FILES["scheduler"])] if scheduler is not None else []),

@@ -26,8 +26,11 @@ def load_module_state(module: nn.Module, state: Mapping[str, torch.Tensor], stri
 def check_fits(module: nn.Module, state: Mapping[str, torch.Tensor], strict: bool = True,
                source: str | None = None) -> dict[str, torch.Tensor]:
     """Raise one error listing missing, unexpected and mis-shaped keys; returns the module's
-    state dict (shapes are global ones, also for sharded parameters)."""
-    own = module.state_dict()
+    state dict (shapes are global ones, also for sharded parameters): the part its checkpoints
+    hold (``TaskModule.checkpoint_keys``), with any frozen key ``state`` holds too."""
+    from lightlike.checkpoint.frozen import expected_state
+
+    own = expected_state(module, module.state_dict(), state)
     check_shapes(type(module).__name__, own, state, strict, source)
     return own
 

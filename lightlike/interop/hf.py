@@ -19,7 +19,10 @@ and token classification, question answering, seq2seq, masked LM): ``forward`` i
 
 ``export_hf(checkpoint_dir or module, out_dir)`` writes a folder that the matching
 ``AutoModelFor....from_pretrained(out_dir)`` loads (``config.json`` naming the architecture,
-``model.safetensors``); tied embeddings are written once and tied again on load.
+``model.safetensors``); tied embeddings are written once and tied again on load. Around a
+``peft.PeftModel`` the wrappers checkpoint the adapter alone (``checkpoint_keys``) and
+``export_hf`` writes the adapter folder, or with ``merge=True`` the merged model
+(``lightlike/interop/peft.py``).
 
 transformers is imported only by ``export_hf`` and ``HFModel`` (and by whoever built the model).
 """
@@ -38,11 +41,13 @@ import torch
 from torch.nn import functional as F
 
 from lightlike.checkpoint.export import export_weights, fsync_replace
+from lightlike.checkpoint.frozen import trained_keys
 from lightlike.checkpoint.weights import load_safetensors
 from lightlike.data.collators import mask_padded_context
 from lightlike.data.hf_datasets import HFCollator
 from lightlike.data.keys import module_batch_keys
-from lightlike.errors import CheckpointError, DataError, ModuleContractError
+from lightlike.errors import CheckpointError, ConfigError, DataError, ModuleContractError
+from lightlike.interop.peft import adapter_model, is_peft_model, merged_copy, record_peft
 from lightlike.module import TaskModule, batch_length
 
 IGNORE_INDEX = -100
@@ -77,6 +82,13 @@ class HFWrapper(TaskModule):
         if config is not None and hasattr(config, "to_json_string"):
             self.hparams["hf_config"] = json.loads(config.to_json_string(use_diff=False))
             self.hparams["hf_class"] = type(model).__name__
+        if is_peft_model(model):  # the base's class and the adapter's config (lightlike/interop/peft.py)
+            record_peft(self.hparams, model)
+
+    def checkpoint_keys(self) -> frozenset[str] | None:
+        """Around a ``peft.PeftModel``: the adapter (trainable parameters) and the buffers, which
+        checkpoints hold with a fingerprint of the frozen base; otherwise None (everything)."""
+        return trained_keys(self) if is_peft_model(self.model) else None
 
     # -- gradient checkpointing: the model's own, switched on by the Fitter at set-up ---------------
     def gradient_checkpointing_enable(self) -> None:
@@ -260,7 +272,7 @@ class HFModel(HFWrapper):
 # export
 # ------------------------------------------------------------------------------------------------
 def export_hf(source: Any, out_dir: str | Path, *, config: Any = None, prefix: str = "model.",
-              hashes: bool = True) -> Path:
+              hashes: bool = True, base: Any = None, merge: bool = False) -> Path:
     """Write ``out_dir`` as a Hugging Face model folder (``config.json`` naming the architecture,
     ``model.safetensors``, ``generation_config.json`` for generative models) that the matching
     ``AutoModelFor....from_pretrained(out_dir)`` loads (``AutoModelForCausalLM``,
@@ -274,6 +286,14 @@ def export_hf(source: Any, out_dir: str | Path, *, config: Any = None, prefix: s
     ``architectures`` names, else a causal LM; its weights are the checkpoint's keys under ``prefix``. Files land atomically, one by one;
     other files in ``out_dir`` are left alone. Returns ``out_dir``.
 
+    A PEFT adapter (a ``PeftModel`` in the wrapper, or a checkpoint of one, which holds the
+    adapter alone) is written as the adapter folder (``adapter_config.json``,
+    ``adapter_model.safetensors``) that ``PeftModel.from_pretrained(base, out_dir)`` loads; with
+    ``merge=True`` as the merged model (peft's ``merge_and_unload``; the module is left as it is).
+    A checkpoint's merged export needs ``base``: the base model (copied, left as it is) or its
+    folder, checked against the checkpoint's base fingerprint (``base`` given for an adapter
+    export is checked too); the adapter alone needs no base weights.
+
     Under ``torch.distributed`` only rank 0 writes (as ``save_pretrained`` does); the other ranks
     return at once, creating nothing and waiting for nobody, so it may be called on every rank or
     on rank 0 alone (put a barrier after it before another rank reads the folder)."""
@@ -281,6 +301,9 @@ def export_hf(source: Any, out_dir: str | Path, *, config: Any = None, prefix: s
     checkpoint = isinstance(source, (str, os.PathLike))
     if not checkpoint:
         model = source.model if isinstance(source, HFWrapper) else source
+        if merge and not is_peft_model(model):
+            raise ConfigError(f"export_hf(merge=True) merges a PEFT adapter into its base; {type(model).__name__} "
+                              "is not a PeftModel: drop merge=True")
         if not hasattr(model, "save_pretrained"):
             raise ModuleContractError(f"export_hf takes an HFModel, an HFCausalLM, a transformers model or a checkpoint "
                                       f"folder, got {type(source).__name__}")
@@ -294,7 +317,9 @@ def export_hf(source: Any, out_dir: str | Path, *, config: Any = None, prefix: s
         return out  # transformers writes on rank 0 only: an empty folder here would look like a failed export
     out.mkdir(parents=True, exist_ok=True)
     if checkpoint:
-        model = _model_from_checkpoint(Path(source), config, prefix, hashes, out)
+        model = _model_from_checkpoint(Path(source), config, prefix, hashes, out, base, merge)
+    elif merge:
+        model = merged_copy(model)
 
     tmp = Path(tempfile.mkdtemp(prefix=".export-hf-", dir=out))
     try:
@@ -306,7 +331,8 @@ def export_hf(source: Any, out_dir: str | Path, *, config: Any = None, prefix: s
     return out
 
 
-def _model_from_checkpoint(src: Path, config: Any, prefix: str, hashes: bool, scratch: Path) -> Any:
+def _model_from_checkpoint(src: Path, config: Any, prefix: str, hashes: bool, scratch: Path, base: Any = None,
+                           merge: bool = False) -> Any:
     import transformers
 
     with tempfile.TemporaryDirectory(prefix=".export-weights-", dir=scratch) as tmp:
@@ -321,6 +347,10 @@ def _model_from_checkpoint(src: Path, config: Any, prefix: str, hashes: bool, sc
                                   "pass the prefix the module stored the model under, e.g. prefix=''")
         state = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
     cls = _model_class(hf_config, hparams)
+    if hparams.get("peft_config"):  # the adapter alone (lightlike/interop/peft.py)
+        return adapter_model(state, hparams, hf_config, cls, base=base, merge=merge, src=src, prefix=prefix)
+    if merge or base is not None:
+        raise ConfigError(f"export_hf: {src} holds a whole model, not a PEFT adapter: drop merge= and base=")
     model = cls(hf_config) if cls is not None else transformers.AutoModelForCausalLM.from_config(hf_config)
     dtype = next((v.dtype for v in state.values() if v.is_floating_point()), None)
     if dtype is not None:

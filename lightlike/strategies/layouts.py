@@ -16,6 +16,8 @@ still start a new fit).
 
 Each promises: ``save`` and ``load`` run on every rank (they may be collective); ``module_state_dict``
 gives the full, unsharded weights with the user's keys, ``load_module_state_dict`` sets them.
+``FullLayout`` and ``DCPLayout`` save only the keys the module's ``checkpoint_keys()`` names (a
+PEFT adapter without its frozen base: ``lightlike/checkpoint/frozen.py``) and load those back.
 """
 
 from __future__ import annotations
@@ -100,7 +102,9 @@ class FullLayout(CheckpointLayout):
     DDP: every rank holds it all."""
 
     def save(self, writer: Any, module: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
-        weights = self.module_state_dict(module)
+        from lightlike.checkpoint.frozen import saved_state
+
+        weights = saved_state(self.strategy.unwrap(module), self.module_state_dict(module))  # checkpoint_keys'
         optim_state = optimizer.state_dict() if optimizer is not None else None
         if self.strategy.is_global_zero:
             writer.save_safetensors(WEIGHTS_FILE, weights)
@@ -185,7 +189,8 @@ class DCPLayout(CheckpointLayout):
         from lightlike.checkpoint.weights import check_fits
 
         inner = self.strategy.unwrap(module)
-        check_fits(inner, state, strict=strict)
+        own = check_fits(inner, state, strict=strict)  # the part the module checkpoints: the rest stays
+        strict = strict and len(own) == len(inner.state_dict())
         set_model_state_dict(inner, dict(state), options=StateDictOptions(full_state_dict=True, strict=strict))
 
 
