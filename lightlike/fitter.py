@@ -30,7 +30,7 @@ from lightlike.checkpoint.lock import output_dir_locked
 from lightlike.checkpoint.registry import user_states
 from lightlike.checkpoint.resume import resolve_resume
 from lightlike.checkpoint.rotation import prepare_output_dir
-from lightlike.checkpoint.training import LoopState, saved_fit_state
+from lightlike.checkpoint.training import LoopState, check_within_the_run, saved_fit_state
 from lightlike.compiled import compile_run
 from lightlike.config import FitConfig, check_keys
 from lightlike.data.eval_loading import build_eval_loader, normalise_eval_sets
@@ -360,6 +360,7 @@ class Fitter:
             train_data.agree_on_length(strategy)
         resumed = saved_fit_state(resume_from, train_data, cfg.resume_data_changed, strategy.global_rank)
         max_steps, epoch_limit = train_data.step_budget(cfg.max_steps, cfg.max_epochs, cfg.grad_accum_steps, resumed)
+        check_within_the_run(resumed, max_steps, resume_from, cfg)
         warn_eval_every_past_the_end(cfg, max_steps)
         losses = LossBuffer(strategy.root_device, raise_nonfinite=cfg.nonfinite_loss == "raise")
         self.module = module

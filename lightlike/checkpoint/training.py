@@ -18,14 +18,14 @@ from lightlike.best import greater_is_better, is_improvement, key_candidates
 from lightlike.checkpoint.files import LAYOUTS, TRAINER_STATE_FILE
 from lightlike.checkpoint.manifest import verify_checkpoint
 from lightlike.checkpoint.resume import best_checkpoint_name, resolve_best
-from lightlike.errors import CheckpointError
+from lightlike.errors import CheckpointError, ConfigError
 from lightlike.pending import LossBuffer
 from lightlike.state import FitState
 from lightlike.utils.seed import rng_state, set_rng_state
 
 log = logging.getLogger("lightlike")
 
-__all__ = ["LAYOUTS", "Hyperparameters", "LoopState", "RandomState", "check_trainer_state", "jsonable", "saved_fit_state",
+__all__ = ["LAYOUTS", "Hyperparameters", "LoopState", "RandomState", "check_trainer_state", "check_within_the_run", "jsonable", "saved_fit_state",
            "torch_load"]
 
 
@@ -156,6 +156,29 @@ def saved_fit_state(path: Path | None, train_data: Any, policy: str, rank: int) 
         state.samples_in_epoch = state.batches_in_epoch = 0
         state.max_steps = -1  # the epochs' steps are counted again from the restarted epoch's start
     return state
+
+
+def check_within_the_run(resumed: FitState | None, max_steps: int, path: Path | None, config: Any) -> None:
+    """A resume from a checkpoint past this run's end (``max_steps``/``max_epochs`` lowered below
+    where it stands) is one ``ConfigError`` before anything is built: nothing would train, and a
+    fit that returns at once would read as done. A checkpoint at the end itself (a finished run,
+    requeued) resumes and ends at once, with a line saying so."""
+    if resumed is None or path is None:
+        return
+    by_epochs = config.max_steps is None and config.max_epochs is not None
+    past = resumed.global_step > max_steps or (by_epochs and resumed.epoch > config.max_epochs + 1e-9)
+    if not past and resumed.global_step < max_steps:
+        return
+    if not past:
+        log.info("%s is at this run's last step (%d): nothing is left to train", Path(path).name, max_steps)
+        return
+    field = "max_steps" if config.max_steps is not None else "max_epochs"
+    stands = resumed.global_step if field == "max_steps" else f"{resumed.epoch:g}"
+    raise ConfigError(f"resume from {Path(path).name} (step {resumed.global_step}, epoch {resumed.epoch:g}) with "
+                      f"{field}={getattr(config, field)!r}: the checkpoint is past this run's end "
+                      f"({f'epoch {config.max_epochs:g}' if by_epochs else f'step {max_steps}'}), "
+                      f"so nothing would train. Set {field} above {stands} to train on from it, or resume from an "
+                      "earlier checkpoint", settings=(field,))
 
 
 def check_trainer_state(saved: Any, file: Path) -> None:

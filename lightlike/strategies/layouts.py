@@ -126,7 +126,7 @@ class FullLayout(CheckpointLayout):
             return
 
         weights = load_safetensors(path / WEIGHTS_FILE)
-        state = torch.load(path / OPTIMIZER_FILE, map_location="cpu", weights_only=True) if optimizer else None
+        state = torch.load(path / OPTIMIZER_FILE, map_location="cpu", weights_only=True) if optimizer is not None else None
         verified()
         self.load_module_state_dict(module, weights)
         if optimizer is not None:

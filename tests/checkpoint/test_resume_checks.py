@@ -99,3 +99,30 @@ def test_a_seal_that_fails_after_the_fit_failed_does_not_hide_the_fit_s_error(tm
     assert [str(e) for e in seen] == ["boom at step 7"]
     assert [p.name for p in list_checkpoints(out)] == ["checkpoint-3"]
     assert "could not be committed: disk gone while sealing" in caplog.text
+
+
+def test_a_resume_past_the_runs_end_is_refused_and_one_at_its_end_ends_at_once(tmp_path, caplog):
+    """Resuming a 3-epoch run's last checkpoint with max_epochs=1 (or max_steps below its step)
+    warned about the changed setting and returned having trained nothing. Lightning refuses it;
+    so does lightlike, before anything is built, naming the setting. The same max_epochs (a
+    finished run, requeued) resumes and ends at once, saying so."""
+    import logging
+
+    import torch
+    from helpers import Classifier, DictDataset
+
+    import lightlike as ll
+
+    out = str(tmp_path / "run")
+    cfg = dict(batch_size=4, output_dir=out, loggers=[], model_summary=False)
+    torch.manual_seed(0)
+    ll.Fitter(max_epochs=3, save_strategy="epoch", **cfg).fit(Classifier(), DictDataset(n=16))
+    for setting, says in (({"max_epochs": 1}, "with max_epochs=1: the checkpoint is past this run's end "
+                                              "\\(epoch 1\\), so nothing would train. Set max_epochs above 3"),
+                          ({"max_steps": 10}, "with max_steps=10: .* Set max_steps above 12")):
+        with pytest.raises(ll.ConfigError, match=r"resume from checkpoint-12 \(step 12, epoch 3\) " + says):
+            ll.Fitter(**setting, **cfg).fit(Classifier(), DictDataset(n=16), resume=True)
+    with caplog.at_level(logging.INFO, logger="lightlike"):
+        result = ll.Fitter(max_epochs=3, **cfg).fit(Classifier(), DictDataset(n=16), resume=True)
+    assert result.global_step == 12
+    assert "checkpoint-12 is at this run's last step (12): nothing is left to train" in caplog.text
