@@ -24,8 +24,8 @@ from launching import launch as ddp_launch
 from launching import launch_each, moved_share, weights
 
 from lightlike import FitConfig
-from lightlike.checkpoint.manifest import verify_checkpoint
 from lightlike import errors as ll_errors
+from lightlike.checkpoint.manifest import verify_checkpoint
 from lightlike.errors import ConfigError
 
 deepspeed = pytest.importorskip("deepspeed")
