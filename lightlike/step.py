@@ -31,6 +31,7 @@ import torch
 
 from lightlike.errors import ModuleContractError
 from lightlike.nonfinite import NonFiniteCheck
+from lightlike.optimizers.modes import with_modes
 from lightlike.pending import LossBuffer, weighted
 
 log = logging.getLogger("lightlike")
@@ -56,6 +57,7 @@ class StepContext:
         self._scaled = strategy.precision.uses_scaler  # each optimizer steps once per step (torch's recipe)
         self._skips, self._raises = check.skip, check.raises  # the nonfinite_loss policy
         self._first = self.optimizers[0] if len(self.optimizers) == 1 else None  # (the usual case, found at once)
+        self._modal = with_modes(self.optimizers)  # schedule-free: train mode for every step (optimizers/modes.py)
         self.global_step = 0
         self._unvetted: list[torch.Tensor] = []  # losses backpropagated since the last vetted update ("skip")
         self._mark = 0  # the loss buffer's length when the step began (a step undone drops what follows)
@@ -76,6 +78,8 @@ class StepContext:
         """Start training step ``step`` (from 1)."""
         self.global_step, self._mark = step, len(self.losses.pending)
         self._prepared, self._norm, self._applied, self._skipped = [], None, False, None
+        for optimizer in self._modal:
+            optimizer.train()
         if self._scaled:
             self._stepped = []
         if self._skips:
