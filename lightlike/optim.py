@@ -155,11 +155,16 @@ def build_optimizer(module: nn.Module, config: Any, precision: Any = None,
             del kwargs["fused"]
     cls = optimizer_class(config.optimizer)
     try:
-        return cls(groups, lr=config.learning_rate, **kwargs)
+        optimizer = cls(groups, lr=config.learning_rate, **kwargs)
     except (ValueError, TypeError, RuntimeError) as e:  # torch's checks of the values (a negative eps, ...)
         shown = ", ".join(f"{k}={v!r}" for k, v in kwargs.items())
         raise ConfigError(f"{class_label(config.optimizer, cls)} refused lr="
                           f"{config.learning_rate!r}, {shown}: {e}", settings=("optimizer", "optimizer_kwargs")) from None
+    if config.optimizer.startswith("galore_"):
+        from lightlike.optimizers.galore import plain_projectors
+
+        plain_projectors(optimizer)  # its state loads with weights_only=True
+    return optimizer
 
 
 def _library_groups(module: nn.Module, config: Any, groups: list[dict[str, Any]], kwargs: dict[str, Any],

@@ -75,3 +75,31 @@ def galore_groups(groups: list[dict[str, Any]], targets: list[nn.Parameter],
     out = [{**g, "params": [p for p in g["params"] if id(p) not in ids]} for g in groups]
     out = [g for g in out if g["params"]]
     return out + [{"params": list(targets), "weight_decay": decay, **galore}]
+
+
+def plain_projectors(optimizer: Any) -> None:
+    """Checkpoint GaLore's per-parameter ``GaLoreProjector`` objects as their plain projection
+    matrix (so the state loads with ``torch.load(weights_only=True)``), and rebuild them on load
+    from their parameter group's ``rank``/``update_proj_gap``/``scale``/``proj_type`` (as GaLore
+    builds them), through the optimizer's own state-dict hooks; saving never changes the live
+    state. (No text in the state: torch's ``load_state_dict`` mangles strings there.)"""
+    from galore_torch.galore_projector import GaLoreProjector
+
+    def to_plain(opt: Any, state_dict: dict[str, Any]) -> dict[str, Any]:
+        for i, s in list(state_dict["state"].items()):
+            if isinstance(s.get("projector"), GaLoreProjector):
+                state_dict["state"][i] = {**s, "projector": {"ortho_matrix": s["projector"].ortho_matrix}}
+        return state_dict
+
+    def from_plain(opt: Any) -> None:
+        for group in opt.param_groups:
+            for p in group["params"]:
+                s = opt.state.get(p, {})
+                if isinstance(s.get("projector"), dict):
+                    projector = GaLoreProjector(group["rank"], update_proj_gap=group["update_proj_gap"],
+                                                scale=group["scale"], proj_type=group["proj_type"])
+                    projector.ortho_matrix = s["projector"]["ortho_matrix"]
+                    s["projector"] = projector
+
+    optimizer.register_state_dict_post_hook(to_plain)
+    optimizer.register_load_state_dict_post_hook(from_plain)
