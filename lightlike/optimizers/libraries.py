@@ -60,7 +60,7 @@ LIBRARY_OPTIMIZERS: dict[str, LibraryOptimizer] = {
     "schedule_free_radam": LibraryOptimizer("schedulefree", "RAdamScheduleFree", "schedulefree",
                                             defaults=_SCHEDULE_FREE, family="schedule_free"),
     "lomo": LibraryOptimizer("lomo_optim", "Lomo", "lomo", family="lomo"),
-    "adalomo": LibraryOptimizer("lomo_optim", "AdaLomo", "lomo", family="lomo"),
+    "adalomo": LibraryOptimizer("lomo_optim", "AdaLomo", "lomo", family="lomo", cuda_only=True),  # (its state: .cuda())
 }
 
 #: names refused by name, with the reason (the HF Trainer offers them)
@@ -95,8 +95,8 @@ def check_device(name: str, device: Any) -> None:
     """A CUDA-only optimizer on a run whose device is not CUDA: one ``ConfigError`` at set-up."""
     entry = LIBRARY_OPTIMIZERS.get(name)
     if entry is not None and entry.cuda_only and getattr(device, "type", str(device)) != "cuda":
-        raise ConfigError(f"optimizer={name!r} ({entry.module}.{entry.cls}, {'paged' if 'paged' in name else '8-bit'}"
-                          f") runs on CUDA only, and this run's device is {device}: run on a GPU, or choose "
+        raise ConfigError(f"optimizer={name!r} ({entry.module}.{entry.cls}) runs on CUDA only, and this run's "
+                          f"device is {device}: run on a GPU, or choose "
                           "an optimizer that runs on the CPU (adamw_8bit, lion_8bit, adamw_torch_8bit, "
                           "galore_adamw, ...)", settings=("optimizer", "accelerator"))
 

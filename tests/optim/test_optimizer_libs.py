@@ -285,3 +285,51 @@ def test_import_lightlike_imports_none_of_the_libraries():
     code = f"import sys, lightlike; print([m for m in {libs!r} if m in sys.modules])"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and done.stdout.strip() == "[]", (done.stdout, done.stderr[-2000:])
+
+
+# -- LOMO: the update fused into backward, through the step context --------------------------------
+@pytest.mark.parametrize("max_grad_norm", [None, 0.5])
+def test_lomo_trains_as_lomo_by_hand_and_leaves_no_hook_behind(max_grad_norm, tmp_path):
+    from lomo_optim import Lomo
+
+    fitter = ll.Fitter(output_dir=str(tmp_path), **settings("lomo", weight_decay=0.0, max_grad_norm=max_grad_norm))
+    fitter.fit(model := wide(), data())
+    ref = wide()
+    opt = Lomo(ref, lr=LR, clip_grad_norm=max_grad_norm)  # as the HF Trainer drives it: lr from the scheduler
+    sched = LambdaLR(opt, linear(1, STEPS))
+    for batch in DataLoader(data(), batch_size=BATCH):
+        loss = ref.loss(ref(batch), batch)
+        if max_grad_norm is not None:
+            opt.grad_norm(loss)
+        opt.fused_backward(loss, sched.get_last_lr()[0])
+        sched.step()
+    assert torch.equal(flat_params(model), flat_params(ref))
+    assert not torch.equal(flat_params(model), flat_params(wide()))
+    if max_grad_norm is not None:
+        assert "train/grad_norm" in fitter.state.log_history[-1]
+    # the module is left as it came: a plain backward after the fit keeps its gradients, moves nothing
+    before = flat_params(model).clone()
+    batch = next(iter(DataLoader(data(), batch_size=BATCH)))
+    model.loss(model(batch), batch).backward()
+    assert torch.equal(flat_params(model), before) and all(p.grad is not None for p in model.parameters())
+
+
+def test_lomo_resumes_bit_exactly(tmp_path):
+    cfg = settings("lomo", weight_decay=0.0, save_every=2)
+    ll.Fitter(output_dir=str(tmp_path / "whole"), **cfg).fit(ref := wide(), data())
+    with contextlib.suppress(KeyboardInterrupt):
+        ll.Fitter(output_dir=str(tmp_path / "cut"), callbacks=[StopAt(3)], **cfg).fit(wide(), data())
+    ll.Fitter(output_dir=str(tmp_path / "cut"), **cfg).fit(model := wide(), data(), resume=True)
+    assert torch.equal(flat_params(model), flat_params(ref))
+
+
+@pytest.mark.parametrize(("fields", "match"), [
+    ({"grad_accum_steps": 2}, r"grad_accum_steps \(each backward updates"),
+    ({"nonfinite_loss": "skip"}, r"nonfinite_loss='skip'"),
+    ({"weight_decay": 0.1}, r"weight_decay \(LOMO decays every parameter alike"),
+    ({"precision": "16-mixed"}, r"precision='16-mixed'"),
+])
+def test_what_cannot_work_with_lomo_is_refused_by_name_at_set_up(fields, match, tmp_path):
+    with pytest.raises(ConfigError, match=r"optimizer='lomo' cannot work with: .*" + match):
+        ll.Fitter(max_steps=1, batch_size=4, loggers=[], optimizer="lomo", output_dir=str(tmp_path),
+                  **fields).fit(Classifier(), DictDataset(n=8))
