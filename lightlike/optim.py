@@ -25,8 +25,13 @@ from torch.optim.lr_scheduler import LambdaLR, ReduceLROnPlateau
 from lightlike import schedules
 from lightlike.config import OPTIMIZERS, SCHEDULERS, field_defaults
 from lightlike.errors import ConfigError, ModuleContractError
-from lightlike.optimizers import (GALORE_ARGUMENTS, LIBRARY_OPTIMIZERS, class_label, optimizer_arguments,
-                                  optimizer_class)
+from lightlike.optimizers import (
+    GALORE_ARGUMENTS,
+    LIBRARY_OPTIMIZERS,
+    class_label,
+    optimizer_arguments,
+    optimizer_class,
+)
 from lightlike.optimizers.libraries import check_device
 from lightlike.precision import get_precision
 from lightlike.schedules import step_on_evaluation  # noqa: F401  (the Fitter's, after each evaluation)
@@ -153,7 +158,7 @@ def build_optimizer(module: nn.Module, config: Any, precision: Any = None,
         # strategy's: a strategy instance may bring its own while config.precision is "auto")
         if (precision if precision is not None else get_precision(config.precision)).uses_scaler:
             del kwargs["fused"]
-    cls = optimizer_class(config.optimizer)
+    cls: Any = optimizer_class(config.optimizer)
     try:
         optimizer = cls(groups, lr=config.learning_rate, **kwargs)
     except (ValueError, TypeError, RuntimeError) as e:  # torch's checks of the values (a negative eps, ...)
@@ -191,7 +196,7 @@ def _library_groups(module: nn.Module, config: Any, groups: list[dict[str, Any]]
 SCHEDULE_FREE_WARMUP = ("schedule_free_adamw", "schedule_free_sgd")
 
 
-def build_optimizer_and_scheduler(module: nn.Module, config: Any, precision: Any,
+def build_optimizer_and_scheduler(module: Any, config: Any, precision: Any,
                                   total_steps: int) -> tuple[Any, Any]:
     """The optimizer and scheduler of an automatic module: ``configure_optimizers``' or the
     built-in ones. An optimizer without a scheduler (from ``configure_optimizers`` too) gets the

@@ -127,9 +127,9 @@ class StepContext:
         """Backward of ``loss`` through the strategy (scaled under ``16-mixed``); for LOMO, its
         fused backward-and-update at the scheduler's current rate."""
         if self._fused is not None:
-            self._before_update(self._first)  # (the update happens inside this backward: no gradients to see)
-            scheduler = self.schedulers[0]
-            lr = scheduler.get_last_lr()[0] if scheduler is not None else self._first.param_groups[0]["lr"]
+            optimizer, scheduler = self.optimizers[0], self.schedulers[0]
+            self._before_update(optimizer)  # (the update happens inside this backward: no gradients to see)
+            lr = scheduler.get_last_lr()[0] if scheduler is not None else optimizer.param_groups[0]["lr"]
             self._norm = self._fused(loss, lr)
             return
         if self._skips:

@@ -30,7 +30,7 @@ def matches(targets: str | list[str], name: str) -> bool:
     return name in targets or any(t in name for t in targets) or any(re.fullmatch(t, name) for t in targets)
 
 
-def target_weights(module: nn.Module, targets: Any, optimizer: str) -> list[nn.Parameter]:
+def target_weights(module: nn.Module, targets: Any, optimizer: str) -> list[Any]:
     """The trainable weights of the ``nn.Linear`` modules ``targets`` names; none found is one
     ``ConfigError`` naming the module names that exist."""
     if targets is None:
@@ -44,7 +44,7 @@ def target_weights(module: nn.Module, targets: Any, optimizer: str) -> list[nn.P
         raise ConfigError(f"optimizer_target_modules={targets!r}: give a list of module names, a regex, or "
                           "'all-linear'", settings=("optimizer_target_modules",))
     all_linear = isinstance(targets, str) and targets.replace("_", "-") == "all-linear"
-    found: list[nn.Parameter] = []
+    found: list[Any] = []
     for name, mod in module.named_modules():
         hit = all_linear or (bool(name) and matches(targets, name))
         if not hit:
@@ -66,7 +66,7 @@ def target_weights(module: nn.Module, targets: Any, optimizer: str) -> list[nn.P
     return found
 
 
-def galore_groups(groups: list[dict[str, Any]], targets: list[nn.Parameter],
+def galore_groups(groups: list[dict[str, Any]], targets: list[Any],
                   galore: dict[str, Any]) -> list[dict[str, Any]]:
     """``groups`` (``param_groups``' split) with the ``targets`` taken out into a last group that
     carries the GaLore arguments ``galore`` and the weight decay of the group they came from."""

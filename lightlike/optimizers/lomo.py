@@ -72,7 +72,7 @@ def build_lomo(module: torch.nn.Module, config: Any, kwargs: dict[str, Any]) -> 
     from lightlike.optimizers import optimizer_class
 
     check_lomo(config)
-    cls = optimizer_class(config.optimizer)
+    cls: Any = optimizer_class(config.optimizer)
     params = [p for p in module.parameters() if p.requires_grad]
     first = RemovableHandle.next_id
     optimizer = cls(module, lr=config.learning_rate, clip_grad_norm=config.max_grad_norm,
