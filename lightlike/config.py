@@ -32,10 +32,13 @@ SCHEDULERS = (
     "inverse_sqrt",
     "reduce_lr_on_plateau",
 )
-#: the built-in optimizers (torch.optim's; lightlike.optimizers maps each to its class), with the
-#: HF Trainer's names for AdamW
+#: the built-in optimizers (lightlike.optimizers maps each to its class): torch.optim's, with the
+#: HF Trainer's names for AdamW, then other libraries' by the Trainer's names (optional extras)
 OPTIMIZERS = ("adamw", "adam", "sgd", "adafactor", "rmsprop", "adagrad", "nadam", "radam", "adamw_torch",
-              "adamw_torch_fused")
+              "adamw_torch_fused", "galore_adamw", "galore_adamw_8bit", "galore_adafactor", "adamw_bnb_8bit",
+              "adamw_8bit", "paged_adamw_8bit", "paged_adamw_32bit", "lion_8bit", "lion_32bit", "paged_lion_8bit",
+              "paged_lion_32bit", "adamw_torch_8bit", "adamw_torch_4bit", "schedule_free_adamw", "schedule_free_sgd",
+              "schedule_free_radam", "lomo", "adalomo")
 NONFINITE_POLICIES = ("raise", "skip")
 #: torch.compile's modes (None is "default")
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
@@ -227,6 +230,10 @@ class FitConfig:
             v = getattr(self, f.name)
             if type(v).__module__ == "numpy" and hasattr(v, "item") and getattr(v, "ndim", None) == 0:
                 setattr(self, f.name, v.item())
+        if isinstance(self.optimizer_kwargs, str):  # the HF Trainer's optim_args, "k=v,k2=v2"
+            from lightlike.optimizers.libraries import parse_optim_args
+
+            self.optimizer_kwargs = parse_optim_args(self.optimizer_kwargs)
         self.validate()
 
     def need_stopping_criterion(self) -> None:
@@ -278,11 +285,11 @@ class FitConfig:
         need(0.0 <= self.warmup_ratio < 1.0, f"warmup_ratio must be in [0, 1), got {self.warmup_ratio!r}", "warmup_ratio")
         need(self.warmup_steps >= 0, f"warmup_steps must be >= 0, got {self.warmup_steps!r}", "warmup_steps")
         _choice("lr_scheduler", self.lr_scheduler, SCHEDULERS)
-        _choice("optimizer", self.optimizer, OPTIMIZERS)
-        from lightlike.optimizers import check_optimizer_kwargs  # (torch: the classes' signatures)
+        from lightlike.optimizers import check_optimizer_kwargs  # (torch, and the library a name needs)
         from lightlike.schedules import check_schedule_kwargs
 
-        check_optimizer_kwargs(self.optimizer, self.optimizer_kwargs)
+        check_optimizer_kwargs(self.optimizer, self.optimizer_kwargs)  # a name refused, a library missing: why
+        _choice("optimizer", self.optimizer, OPTIMIZERS)
         check_schedule_kwargs(self.lr_scheduler, self.lr_scheduler_kwargs)
         _choice("nonfinite_loss", self.nonfinite_loss, NONFINITE_POLICIES)
         _choice("resume_data_changed", self.resume_data_changed, RESUME_DATA_CHANGED)
@@ -400,7 +407,7 @@ OTHER_NAMES = {
     "lr": "learning_rate", "num_train_epochs": "max_epochs", "per_device_train_batch_size": "batch_size",
     "per_device_eval_batch_size": "eval_batch_size", "gradient_accumulation_steps": "grad_accum_steps",
     "accumulate_grad_batches": "grad_accum_steps", "lr_scheduler_type": "lr_scheduler", "optim": "optimizer",
-    "optim_args": "optimizer_kwargs (a dict, {'k': v}, where HF takes a 'k=v,k2=v2' string)",
+    "optim_args": "optimizer_kwargs (a dict {'k': v}, or the HF string 'k=v,k2=v2')",
     "optim_target_modules": "optimizer_target_modules",
     "bf16": "precision='bf16-mixed'", "fp16": "precision='16-mixed'", "eval_steps": "eval_every",
     "eval_strategy": "eval_every or eval_on_epoch_end", "evaluation_strategy": "eval_every or eval_on_epoch_end",

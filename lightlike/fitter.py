@@ -46,6 +46,7 @@ from lightlike.loggers.summary import model_summary
 from lightlike.loop import BoundaryPlan, FitRun, next_scheduled_step, save_due, warn_eval_every_past_the_end
 from lightlike.module import TaskModule, check_task_module
 from lightlike.nonfinite import NonFiniteCheck
+from lightlike.optimizers.modes import eval_mode
 from lightlike.pending import LossBuffer
 from lightlike.precision import get_precision
 from lightlike.preemption import PreemptionHandler, requeue_slurm_job, waiting_for
@@ -295,6 +296,7 @@ class Fitter:
         committed, the best weights loaded if asked for."""
         self.preemption.finish_vote()
         self.phase = "end of fit"
+        eval_mode(self.optimizer)  # the module a fit returns holds a schedule-free optimizer's averaged weights
         state = self.state
         if state.last_save_step != state.global_step:
             self._carry_out(run, BoundaryPlan.end_of_fit(state.global_step, has_eval_sets=bool(run.eval_sets)))
@@ -388,12 +390,7 @@ class Fitter:
             optimizer, scheduler = run.manual.optimizers, run.manual.schedulers
         else:
             model = strategy.setup_module(module)
-            custom = optim.call_configure_optimizers(module, cfg)
-            if custom is not None:
-                optimizer, scheduler = optim.unwrap_configure_optimizers(custom)
-            else:
-                optimizer = optim.build_optimizer(module, cfg, strategy.precision)
-                scheduler = optim.build_scheduler(optimizer, cfg, run.max_steps)
+            optimizer, scheduler = optim.build_optimizer_and_scheduler(module, cfg, strategy.precision, run.max_steps)
             model, optimizer = strategy.setup_optimizer(model, optimizer)
             pairs = [(optimizer, scheduler)]
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
@@ -483,6 +480,7 @@ class Fitter:
                               "pass val= to fit(), or do not set the flag")
         self.phase = "evaluation"
         run.losses.read_checked()  # raises now if a pending loss is non-finite
+        eval_mode(self.optimizer)  # a schedule-free optimizer's averaged weights (train mode: the next step)
         metrics: dict[str, float] = {}
         # training's random streams continue as if no evaluation ran (a user's DataLoader draws
         # its workers' base seed from the global generator; the module or a dataset may sample)
@@ -513,6 +511,7 @@ class Fitter:
         checkpointer.loop.losses.read_checked()  # raises now if a pending loss is non-finite
         for lg in self.loggers:  # what was logged up to this checkpoint reaches the disk first
             lg.flush()
+        eval_mode(self.optimizer)
         path = checkpointer.save(wait=wait, full=full)
         if path is not None:
             self.callbacks.call_on_save(self, self.state, self.control, str(path))

@@ -25,7 +25,14 @@ from torch.optim.lr_scheduler import LambdaLR, ReduceLROnPlateau
 from lightlike import schedules
 from lightlike.config import OPTIMIZERS, SCHEDULERS, field_defaults
 from lightlike.errors import ConfigError, ModuleContractError
-from lightlike.optimizers import optimizer_arguments, optimizer_class
+from lightlike.optimizers import (
+    GALORE_ARGUMENTS,
+    LIBRARY_OPTIMIZERS,
+    class_label,
+    optimizer_arguments,
+    optimizer_class,
+)
+from lightlike.optimizers.libraries import check_device
 from lightlike.precision import get_precision
 from lightlike.schedules import step_on_evaluation  # noqa: F401  (the Fitter's, after each evaluation)
 
@@ -103,11 +110,20 @@ def _check_optimizer_settings(config: Any) -> None:
         need(0.0 <= v < 1.0, f"{name} must be in [0, 1), got {v}")
     need(config.adam_epsilon >= 0, f"adam_epsilon must be >= 0, got {config.adam_epsilon}")
     need(config.momentum >= 0, f"momentum must be >= 0, got {config.momentum}")
+    family = LIBRARY_OPTIMIZERS[config.optimizer].family if config.optimizer in LIBRARY_OPTIMIZERS else None
+    need(config.optimizer_target_modules is None or family == "galore",
+         f"optimizer_target_modules={config.optimizer_target_modules!r} is for the GaLore optimizers (galore_adamw, "
+         f"galore_adamw_8bit, galore_adafactor), not optimizer={config.optimizer!r}: drop it, or choose one of them")
 
 
-def build_optimizer(module: nn.Module, config: Any, precision: Any = None) -> torch.optim.Optimizer:
+def build_optimizer(module: nn.Module, config: Any, precision: Any = None,
+                    total_steps: int | None = None) -> torch.optim.Optimizer:
     """The optimizer ``config.optimizer`` names (``lightlike.optimizers``: a ``torch.optim``
-    class), over ``param_groups(module, config.weight_decay)`` with ``lr=learning_rate``.
+    class, or another library's), over ``param_groups(module, config.weight_decay)`` with
+    ``lr=learning_rate``. GaLore's projected weights get a group of their own
+    (``lightlike.optimizers.galore``); a schedule-free AdamW or SGD gets the warmup as its own
+    ``warmup_steps`` (of ``total_steps``), as the HF Trainer passes it; LOMO is built on the module
+    (``lightlike.optimizers.lomo``).
 
     The Adam family (``adamw``, ``adam``, ``nadam``, ``radam``) gets ``betas=(adam_beta1,
     adam_beta2), eps=adam_epsilon``; ``sgd`` and ``rmsprop`` get ``momentum``; every class then
@@ -123,7 +139,13 @@ def build_optimizer(module: nn.Module, config: Any, precision: Any = None) -> to
     if not groups:
         raise ModuleContractError("the module has no trainable parameters (requires_grad=True) to optimize")
     params = [p for g in groups for p in g["params"]]
+    check_device(config.optimizer, params[0].device)
     kwargs = optimizer_arguments(config, params)
+    groups = _library_groups(module, config, groups, kwargs, total_steps)
+    if config.optimizer in ("lomo", "adalomo"):
+        from lightlike.optimizers.lomo import build_lomo
+
+        return build_lomo(module, config, kwargs)
     if precision is not None and precision.param_dtype == torch.float16 and "betas" in kwargs \
             and kwargs.get("eps", 1.0) < torch.finfo(torch.float16).tiny:
         log.warning("adam_epsilon=%g underflows in float16 (16-true keeps optimizer state in fp16): "
@@ -136,13 +158,59 @@ def build_optimizer(module: nn.Module, config: Any, precision: Any = None) -> to
         # strategy's: a strategy instance may bring its own while config.precision is "auto")
         if (precision if precision is not None else get_precision(config.precision)).uses_scaler:
             del kwargs["fused"]
-    cls = optimizer_class(config.optimizer)
+    cls: Any = optimizer_class(config.optimizer)
     try:
-        return cls(groups, lr=config.learning_rate, **kwargs)
+        optimizer = cls(groups, lr=config.learning_rate, **kwargs)
     except (ValueError, TypeError, RuntimeError) as e:  # torch's checks of the values (a negative eps, ...)
         shown = ", ".join(f"{k}={v!r}" for k, v in kwargs.items())
-        raise ConfigError(f"optimizer={config.optimizer!r} (torch.optim.{cls.__name__}) refused lr="
+        raise ConfigError(f"{class_label(config.optimizer, cls)} refused lr="
                           f"{config.learning_rate!r}, {shown}: {e}", settings=("optimizer", "optimizer_kwargs")) from None
+    if config.optimizer.startswith("galore_"):
+        from lightlike.optimizers.galore import plain_projectors
+
+        plain_projectors(optimizer)  # its state loads with weights_only=True
+    return optimizer
+
+
+def _library_groups(module: nn.Module, config: Any, groups: list[dict[str, Any]], kwargs: dict[str, Any],
+                    total_steps: int | None) -> list[dict[str, Any]]:
+    """GaLore's groups (its arguments taken out of ``kwargs``), and a schedule-free AdamW's or
+    SGD's ``warmup_steps`` put in ``kwargs``; other optimizers' ``groups`` as they are."""
+    entry = LIBRARY_OPTIMIZERS.get(config.optimizer)
+    if entry is not None and entry.family == "galore":
+        from lightlike.optimizers.galore import galore_groups, target_weights
+
+        galore = {k: kwargs.pop(k, v) for k, v in GALORE_ARGUMENTS.items()}
+        return galore_groups(groups, target_weights(module, config.optimizer_target_modules, config.optimizer), galore)
+    if entry is not None and config.optimizer in SCHEDULE_FREE_WARMUP:
+        warmup = total_warmup_steps(config, total_steps) if total_steps else int(config.warmup_steps)
+        if "warmup_steps" in config.optimizer_kwargs and warmup:
+            raise ConfigError(f"warmup is given twice: optimizer_kwargs['warmup_steps'] and warmup_steps/warmup_ratio "
+                              f"({warmup} steps); set one of them", settings=("optimizer_kwargs", "warmup_steps"))
+        kwargs.setdefault("warmup_steps", warmup)
+    return groups
+
+
+#: the schedule-free optimizers that warm up themselves (their ``warmup_steps``): the configured
+#: warmup is theirs, and their learning-rate schedule has none (it would apply twice)
+SCHEDULE_FREE_WARMUP = ("schedule_free_adamw", "schedule_free_sgd")
+
+
+def build_optimizer_and_scheduler(module: Any, config: Any, precision: Any,
+                                  total_steps: int) -> tuple[Any, Any]:
+    """The optimizer and scheduler of an automatic module: ``configure_optimizers``' or the
+    built-in ones. An optimizer without a scheduler (from ``configure_optimizers`` too) gets the
+    configured schedule (``lr_scheduler``, warmup), as the HF Trainer gives it."""
+    custom = call_configure_optimizers(module, config)
+    if custom is not None:
+        optimizer, scheduler = unwrap_configure_optimizers(custom)
+    else:
+        optimizer, scheduler = build_optimizer(module, config, precision, total_steps), None
+        if config.optimizer in SCHEDULE_FREE_WARMUP:
+            config = config.replace(warmup_steps=0, warmup_ratio=0.0)
+    if scheduler is None:
+        scheduler = build_scheduler(optimizer, config, total_steps)
+    return optimizer, scheduler
 
 
 # -- schedules -------------------------------------------------------------------------------------
@@ -289,8 +357,12 @@ def call_configure_optimizers(module: Any, config: Any) -> Any:
     result = module.configure_optimizers()
     if result is not None:  # None: the built-in ones, which read them
         defaults = field_defaults(type(config))
+        try:  # an automatic module's optimizer without a scheduler gets the configured schedule
+            read = SCHEDULE_FIELDS if unwrap_configure_optimizers(result)[1] is None else ()
+        except ModuleContractError:  # several optimizers (manual optimization)
+            read = ()
         unread = [f"{name}={getattr(config, name)!r}" for name in OPTIMIZER_FIELDS
-                  if getattr(config, name) != defaults[name]]
+                  if getattr(config, name) != defaults[name] and name not in read]
         if unread:
             log.warning("%s.configure_optimizers() takes no config, so %s set for this fit %s not used: its "
                         "optimizer and scheduler are. Give it a config parameter to read them, or drop them",
@@ -298,9 +370,12 @@ def call_configure_optimizers(module: Any, config: Any) -> Any:
     return result
 
 
+#: the fields the configured schedule reads (also for an optimizer from configure_optimizers)
+SCHEDULE_FIELDS = ("lr_scheduler", "lr_scheduler_kwargs", "warmup_steps", "warmup_ratio", "num_cycles", "lr_end",
+                   "power")
 #: the fields only the built-in optimizer and scheduler read
-OPTIMIZER_FIELDS = ("optimizer", "optimizer_kwargs", "learning_rate", "weight_decay", "adam_beta1", "adam_beta2",
-                    "adam_epsilon", "momentum", "fused", "lr_scheduler", "lr_scheduler_kwargs", "warmup_steps",
+OPTIMIZER_FIELDS = ("optimizer", "optimizer_kwargs", "optimizer_target_modules", "learning_rate", "weight_decay",
+                    "adam_beta1", "adam_beta2", "adam_epsilon", "momentum", "fused", "lr_scheduler", "lr_scheduler_kwargs", "warmup_steps",
                     "warmup_ratio", "num_cycles", "lr_end", "power")
 
 

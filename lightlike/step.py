@@ -31,6 +31,8 @@ import torch
 
 from lightlike.errors import ModuleContractError
 from lightlike.nonfinite import NonFiniteCheck
+from lightlike.optimizers.lomo import FusedBackward, check_lomo_run, is_fused
+from lightlike.optimizers.modes import with_modes
 from lightlike.pending import LossBuffer, weighted
 
 log = logging.getLogger("lightlike")
@@ -56,6 +58,8 @@ class StepContext:
         self._scaled = strategy.precision.uses_scaler  # each optimizer steps once per step (torch's recipe)
         self._skips, self._raises = check.skip, check.raises  # the nonfinite_loss policy
         self._first = self.optimizers[0] if len(self.optimizers) == 1 else None  # (the usual case, found at once)
+        self._modal = with_modes(self.optimizers)  # schedule-free: train mode for every step (optimizers/modes.py)
+        self._fused = fused_backward(strategy, self.optimizers)  # LOMO: the update inside backward (optimizers/lomo.py)
         self.global_step = 0
         self._unvetted: list[torch.Tensor] = []  # losses backpropagated since the last vetted update ("skip")
         self._mark = 0  # the loss buffer's length when the step began (a step undone drops what follows)
@@ -76,6 +80,8 @@ class StepContext:
         """Start training step ``step`` (from 1)."""
         self.global_step, self._mark = step, len(self.losses.pending)
         self._prepared, self._norm, self._applied, self._skipped = [], None, False, None
+        for optimizer in self._modal:
+            optimizer.train()
         if self._scaled:
             self._stepped = []
         if self._skips:
@@ -118,7 +124,14 @@ class StepContext:
             strategy.no_sync(model, False)  # the next backward synchronises again
 
     def backward(self, loss: torch.Tensor) -> None:
-        """Backward of ``loss`` through the strategy (scaled under ``16-mixed``)."""
+        """Backward of ``loss`` through the strategy (scaled under ``16-mixed``); for LOMO, its
+        fused backward-and-update at the scheduler's current rate."""
+        if self._fused is not None:
+            optimizer, scheduler = self.optimizers[0], self.schedulers[0]
+            self._before_update(optimizer)  # (the update happens inside this backward: no gradients to see)
+            lr = scheduler.get_last_lr()[0] if scheduler is not None else optimizer.param_groups[0]["lr"]
+            self._norm = self._fused(loss, lr)
+            return
         if self._skips:
             self._unvetted.append(loss.detach())
         self.strategy.backward(loss, self.model)
@@ -135,6 +148,8 @@ class StepContext:
         """Average, unscale, clip, check, step and zero ``optimizer``'s gradients; step its
         scheduler when the update was applied. Returns whether it was."""
         i = 0 if optimizer is self._first else self._index(optimizer)
+        if self._fused is not None:  # LOMO updated inside backward: its scheduler steps
+            return self._fused_step()
         if self._scaled:
             self._once(i)
         if i not in self._prepared:  # (ctx.clip_gradients may have prepared them)
@@ -157,6 +172,14 @@ class StepContext:
         return True
 
     # -- inside -------------------------------------------------------------------------------
+    def _fused_step(self) -> bool:
+        if self._raises and self._norm is not None:
+            self.losses.add_norm(self._norm, self.global_step)  # "raise": checked at the next read
+        self._applied = True
+        if self.schedulers[0] is not None:
+            self.schedulers[0].step()
+        return True
+
     def _index(self, optimizer: Any) -> int:
         for i, o in enumerate(self.optimizers):
             if o is optimizer:
@@ -198,6 +221,15 @@ class StepContext:
             log.warning("non-finite %s at step %d: the update of optimizer %d (of ctx.optimizers) skipped",
                         cause, self.global_step, i)
         return False
+
+
+def fused_backward(strategy: Any, optimizers: tuple[Any, ...]) -> FusedBackward | None:
+    """LOMO's fused backward-and-update, where the optimizer is LOMO (what cannot work with it
+    refused here, at set-up)."""
+    if not any(is_fused(o) for o in optimizers):
+        return None
+    check_lomo_run(strategy, optimizers)
+    return FusedBackward(optimizers[0])
 
 
 class AutomaticStep:

@@ -1,4 +1,6 @@
 """resuming and load_best_at_end (lightlike/checkpoint/training.py)."""
+import json
+
 import pytest
 import torch
 from helpers import Classifier, DictDataset
@@ -20,12 +22,17 @@ class OwnOptimizer(Classifier):
 
 
 def test_resume_with_a_scheduler_from_a_checkpoint_without_one_is_a_checkpoint_error(tmp_path):
-    """A checkpoint written by a run without an LR scheduler has no scheduler.pt; a run that has
-    one cannot restore it: a CheckpointError names the file (not a bare FileNotFoundError)."""
+    """A checkpoint without scheduler.pt (a run without an LR scheduler: before every optimizer
+    got the configured schedule, or one whose file went missing); a run that has one cannot
+    restore it: a CheckpointError names the file (not a bare FileNotFoundError)."""
     out = str(tmp_path / "run")
     torch.manual_seed(0)
     ll.Fitter(max_steps=2, batch_size=4, save_every=2, output_dir=out, loggers=[]).fit(OwnOptimizer(), DictDataset(n=16))
-    assert not (tmp_path / "run" / "checkpoint-2" / "scheduler.pt").exists()
+    ckpt = tmp_path / "run" / "checkpoint-2"
+    (ckpt / "scheduler.pt").unlink()  # and out of the manifest: a checkpoint written without one
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    del manifest["files"]["scheduler.pt"]
+    (ckpt / "manifest.json").write_text(json.dumps(manifest))
 
     class WithSchedule(OwnOptimizer):
         with_schedule = True
