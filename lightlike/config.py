@@ -93,10 +93,12 @@ class FitConfig:
                       "random streams all differ).")
     deterministic: bool = _f(False, "Use torch's deterministic algorithms during fit/validate/test/predict (as before them after).")
     # -- optimisation --------------------------------------------------------------------------
-    optimizer: str = _f("adamw", "Built-in optimizer (torch.optim's): " + ", ".join(OPTIMIZERS)
+    optimizer: str = _f("adamw", "Optimizer by name, torch.optim's and the HF Trainer's (docs/optimizers.md: "
+                        "GaLore, 8-bit, schedule-free, LOMO, ...): " + ", ".join(OPTIMIZERS)
                         + " (configure_optimizers wins).")
-    optimizer_kwargs: dict = _f({}, "More arguments of the optimizer's class, e.g. {'nesterov': True, "
-                                    "'momentum': 0.9} for 'sgd' (names as torch.optim's; checked at set-up).")
+    optimizer_kwargs: dict | str = _f({}, "More arguments of the optimizer's class, e.g. {'nesterov': True, "
+                                          "'momentum': 0.9} for 'sgd', or the HF Trainer's optim_args string "
+                                          "'rank=64,update_proj_gap=200' (names as the class's; checked at once).")
     optimizer_target_modules: Any = _f(
         None, "GaLore optimizers: the modules whose weights get the low-rank projection: names, regexes, or "
         "'all-linear' (the HF Trainer's optim_target_modules).")
@@ -264,9 +266,6 @@ class FitConfig:
             v = getattr(self, name)
             need(v is None or (isinstance(v, int) and v > 0), f"{name} must be a positive int or None, got {v!r}", name)
         need(self.num_workers >= 0, f"num_workers must be >= 0, got {self.num_workers}", "num_workers")
-        need(not isinstance(self.include_for_metrics, str) and set(self.include_for_metrics) <= {"inputs", "loss"},
-             f"include_for_metrics takes a list of 'inputs' and/or 'loss', got {self.include_for_metrics!r}",
-             "include_for_metrics")
         for name in ("learning_rate", "weight_decay", "adam_epsilon", "momentum", "lr_end"):
             v = getattr(self, name)
             need(math.isfinite(v), f"{name} must be finite, got {v!r}", name)
@@ -297,11 +296,7 @@ class FitConfig:
         if self.compile_mode is not None:
             _choice("compile_mode", self.compile_mode, COMPILE_MODES)
         self._check_compile_options()
-        alpha = self.neftune_noise_alpha  # NEFTune and Liger (lightlike/interop/neftune.py, liger.py)
-        need(alpha is None or (math.isfinite(alpha) and alpha > 0), "neftune_noise_alpha must be a finite number > 0 "
-             f"(the NEFTune paper uses 5, 10, 15) or None, got {alpha!r}", "neftune_noise_alpha")
-        need(self.use_liger_kernel or not self.liger_kernel_config, "liger_kernel_config is set but use_liger_kernel "
-             "is False: set use_liger_kernel=True, or drop liger_kernel_config", "use_liger_kernel", "liger_kernel_config")
+        self._check_fine_tuning_options(need)
         for name in ("log_level", "log_level_other_ranks"):
             _choice(name, getattr(self, name).strip().lower(), LOG_LEVELS, shown=getattr(self, name))
         for name in ("max_grad_norm", "max_grad_value"):
@@ -326,6 +321,17 @@ class FitConfig:
         need(not (self.load_best_at_end and self.save_strategy == "no"),
              "load_best_at_end=True but save_strategy='no' saves no checkpoint to load: use save_strategy='steps' "
              "(the default), 'epoch' or 'best', or drop load_best_at_end", "load_best_at_end", "save_strategy")
+
+    def _check_fine_tuning_options(self, need: Any) -> None:
+        """The HF fine-tuning fields: include_for_metrics, NEFTune and Liger."""
+        need(not isinstance(self.include_for_metrics, str) and set(self.include_for_metrics) <= {"inputs", "loss"},
+             f"include_for_metrics takes a list of 'inputs' and/or 'loss', got {self.include_for_metrics!r}",
+             "include_for_metrics")
+        alpha = self.neftune_noise_alpha  # NEFTune and Liger (lightlike/interop/neftune.py, liger.py)
+        need(alpha is None or (math.isfinite(alpha) and alpha > 0), "neftune_noise_alpha must be a finite number > 0 "
+             f"(the NEFTune paper uses 5, 10, 15) or None, got {alpha!r}", "neftune_noise_alpha")
+        need(self.use_liger_kernel or not self.liger_kernel_config, "liger_kernel_config is set but use_liger_kernel "
+             "is False: set use_liger_kernel=True, or drop liger_kernel_config", "use_liger_kernel", "liger_kernel_config")
 
     def _check_compile_options(self) -> None:
         """The compile_* options act with ``compile=True`` only: one set without it is an error
