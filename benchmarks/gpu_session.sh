@@ -9,7 +9,7 @@
 #   3. benchmarks/overhead.py --device cuda: the per-step overhead on a tiny model on the GPU;
 #   4. benchmarks/gpt_throughput.py: FSDP2 under torchrun against a hand-written FSDP2 loop;
 #   4b. benchmarks/liger.py: use_liger_kernel=True against the unpatched Llama, peak memory and step time
-#      (tests/gpu/test_liger_gpu.py runs with test_cuda.py in 2.; liger-kernel's wheel from gpu_wheels.sh);
+#      (tests/gpu/test_liger_gpu.py and test_optimizer_libs_cuda.py run with test_cuda.py in 2.; liger-kernel's wheel from gpu_wheels.sh);
 #   5. the whole suite with the GPU visible, for what time is left of BUDGET seconds.
 # Results go to $OUT (the device tool's folder) or ./gpu-out.
 #
@@ -65,7 +65,7 @@ export LIGHTLIKE_TEST_GPU=1  # tests/conftest.py hides the GPU from the tests wi
 echo "== tests/gpu/test_cuda.py, $(left) s left"
 # one worker per test (pyproject's --dist loadfile and 4 workers ran the file's 14 tests one after
 # another: each launch starts CUDA, and over 180 s the last two, three launches each, did not finish)
-timeout 180 python3 -m pytest tests/gpu/test_cuda.py tests/gpu/test_liger_gpu.py -n 14 --maxprocesses 14 --dist load -p no:cacheprovider \
+timeout 180 python3 -m pytest tests/gpu/test_cuda.py tests/gpu/test_liger_gpu.py tests/gpu/test_optimizer_libs_cuda.py -n 14 --maxprocesses 14 --dist load -p no:cacheprovider \
   -v -o console_output_style=classic --durations=0 --junitxml="$OUT/cuda.xml" >"$OUT/cuda.log" 2>&1
 grep -E ' (PASSED|FAILED|ERROR) |passed|failed' "$OUT/cuda.log" | sed 's/^\[gw[0-9]*\] *//' | tail -20
 
