@@ -198,13 +198,19 @@ class Registry:
 
 
 def check_scheduler_state(saved: Any, file: Path) -> None:
-    """A learning-rate scheduler's state as torch's ``state_dict`` writes it: its step count
-    (``last_epoch``) an integer >= 0. torch's ``load_state_dict`` takes any dict as it is."""
-    last = saved.get("last_epoch") if isinstance(saved, dict) else None
-    if not isinstance(saved, dict) or not (isinstance(last, int) and not isinstance(last, bool) and last >= 0):
-        what = f"last_epoch is {last!r}" if isinstance(saved, dict) else f"holds a {type(saved).__name__}"
-        raise CheckpointError(f"{file}: {what}, not a scheduler state with a step count >= 0 (edited by hand?); "
-                              "resume from another checkpoint")
+    """A learning-rate scheduler's state as ``state_dict`` writes it: a dict (a manual module's,
+    ``{"schedulers": [state or None, ...]}``), whose step count ``last_epoch``, where it has one
+    (torch's schedulers), is an integer >= 0. torch's ``load_state_dict`` takes any dict as it is."""
+    many = isinstance(saved, dict) and "schedulers" in saved
+    states = saved["schedulers"] if many else [saved]
+    for state in states if isinstance(states, list) else [states]:
+        if state is None and many:  # an optimizer without a scheduler
+            continue
+        last = state.get("last_epoch", 0) if isinstance(state, dict) else None
+        if not (isinstance(last, int) and not isinstance(last, bool) and last >= 0):
+            what = f"last_epoch is {last!r}" if isinstance(state, dict) else f"holds a {type(state).__name__}"
+            raise CheckpointError(f"{file}: {what}, not a scheduler state with a step count >= 0 (edited by hand?); "
+                                  "resume from another checkpoint")
 
 
 def _read(file: Path, entry: Entry) -> Any:
