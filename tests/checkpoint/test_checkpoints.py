@@ -975,3 +975,16 @@ def test_a_hand_edited_state_file_is_refused_naming_it(tmp_path, file, edit, say
     with pytest.raises(ll.CheckpointError, match=says):
         ll.Fitter(max_steps=6, batch_size=4, output_dir=str(tmp_path / "run"), loggers=[]).fit(
             Classifier(), DictDataset(n=40), resume=str(ckpt))
+
+
+def test_the_scheduler_check_takes_every_scheduler_state_lightlike_writes(tmp_path):
+    """``check_scheduler_state``: torch's state (a step count >= 0), a manual module's several
+    (None for an optimizer without a scheduler), and a user's scheduler without ``last_epoch``
+    pass; a negative or missing count where torch's state has one, or a non-dict, is refused."""
+    from lightlike.checkpoint.registry import check_scheduler_state
+
+    for good in ({"last_epoch": 3, "base_lrs": [0.1]}, {"schedulers": [None, {"last_epoch": 0}]}, {"step": 7}):
+        check_scheduler_state(good, tmp_path / "scheduler.pt")
+    for bad in ({"last_epoch": -1}, {"schedulers": [{"last_epoch": "2"}]}, {"schedulers": [5]}, [1, 2], None):
+        with pytest.raises(ll.CheckpointError, match="scheduler.pt: "):
+            check_scheduler_state(bad, tmp_path / "scheduler.pt")
