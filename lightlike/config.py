@@ -254,6 +254,8 @@ class FitConfig:
             if value is None and f.default_factory is not dataclasses.MISSING:  # for the None hint only
                 default = f.default_factory()
             _check_type(f.name, value, str(f.type), default)
+        need(str(self.output_dir).strip() != "", "output_dir is empty: name the directory for checkpoints and logs "
+             "(e.g. 'runs/my_run')", "output_dir")
         need(self.max_steps is None or self.max_steps > 0, f"max_steps must be a positive int, got {self.max_steps!r}",
              "max_steps")
         v = self.max_epochs
@@ -485,7 +487,8 @@ def check_keys(data: dict[str, Any], cls: type = FitConfig) -> None:
 
 def _choice(name: str, value: Any, valid: tuple[str, ...], shown: Any = None) -> None:
     if value not in valid:
-        close = difflib.get_close_matches(str(value), valid, n=1)
+        lower = str(value).lower()  # the names are lower-case: 'AdamW' is 'adamw', not the closest spelling 'adam'
+        close = [lower] if lower in valid else difflib.get_close_matches(lower, valid, n=1)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
         shown = value if shown is None else shown
         raise ConfigError(f"{name}={shown!r} is not valid{hint}; choose one of: {', '.join(valid)}", settings=(name,))

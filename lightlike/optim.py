@@ -286,6 +286,10 @@ def build_scheduler(optimizer: torch.optim.Optimizer, config: Any, total_steps: 
     if not (isinstance(total_steps, int) and total_steps > 0):
         raise ConfigError(f"build_scheduler needs total_steps > 0 optimizer steps, got {total_steps!r}")
     warmup = total_warmup_steps(config, total_steps)
+    if warmup >= total_steps and name != "constant":
+        log.warning("warmup_steps=%d is not below this run's %d optimizer steps: the learning rate never reaches "
+                    "learning_rate=%g (the warmup ends after the last step); lower warmup_steps, or train longer",
+                    warmup, total_steps, config.learning_rate)
     fn: Callable[[int], float]
     if name == "constant":
         if warmup:

@@ -417,3 +417,19 @@ def test_a_compute_metrics_key_that_metrics_gives_too_is_warned_about(tmp_path, 
     said = [r.getMessage() for r in caplog.records if "gives 'val/accuracy'" in r.getMessage()]
     assert said == ["compute_metrics() of Both gives 'val/accuracy', which loss/metrics() give too: compute_metrics()'s "
                     "value is the one reported; rename one of them to keep both"]
+
+
+def test_case_slips_and_an_empty_output_dir_and_a_warmup_past_the_end_are_named(tmp_path, caplog):
+    """``optimizer="AdamW"`` suggested 'adam' (the closest spelling), now the lower-case name it
+    means; ``output_dir=""`` was taken (the working directory); ``warmup_steps`` not below the
+    run's steps trained without a word although the rate never reaches its peak."""
+    with pytest.raises(ll.ConfigError, match=r"optimizer='AdamW' is not valid \(did you mean 'adamw'\?\)"):
+        ll.FitConfig(optimizer="AdamW")
+    with pytest.raises(ll.ConfigError, match=r"lr_scheduler='Cosine' is not valid \(did you mean 'cosine'\?\)"):
+        ll.FitConfig(lr_scheduler="Cosine")
+    with pytest.raises(ll.ConfigError, match="output_dir is empty: name the directory"):
+        ll.FitConfig(output_dir="")
+    with caplog.at_level(logging.WARNING, logger="lightlike"):
+        fitter(tmp_path, max_steps=3, warmup_steps=5).fit(Classifier(), DictDataset(n=16))
+    assert "warmup_steps=5 is not below this run's 3 optimizer steps: the learning rate never reaches " \
+           "learning_rate=0.001" in caplog.text
