@@ -84,8 +84,9 @@ def set_aside_newer(output_dir: str | Path, step: int, source: str | Path | None
     out = Path(output_dir)
     if not out.is_dir():
         return None
-    newer = sorted((p for p in out.iterdir() if p.is_dir() and (m := CHECKPOINT_DIR_NAME.match(p.name)) and int(m.group(1)) > step),
-                   key=checkpoint_step)
+    itself = Path(source).resolve() if source is not None else None  # a renamed folder is not newer than itself
+    newer = sorted((p for p in out.iterdir() if p.is_dir() and (m := CHECKPOINT_DIR_NAME.match(p.name))
+                    and int(m.group(1)) > step and p.resolve() != itself), key=checkpoint_step)
     if not newer:
         return None
     dest = set_aside(out, newer)

@@ -133,3 +133,23 @@ def test_a_resume_past_the_runs_end_is_refused_and_one_at_its_end_ends_at_once(t
         result = ll.Fitter(max_epochs=3, **cfg).fit(Classifier(), DictDataset(n=16), resume=True)
     assert result.global_step == 12
     assert "checkpoint-12 is at this run's last step (12): nothing is left to train" in caplog.text
+
+
+def test_a_renamed_checkpoint_folder_resumed_from_is_not_set_aside_as_newer_than_itself(tmp_path):
+    """checkpoint-4 renamed checkpoint-9 and resumed from by path: the resume set the folder it
+    had just loaded aside as "older than checkpoint-9". It stays where it is; the run goes on
+    from step 4 to the end."""
+    import torch
+    from helpers import Classifier, DictDataset
+
+    import lightlike as ll
+
+    out = tmp_path / "run"
+    cfg = dict(batch_size=4, output_dir=str(out), loggers=[], model_summary=False, save_every=4)
+    torch.manual_seed(0)
+    ll.Fitter(max_steps=4, **cfg).fit(Classifier(), DictDataset(n=40))
+    (out / "checkpoint-4").rename(out / "checkpoint-9")
+    result = ll.Fitter(max_steps=8, **cfg).fit(Classifier(), DictDataset(n=40), resume=str(out / "checkpoint-9"))
+    assert result.global_step == 8
+    assert (out / "checkpoint-9" / "manifest.json").is_file()
+    assert not list(out.glob("abandoned-*"))
