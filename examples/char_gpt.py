@@ -320,8 +320,13 @@ def main(argv: list[str] | None = None) -> ll.FitResult:
 
     out = Path(args.output_dir)
     (out / "vocab.json").write_text(json.dumps({"chars": vocab.chars}) + "\n")
-    print(f"\ntrained {result.global_step} steps in {elapsed:.0f} s "
-          f"({result.samples_per_second * model_cfg['block_size']:,.0f} tokens/s)")
+    began = ll.FitState.saved_in(fitter.resumed_from).global_step if fitter.resumed_from else 0
+    if result.global_step == began:
+        print(f"\nnothing left to train: {fitter.resumed_from} is at step {began}, this run's last")
+    else:
+        print(f"\ntrained {result.global_step - began} steps in {elapsed:.0f} s"
+              + (f" (steps {began + 1} to {result.global_step}, resumed at step {began})" if began else "")
+              + f" ({result.samples_per_second * model_cfg['block_size']:,.0f} tokens/s)")
     val_loss = result.metrics["val/loss"]
     print(f"final val loss: {val_loss:.4f} ({result.metrics['val/bits_per_char']:.3f} bits/char, "
           f"accuracy {result.metrics['val/accuracy']:.3f}); training loss (whole fit): "

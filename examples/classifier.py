@@ -48,6 +48,9 @@ class Classifier(ll.TaskModule):
 
 
 if __name__ == "__main__":
+    import argparse
+
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     fitter = ll.Fitter(strategy="single", precision="bf16-mixed", max_steps=300, batch_size=32,
                        grad_accum_steps=2, learning_rate=3e-3, eval_every=100, save_every=100,
                        output_dir="runs/classifier", seed=0,

@@ -94,6 +94,20 @@ def test_char_gpt_resume_continues_a_run_killed_before_its_first_save(tmp_path):
     assert [p.name.startswith("abandoned-") for p in out.iterdir() if p.name not in ("logs",)].count(True) == 1
 
 
+def test_char_gpt_resume_of_a_finished_run_says_nothing_was_trained(tmp_path):
+    """--resume of a finished run printed "trained 6 steps in 0 s" (nothing was trained). It says
+    nothing was left to train; --help of the classifier example prints its help and trains nothing
+    (it trained and replaced runs/classifier)."""
+    out = tmp_path / "run"
+    args = [str(EXAMPLES / "char_gpt.py"), "--tiny", "--output-dir", str(out)]
+    assert "trained 6 steps in" in _run(args, cwd=tmp_path).stdout
+    again = _run([*args, "--resume"], cwd=tmp_path).stdout
+    assert f"nothing left to train: {out / 'checkpoint-6'} is at step 6, this run's last" in again, again
+    assert "trained 6 steps" not in again
+    helped = _run([str(EXAMPLES / "classifier.py"), "--help"], cwd=tmp_path)
+    assert "README's one-screen program" in helped.stdout and not (tmp_path / "runs").exists()
+
+
 def test_classifier_example(tmp_path):
     proc = _run([str(EXAMPLES / "classifier.py")], cwd=tmp_path)
     step, training_loss, accuracy = proc.stdout.strip().splitlines()[-1].split()
