@@ -568,7 +568,7 @@ def _as_float(v: Any, key: str) -> float:
         raise ModuleContractError(f"whole-set metric {key!r} is a {type(v).__name__}, not a number") from e
 
 
-_warned: set[type] = set()
+_warned: set[Any] = set()  # module classes, and (class, metric key) pairs
 
 
 def _warn_once(key: Any, message: str) -> None:
