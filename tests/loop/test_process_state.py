@@ -78,6 +78,23 @@ def test_evaluation_outside_fit_leaves_the_global_random_streams_alone(tmp_path,
     assert torch.equal(after, torch.rand(3)), f"{call}() drew from the global torch generator"
 
 
+def test_constructing_a_fitter_seeds_as_the_hf_trainer_does_so_a_module_built_after_it_repeats():
+    """A deliberate difference from Lightning (docs/migrating.md): ``Fitter(seed=s)`` seeds the
+    global generators when built, as ``transformers.Trainer(args)`` does, so ``Fitter(seed=0).fit(
+    Model(), ...)`` starts from the same weights every run; Lightning's ``Trainer()`` seeds nothing
+    (its users call ``seed_everything`` first, which is unchanged here)."""
+    def built_after(seed):
+        torch.manual_seed(12345)  # whatever the process drew before
+        ll.Fitter(seed=seed, **QUIET)
+        return Classifier().state_dict()
+
+    a, b, other = built_after(0), built_after(0), built_after(1)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert not all(torch.equal(a[k], other[k]) for k in a)
+    torch.manual_seed(0)
+    assert all(torch.equal(a[k], v) for k, v in Classifier().state_dict().items()), "seeded as torch.manual_seed(0)"
+
+
 def _held():
     return len(dist.distributed_c10d._world.pg_map), len(os.listdir("/proc/self/fd"))
 
