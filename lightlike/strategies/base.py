@@ -214,18 +214,21 @@ class StepNormaliser:
 # -- the plain ways, shared by the strategies that take them ----------------------------------------
 def clip_gradients(optimizer: torch.optim.Optimizer, max_norm: float | None, max_value: float | None,
                    want_norm: bool = False, one_device: bool = False) -> torch.Tensor | None:
-    """Clipping over the optimizer's (unscaled) gradients with torch's utilities: clip by value, then by the global norm. A gradient sharded as a DTensor (FSDP) gives the
-    norm of its shard; the partial norms are reduced over the mesh (a per-shard norm would be
+    """Clipping over the optimizer's (unscaled) gradients with torch's utilities: clip by value,
+    then by the global norm; returns the norm before clipping (``want_norm``: also without
+    clipping). A gradient sharded as a DTensor (FSDP) gives the norm of its shard; the partial norms are reduced over the mesh (a per-shard norm would be
     wrong), so the norm is the true global one on every strategy. With ``max_value``, an inf
     gradient, which clipping by value turns into ``max_value``, is seen in the norm before it is
     clipped: the norm returned is that one when it is not finite (NaN/inf is never clipped out of sight).
     ``one_device``: the strategy put every parameter on its one device (single, DDP), so the norm
     takes torch's arithmetic without regrouping the gradients by device (see ``global_norm``)."""
-    if max_norm is None and max_value is None and not want_norm:
-        return None  # nothing to do: no per-parameter work on this step
-    grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-    params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None] \
-        if max_norm is not None or max_value is not None else []  # torch's clipping takes the parameters
+    if max_norm is None and max_value is None:  # no clipping: the norm at most (the usual step)
+        if not want_norm:
+            return None
+        return global_norm([p.grad for group in optimizer.param_groups for p in group["params"]
+                            if p.grad is not None], one_device)
+    params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+    grads = [p.grad for p in params]  # (torch's clipping takes the parameters)
     unclipped = None
     if max_value is not None:
         if max_norm is not None or want_norm:
