@@ -6,7 +6,9 @@ examples/...`` work as written, and a block sees the files the blocks above it w
 
 - a ```python block runs as a script (in this process, for speed: a fresh ``__main__``, the
   folder as the working directory and first on ``sys.path``);
-- a ```bash/```sh block runs with ``bash -e``; a ```console block runs its ``$ `` lines;
+- a ```bash/```sh block runs with ``bash -e``; a ```console block runs its ``$ `` lines; a block
+  of ``lightlike ...`` lines only (perhaps ``> FILE``) runs them through ``lightlike.cli.main``,
+  the console script's entry point, in this process;
 - a ```python, ```toml, ```yaml or ```json block whose first line is a comment naming a file
   (``# run.toml``; a JSON block cannot carry one) is that file: it is written there, not run.
 
@@ -24,21 +26,27 @@ Any other marker, or a shell block marked ``run``, fails this test.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import re
 import runpy
+import shlex
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 BLOCK = re.compile(r"(?:<!-- docs-test: (?P<marker>[^>]*?) -->\s*\n)?```(?P<lang>\w*)\n(?P<code>.*?)```", re.S)
 SHELL = ("bash", "sh", "console")
 FILES = ("python", "toml", "yaml", "json")
+#: a command line of the package's own console script, its output perhaps sent to a file
+LIGHTLIKE_LINE = re.compile(r"^lightlike (?P<args>[^<>|&;$`]*?)(?: > (?P<file>[\w./-]+))?\s*$")
 FILE_HEADER = re.compile(r"^# ([\w./-]+\.(?:py|toml|ya?ml|json))\s*\n")
 
 
@@ -91,19 +99,56 @@ def run_python(folder: Path, script: Path, monkeypatch) -> None:
                     del sys.modules[name]
 
 
-def run_shell(page: Path, folder: Path, lang: str, code: str) -> None:
+def run_shell(page: Path, folder: Path, lang: str, code: str, monkeypatch) -> None:
     if lang == "console":
         code = "\n".join(line[2:] for line in code.splitlines() if line.startswith("$ "))
-    env = {**os.environ, "PYTHONPATH": str(folder),
+    lines = [line for line in code.replace("\\\n", " ").splitlines() if line.strip()]
+    if all(LIGHTLIKE_LINE.match(line) for line in lines):
+        for line in lines:
+            run_lightlike(page, folder, line, monkeypatch)
+        return
+    env = {**os.environ, "PYTHONPATH": str(folder), "OMP_NUM_THREADS": "1",
            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
     p = subprocess.run(["bash", "-e", "-c", code], cwd=folder, env=env, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, f"{page.name}:\n{code}\n--- stdout\n{p.stdout[-2000:]}\n--- stderr\n{p.stderr[-3000:]}"
+
+
+def run_lightlike(page: Path, folder: Path, line: str, monkeypatch) -> None:
+    """``lightlike ARGS [> FILE]`` run in this process (the console script's own ``main``: the same
+    command, without starting torch again for each line)."""
+    from lightlike.cli import main
+
+    m = LIGHTLIKE_LINE.match(line)
+    assert m is not None
+    out, err = io.StringIO(), io.StringIO()
+    before = set(sys.modules)
+    with monkeypatch.context() as mp, contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        mp.chdir(folder)
+        mp.syspath_prepend(str(folder))
+        try:
+            code = main(shlex.split(m.group("args")))
+        finally:
+            for name in set(sys.modules) - before:
+                if str(getattr(sys.modules[name], "__file__", "") or "").startswith(str(folder)):
+                    del sys.modules[name]
+    assert code == 0, f"{page.name}: {line}\n--- stdout\n{out.getvalue()[-2000:]}\n--- stderr\n{err.getvalue()[-3000:]}"
+    if m.group("file"):
+        (folder / m.group("file")).write_text(out.getvalue())
 
 
 @pytest.mark.parametrize("page", [p for p in PAGES if runnable(p)], ids=lambda p: str(p.relative_to(ROOT)))
 def test_every_snippet_of_the_page_runs_as_written(page, clone, tmp_path, monkeypatch):
     folder = tmp_path / "lightlike"
     shutil.copytree(clone, folder)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny models: a second thread only spins, more so on a busy machine
+    try:
+        run_blocks(page, folder, monkeypatch)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def run_blocks(page: Path, folder: Path, monkeypatch) -> None:
     for i, (lang, marker, code) in enumerate(blocks(page)):
         if lang not in (*FILES, *SHELL):
             continue
@@ -124,7 +169,7 @@ def test_every_snippet_of_the_page_runs_as_written(page, clone, tmp_path, monkey
             except Exception as e:
                 raise AssertionError(f"{page.name}, block {i}:\n{code}") from e
         elif lang in SHELL:
-            run_shell(page, folder, lang, code)
+            run_shell(page, folder, lang, code, monkeypatch)
 
 
 def test_the_markers_say_why():
