@@ -39,6 +39,12 @@ class WithNaN(Classifier):
         return {**super().metrics(outputs, batch), "nan": outputs.sum() * math.nan}
 
 
+class FailsAtStep3(ll.Callback):
+    def on_step_end(self, fitter, state, control):
+        if state.global_step == 3:
+            raise RuntimeError("boom")
+
+
 # -- Comet -------------------------------------------------------------------------------------
 def comet_experiment(zip_path: Path) -> dict:
     """An offline experiment's key, project, tags, params, metrics (name -> [(step, value)]) and
@@ -115,6 +121,27 @@ def test_a_resumed_fit_continues_the_comet_experiment_of_its_checkpoint(comet_fi
         assert resumed["metrics"][key] == [(step, value) for step, value in logged(r2, key) if step > 4]
     assert resumed["metrics"]["result/global_step"] == [(6, 6.0)]
     assert resumed["others"]["lightlike_status"] == "finished"
+
+
+def test_a_failed_fit_marks_the_comet_experiment_failed(tmp_path, monkeypatch):
+    """A fit that raises ends its experiment with ``lightlike_status`` ``failed``, what it logged
+    before the error kept, and no result."""
+    pytest.importorskip("comet_ml")
+    from lightlike.loggers import CometLogger
+
+    monkeypatch.setenv("COMET_CONFIG", str(tmp_path / "no-config"))
+    monkeypatch.delenv("COMET_OFFLINE_DIRECTORY", raising=False)
+    logger = CometLogger(online=False, display_summary_level=0, auto_output_logging=False, log_env_details=False,
+                         log_git_metadata=False, log_git_patch=False, log_code=False)
+    with pytest.raises(RuntimeError, match="boom"):
+        ll.Fitter(output_dir=str(tmp_path), max_steps=4, loggers=[logger], callbacks=[FailsAtStep3()],
+                  save_strategy="no", batch_size=8, log_every=1, model_summary=False, progress_bar=False).fit(
+            Classifier(), DictDataset(32))
+    [zip_path] = (tmp_path / "logs" / "comet").glob("*.zip")
+    experiment = comet_experiment(zip_path)
+    assert experiment["others"]["lightlike_status"] == "failed"
+    assert [s for s, _ in experiment["metrics"]["train/loss"]] == [1, 2]
+    assert not any(k.startswith("result/") for k in experiment["metrics"])
 
 
 # -- Neptune -----------------------------------------------------------------------------------
@@ -200,15 +227,10 @@ def test_a_failed_fit_marks_the_neptune_run_failed(tmp_path, monkeypatch):
 
     monkeypatch.delenv("NEPTUNE_DATA_DIRECTORY", raising=False)
 
-    class Fails(ll.Callback):
-        def on_step_end(self, fitter, state, control):
-            if state.global_step == 3:
-                raise RuntimeError("boom")
-
     logger = NeptuneLogger(mode="offline", capture_stdout=False, capture_stderr=False, capture_hardware_metrics=False,
                            git_ref=False, source_files=[])
     with pytest.raises(RuntimeError, match="boom"):
-        ll.Fitter(output_dir=str(tmp_path), max_steps=4, loggers=[logger], callbacks=[Fails()], save_strategy="no",
+        ll.Fitter(output_dir=str(tmp_path), max_steps=4, loggers=[logger], callbacks=[FailsAtStep3()], save_strategy="no",
                   batch_size=8, log_every=1, model_summary=False, progress_bar=False).fit(Classifier(), DictDataset(32))
     [run_dir] = (tmp_path / "logs" / "neptune" / "offline").iterdir()
     run = neptune_run(run_dir)
