@@ -28,21 +28,24 @@ STATUS = "lightlike_status"
 
 
 class CometLogger(TrackerLogger):
-    """Logs to a Comet experiment. ``project_name``, ``workspace`` and ``api_key`` go to
-    ``comet_ml.start``; ``online=False`` writes an offline experiment (default: Comet's
-    ``COMET_START_ONLINE``, else online); ``name``, ``tags``, ``offline_directory`` and any other
+    """Logs to a Comet experiment. ``project_name`` (or ``project``, Lightning's name), ``workspace``
+    and ``api_key`` go to ``comet_ml.start``; ``online=False`` writes an offline experiment
+    (default: Comet's ``COMET_START_ONLINE``, else online); ``name``, ``tags``, ``offline_directory`` and any other
     keyword (a field of ``comet_ml.ExperimentConfig``: ``auto_output_logging=False``, ...) go to
     its ``experiment_config``. The experiment starts at the fit's first record, on the main process
-    only; a fit resumed from a checkpoint continues the experiment that checkpoint names."""
+    only; a fit resumed from a checkpoint continues the experiment that checkpoint names, unless
+    ``experiment_key=`` says which experiment to write to (created if it does not exist)."""
 
     run_key = "comet"
 
     def __init__(self, project_name: str | None = None, name: str | None = None, tags: Iterable[str] | None = None,
                  *, workspace: str | None = None, online: bool | None = None, api_key: str | None = None,
-                 offline_directory: str | os.PathLike[str] | None = None, **experiment_config: Any) -> None:
+                 offline_directory: str | os.PathLike[str] | None = None, project: str | None = None,
+                 experiment_key: str | None = None, **experiment_config: Any) -> None:
         super().__init__()
         self.comet = import_library("comet_ml", "comet", "comet")  # fails here, not at the first log
-        self.start_kwargs = {k: v for k, v in {"project_name": project_name, "workspace": workspace,
+        self.experiment_key = experiment_key
+        self.start_kwargs = {k: v for k, v in {"project_name": project_name or project, "workspace": workspace,
                                                 "online": online, "api_key": api_key}.items() if v is not None}
         options = {"name": name, "tags": list(tags) if tags is not None else None,
                    "offline_directory": os.fspath(offline_directory) if offline_directory is not None else None}
@@ -57,6 +60,8 @@ class CometLogger(TrackerLogger):
             config["offline_directory"] = str(self.log_dir / "comet")
         saved = self.saved_run_id()
         where = {"experiment_key": saved, "mode": "get"} if saved else {"mode": "create"}
+        if self.experiment_key:
+            where = {"experiment_key": self.experiment_key, "mode": "get_or_create"}
         self.experiment = self.comet.start(**self.start_kwargs, **where,
                                            experiment_config=self.comet.ExperimentConfig(**config))
         return str(self.experiment.get_key())

@@ -125,13 +125,14 @@ def test_a_resumed_fit_continues_the_comet_experiment_of_its_checkpoint(comet_fi
 
 def test_a_failed_fit_marks_the_comet_experiment_failed(tmp_path, monkeypatch):
     """A fit that raises ends its experiment with ``lightlike_status`` ``failed``, what it logged
-    before the error kept, and no result."""
+    before the error kept, and no result. (``experiment_key=`` and ``project=``, Lightning's
+    names, say which experiment.)"""
     pytest.importorskip("comet_ml")
     from lightlike.loggers import CometLogger
 
     monkeypatch.setenv("COMET_CONFIG", str(tmp_path / "no-config"))
     monkeypatch.delenv("COMET_OFFLINE_DIRECTORY", raising=False)
-    logger = CometLogger(online=False, display_summary_level=0, auto_output_logging=False, log_env_details=False,
+    logger = CometLogger(online=False, experiment_key="0123456789abcdef" * 2, project="failing", display_summary_level=0, auto_output_logging=False, log_env_details=False,
                          log_git_metadata=False, log_git_patch=False, log_code=False)
     with pytest.raises(RuntimeError, match="boom"):
         ll.Fitter(output_dir=str(tmp_path), max_steps=4, loggers=[logger], callbacks=[FailsAtStep3()],
@@ -140,6 +141,7 @@ def test_a_failed_fit_marks_the_comet_experiment_failed(tmp_path, monkeypatch):
     [zip_path] = (tmp_path / "logs" / "comet").glob("*.zip")
     experiment = comet_experiment(zip_path)
     assert experiment["others"]["lightlike_status"] == "failed"
+    assert experiment["key"] == "0123456789abcdef" * 2 and experiment["project"] == "failing"
     assert [s for s, _ in experiment["metrics"]["train/loss"]] == [1, 2]
     assert not any(k.startswith("result/") for k in experiment["metrics"])
 
