@@ -144,7 +144,7 @@ class FitConfig:
     # -- logging -------------------------------------------------------------------------------
     log_every: int = _f(100, "Read the (device-side) training loss and log every this many steps.")
     loggers: Any = _f("auto", "'auto' (csv + tensorboard if installed), a list of names (csv, jsonl, tensorboard, "
-                              "wandb, mlflow) and/or Logger instances, or []")
+                              "wandb, mlflow, comet, neptune) and/or Logger instances, or []")
     progress_bar: bool | None = _f(None, "Show a progress bar (None: only when stderr is a TTY).")
     model_summary: bool = _f(True, "Log a table of the module's parameters at fit start.")
     log_level: str = _f("info", "Python logging level of lightlike on the main process: "

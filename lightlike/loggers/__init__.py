@@ -1,7 +1,8 @@
-"""Loggers: CSV/JSONL metrics files, TensorBoard, W&B and MLflow; Python logging; the model summary.
+"""Loggers: CSV/JSONL metrics files, TensorBoard, W&B, MLflow, Comet and Neptune; Python logging; the
+model summary.
 
-Importing this package imports neither tensorboard, tqdm, wandb nor mlflow: each logger and the
-progress bar import theirs when constructed / started.
+Importing this package imports neither tensorboard, tqdm, wandb, mlflow, comet_ml nor neptune: each
+logger and the progress bar import theirs when constructed / started.
 """
 
 from __future__ import annotations
@@ -18,12 +19,18 @@ from typing import Any
 
 from lightlike.errors import ConfigError
 from lightlike.loggers.base import Logger
+from lightlike.loggers.comet import CometLogger
 from lightlike.loggers.csv import CSVLogger, JSONLLogger
 from lightlike.loggers.mlflow import MLflowLogger
+from lightlike.loggers.neptune import NeptuneLogger
 from lightlike.loggers.tracker import TrackerLogger
 from lightlike.loggers.wandb import WandbLogger
 
-LOGGER_NAMES = ("csv", "jsonl", "tensorboard", "wandb", "mlflow")
+LOGGER_NAMES = ("csv", "jsonl", "tensorboard", "wandb", "mlflow", "comet", "neptune")
+#: other names a logger is known by (the HF Trainer's ``report_to`` says ``comet_ml``)
+LOGGER_ALIASES = {"comet_ml": "comet"}
+#: the trackers built by name, each keyed by its ``run_key``
+TRACKERS = {cls.run_key: cls for cls in (WandbLogger, MLflowLogger, CometLogger, NeptuneLogger)}
 #: ``logs/`` file recording each resume's step and time (``build_loggers``)
 RESUMES = "resumes.jsonl"
 #: The files lightlike's own loggers write in ``logs/`` (and their temp files): what
@@ -85,6 +92,7 @@ def _normalise(spec: Any) -> list[str | Logger]:
             out.append(item)
         elif isinstance(item, str):
             name = item.strip().lower()
+            name = LOGGER_ALIASES.get(name, name)
             if name not in LOGGER_NAMES:
                 raise _unknown(item)
             if name in out:
@@ -101,10 +109,8 @@ def _by_name(name: str, log_dir: Path) -> Logger:
         return CSVLogger(log_dir)
     if name == "jsonl":
         return JSONLLogger(log_dir)
-    if name == "wandb":
-        return WandbLogger()
-    if name == "mlflow":
-        return MLflowLogger()
+    if name in TRACKERS:
+        return TRACKERS[name]()
     from lightlike.loggers.tensorboard import TensorBoardLogger
 
     return TensorBoardLogger(log_dir)
@@ -115,8 +121,8 @@ def build_loggers(spec: Any, output_dir: str | Path, enabled: bool = True, *, re
     """The loggers of a run, writing under ``output_dir/logs/``.
 
     ``spec``: ``'auto'`` (CSV, plus TensorBoard when installed, else a warning), a list/tuple of
-    names among ``csv``, ``jsonl``, ``tensorboard``, ``wandb``, ``mlflow`` and/or ``Logger``
-    instances, or ``[]``/None for none. The spec is checked on every process (an invalid one fails everywhere alike); only
+    names among ``csv``, ``jsonl``, ``tensorboard``, ``wandb``, ``mlflow``, ``comet`` (or
+    ``comet_ml``), ``neptune`` and/or ``Logger`` instances, or ``[]``/None for none. The spec is checked on every process (an invalid one fails everywhere alike); only
     where ``enabled`` (the main process) are loggers constructed. ``resume_step``: a resumed run,
     whose logs drop what was written after that step's checkpoint; ``hyperparams`` are logged;
     ``runs`` is ``FitState.tracker_runs`` (the trackers' run ids, checkpointed), given to every
@@ -147,7 +153,7 @@ def _check_one_run_each(items: list[str | Logger]) -> None:
     id a checkpoint keeps for that kind, so a resumed fit would continue one of their runs in
     both: refused (on every rank, before anything is constructed)."""
     kinds = [item.run_key if isinstance(item, TrackerLogger) else item for item in items
-             if isinstance(item, TrackerLogger) or item in (WandbLogger.run_key, MLflowLogger.run_key)]
+             if isinstance(item, TrackerLogger) or item in TRACKERS]
     twice = sorted({k for k in kinds if kinds.count(k) > 1})
     if twice:
         raise ConfigError(f"loggers holds two {twice[0]} loggers; a checkpoint keeps one {twice[0]} run id, so a "
@@ -193,5 +199,6 @@ def _drop_after(lg: Logger, step: int, resumes: list[tuple[int, int]]) -> int:
     return min([step] + [s for s, t in resumes if t > written])
 
 
-__all__ = ["LOGGER_NAMES", "OWN_LOG_FILES", "CSVLogger", "JSONLLogger", "Logger", "MLflowLogger", "WandbLogger",
+__all__ = ["LOGGER_ALIASES", "LOGGER_NAMES", "OWN_LOG_FILES", "CSVLogger", "CometLogger", "JSONLLogger", "Logger",
+           "MLflowLogger", "NeptuneLogger", "WandbLogger",
            "build_loggers", "log_result", "own_log_files", "tensorboard_available"]

@@ -31,7 +31,7 @@ class Logger:
     def attach(self, log_dir: Path, runs: dict[str, str]) -> None:
         """Called once per fit, before anything else: ``log_dir`` is the run's ``output_dir/logs``
         (where a logger constructed without a folder writes), ``runs`` is ``FitState.tracker_runs``,
-        saved in every checkpoint. A tracker (W&B, MLflow) reads the id of the run to continue
+        saved in every checkpoint. A tracker (W&B, MLflow, Comet, Neptune) reads the id of the run to continue
         there on a resume, and stores the id of the run it starts, so the next resume continues
         it too."""
 

@@ -1,7 +1,8 @@
-"""What the W&B and MLflow loggers share: the library imported when the logger is built, the run
-started at the first record, and its id kept in the checkpoint so that a resumed fit continues it.
+"""What the tracker loggers (W&B, MLflow, Comet, Neptune) share: the library imported when the
+logger is built, the run started at the first record, and its id kept in the checkpoint so that a
+resumed fit continues it.
 
-The id lives in ``FitState.tracker_runs`` (``{"wandb": id, "mlflow": id}``), which every
+The id lives in ``FitState.tracker_runs`` (``{"wandb": id, "mlflow": id, ...}``), which every
 checkpoint's ``trainer_state.json`` holds: a fit resumed from a checkpoint gets the map back
 before its loggers are built (``attach``), and a tracker logger continues the run named there
 instead of starting another one.
@@ -33,7 +34,7 @@ def import_library(name: str, extra: str, logger: str) -> ModuleType:
 
 
 class TrackerLogger(Logger):
-    """A logger whose records go to one run of a tracking service (W&B, MLflow).
+    """A logger whose records go to one run of a tracking service (W&B, MLflow, Comet, Neptune).
 
     Subclasses set ``run_key`` and implement ``start`` (begin or continue the run, return its id),
     ``record_result`` (the numbers of the fit's result) and ``end`` (close the run: a success

@@ -266,15 +266,15 @@ def test_build_loggers_specs(tmp_path):
     assert build_loggers([], tmp_path) == [] and build_loggers(None, tmp_path) == []
     assert build_loggers("auto", tmp_path, enabled=False) == []
     assert build_loggers(["csv", "tensorboard"], tmp_path, enabled=False) == []
-    assert LOGGER_NAMES == ("csv", "jsonl", "tensorboard", "wandb", "mlflow")
+    assert LOGGER_NAMES == ("csv", "jsonl", "tensorboard", "wandb", "mlflow", "comet", "neptune")
 
 
 def test_build_loggers_errors(tmp_path):
-    valid = "valid names: csv, jsonl, tensorboard, wandb, mlflow"
+    valid = "valid names: csv, jsonl, tensorboard, wandb, mlflow, comet, neptune"
     with pytest.raises(ConfigError, match=r"unknown logger 'tensorbord' \(did you mean 'tensorboard'\?\); " + valid):
         build_loggers(["csv", "tensorbord"], str(tmp_path))
-    with pytest.raises(ConfigError, match=r"unknown logger 'comet'; " + valid):
-        build_loggers(["comet"], str(tmp_path))
+    with pytest.raises(ConfigError, match=r"unknown logger 'aim'; " + valid):
+        build_loggers(["aim"], str(tmp_path))
     # checked on every rank, so a bad spec fails everywhere alike instead of only on rank 0
     with pytest.raises(ConfigError, match="did you mean 'jsonl'"):
         build_loggers(["json"], str(tmp_path), enabled=False)
@@ -478,13 +478,14 @@ def test_progress_bar_without_tqdm():
     assert "ERR ProgressBar(enabled=True) needs tqdm: pip install tqdm" in out.stdout
 
 
-def test_importing_loggers_and_progress_loads_neither_tensorboard_nor_tqdm():  # nor wandb, mlflow
+def test_importing_loggers_and_progress_loads_neither_tensorboard_nor_tqdm():  # nor wandb, mlflow, comet, neptune
     """torch itself imports tqdm (through torch.hub), so tqdm is judged against what
     ``import torch`` loaded; tensorboard must be absent outright."""
     code = ("import sys, torch; before = set(sys.modules); "
             "import lightlike.loggers, lightlike.loggers.tensorboard, lightlike.loggers.summary, "
-            "lightlike.loggers.console, lightlike.callbacks.progress, lightlike.loggers.wandb, lightlike.loggers.mlflow; "
-            "tb = [m for m in sys.modules if m.split('.')[0] in ('tensorboard', 'wandb', 'mlflow') "
+            "lightlike.loggers.console, lightlike.callbacks.progress, lightlike.loggers.wandb, lightlike.loggers.mlflow, "
+            "lightlike.loggers.comet, lightlike.loggers.neptune; "
+            "tb = [m for m in sys.modules if m.split('.')[0] in ('tensorboard', 'wandb', 'mlflow', 'comet_ml', 'neptune') "
             "or 'utils.tensorboard' in m]; "
             "new = [m for m in sys.modules if m not in before and m.split('.')[0] == 'tqdm']; "
             "print(sorted(tb + new))")
