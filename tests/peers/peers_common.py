@@ -27,7 +27,7 @@ class RegressionDataset:
         return len(self.x)
 
     def __getitem__(self, i):
-        item = {name: y[i] for name, y in zip(self.label_names, self.ys)}
+        item = {name: y[i] for name, y in zip(self.label_names, self.ys, strict=True)}
         item["input_x"] = self.x[i]
         return item
 

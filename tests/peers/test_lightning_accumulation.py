@@ -63,9 +63,9 @@ def test_gradient_accumulation_scheduling_last_batch(tmp_path, accumulate_grad_b
             opt.zero_grad()
             expected.append(ref.layer.weight.detach().clone())
     assert len(steps.weights) == len(expected)
-    for got, want in zip(steps.weights, expected):
+    for got, want in zip(steps.weights, expected, strict=True):
         torch.testing.assert_close(got, want)
-    assert all(not torch.equal(a, b) for a, b in zip(steps.weights, steps.weights[1:]))  # every step moved
+    assert all(not torch.equal(a, b) for a, b in zip(steps.weights, steps.weights[1:], strict=False))  # every step moved
 
 
 @pytest.mark.parametrize(("accumulate_grad_batches", "expected_steps"), [(2, 32), (3, 22)])
