@@ -89,9 +89,9 @@ def test_number_of_steps_in_training(tmp_path, fields, steps):
     assert result.global_step == steps
 
 
-def test_number_of_steps_in_training_with_ipex_like_max_steps_over_epochs(tmp_path):
-    """transformers tests/trainer/test_trainer.py::TrainerIntegrationTest::test_number_of_steps_in_training
-    (its max_steps case): max_steps beyond the epochs given goes on into more epochs."""
+def test_max_steps_beyond_the_epochs(tmp_path):
+    """transformers TrainingArguments.max_steps ("overrides num_train_epochs"), the other way than
+    test_number_of_steps_in_training's max_steps=10: 20 steps of one 8-step epoch go on into more."""
     _, _, result = _train(tmp_path, learning_rate=0.1, max_epochs=1, max_steps=20)
     assert result.global_step == 20
 
@@ -108,8 +108,8 @@ def test_training_loss(tmp_path):
 
 
 def test_logging_steps(tmp_path):
-    """transformers tests/trainer/test_trainer.py::TrainerIntegrationTest::test_logging_inf_nan_filter's
-    set-up (logging_steps=1 over 3 epochs of 8 steps): one row per step, each with its epoch."""
+    """transformers tests/trainer/test_trainer.py::TrainerIntegrationTest::test_logging_inf_nan_filter
+    (its finite half: logging_steps=1 over 3 epochs of 8 steps): one row per step, each with its epoch."""
     fitter, _, _ = _train(tmp_path, log_every=1)
     rows = [row for row in fitter.state.log_history if "train/loss" in row]
     assert [row["step"] for row in rows] == list(range(1, 25))
