@@ -259,3 +259,48 @@ def test_early_stopping_callback(tmp_path):
     result = fitter.fit(module, RegressionDataset(), RegressionDataset())
     assert result.global_step < 20 * 64 / 16
     assert stopper.stopped_step == result.global_step
+
+
+class RegressionRandomModel(RegressionModel):
+    """``RegressionRandomPreTrainedModel``: the output takes noise from torch, numpy and Python's
+    random streams."""
+
+    def forward(self, batch):
+        import random
+
+        import numpy as np
+
+        noise = 0.05 * torch.randn(1).squeeze() + 0.05 * torch.tensor(np.random.rand() + random.random())
+        return batch["input_x"] * self.a + self.b + noise
+
+
+def test_resume_training_with_randomness(tmp_path):
+    """transformers tests/trainer/test_trainer.py::TrainerIntegrationTest::test_resume_training_with_randomness:
+    a model drawing from torch, numpy and random, saved every 5 of 24 steps at lr 0.1, resumed from
+    checkpoint-15: the same a, b (the original: within 1e-5; here exactly)."""
+    _, m, _ = _train(tmp_path, model=RegressionRandomModel(), save_every=5, learning_rate=0.1)
+    again = regression_fitter(tmp_path, save_every=5, learning_rate=0.1)
+    m1 = RegressionRandomModel()
+    with pytest.warns(UserWarning, match="moved those"):
+        again.fit(m1, RegressionDataset(), resume=str(tmp_path / "checkpoint-15"))
+    assert (m1.a.item(), m1.b.item()) == (m.a.item(), m.b.item())
+
+
+def test_trainer_with_datasets(tmp_path, default_trained):
+    """transformers tests/trainer/test_trainer.py::TrainerIntegrationPrerunTest::test_trainer_with_datasets:
+    the regression data as a ``datasets.Dataset`` (numpy rows, then torch format, then with a column
+    the model does not use) trains the model of test_reproducible_training."""
+    import datasets
+    import numpy as np
+
+    (a, b), _ = default_trained
+    data = RegressionDataset()
+    np.random.seed(0)
+    z = np.random.normal(size=(64,)).astype(np.float32)
+    sets = [datasets.Dataset.from_dict({"input_x": data.x, "labels": data.ys[0]})]
+    sets.append(sets[0].with_format("torch", dtype=torch.float32))
+    sets.append(datasets.Dataset.from_dict({"input_x": data.x, "labels": data.ys[0], "extra": z}))
+    for i, train in enumerate(sets):
+        module = RegressionModel()
+        regression_fitter(tmp_path / str(i), learning_rate=0.1).fit(module, train)
+        assert torch.allclose(module.a, a) and torch.allclose(module.b, b), i
