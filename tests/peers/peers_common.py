@@ -63,8 +63,8 @@ class AlmostAccuracy:
 
 
 def regression_fitter(tmp_path, *, callbacks=None, **kwargs):
-    """``get_regression_trainer``'s defaults: 3 epochs, batch 8, lr as given (HF's 5e-5 else),
-    the linear schedule, AdamW, seed 42, no gradient clipping difference (HF clips at 1.0)."""
+    """``get_regression_trainer`` with ``TrainingArguments``' defaults: 3 epochs, batch 8, lr 5e-5
+    unless given, the linear schedule, AdamW, seed 42, gradients clipped at a norm of 1.0."""
     fields = {"output_dir": str(tmp_path), "max_epochs": 3, "batch_size": 8, "learning_rate": 5e-5,
               "seed": 42, "max_grad_norm": 1.0, **QUIET}
     fields.update(kwargs)
