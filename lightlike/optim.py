@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from torch.optim.lr_scheduler import LambdaLR, ReduceLROnPlateau
 
-from lightlike import schedules
+from lightlike import lr_schedulers, schedules
 from lightlike.config import OPTIMIZERS, SCHEDULERS, field_defaults
 from lightlike.errors import ConfigError, ModuleContractError
 from lightlike.optimizers import (
@@ -34,7 +34,8 @@ from lightlike.optimizers import (
 )
 from lightlike.optimizers.libraries import check_device
 from lightlike.precision import get_precision
-from lightlike.schedules import step_on_evaluation  # noqa: F401  (the Fitter's, after each evaluation)
+from lightlike.lr_schedulers import check_epoch_budget  # noqa: F401  (the Fitter's, at set-up)
+from lightlike.schedules import step_on_epoch_end, step_on_evaluation  # noqa: F401  (the Fitter's)
 
 log = logging.getLogger("lightlike")
 
@@ -200,12 +201,16 @@ def build_optimizer_and_scheduler(module: Any, config: Any, precision: Any,
                                   total_steps: int) -> tuple[Any, Any]:
     """The optimizer and scheduler of an automatic module: ``configure_optimizers``' or the
     built-in ones. An optimizer without a scheduler (from ``configure_optimizers`` too) gets the
-    configured schedule (``lr_scheduler``, warmup), as the HF Trainer gives it."""
+    configured schedule (``lr_scheduler``, warmup), as the HF Trainer gives it; schedulers from
+    ``configure_optimizers`` are stepped as Lightning steps them (``lightlike.lr_schedulers``)."""
     custom = call_configure_optimizers(module, config)
+    scheduler: Any = None
     if custom is not None:
-        optimizer, scheduler = unwrap_configure_optimizers(custom)
+        optimizer, configs = lr_schedulers.read_configure_optimizers(custom)
+        lr_schedulers.check_at_set_up(configs, config)
+        scheduler = lr_schedulers.Schedulers(optimizer, configs) if configs else None
     else:
-        optimizer, scheduler = build_optimizer(module, config, precision, total_steps), None
+        optimizer = build_optimizer(module, config, precision, total_steps)
         if config.optimizer in SCHEDULE_FREE_WARMUP:
             config = config.replace(warmup_steps=0, warmup_ratio=0.0)
     if scheduler is None:
@@ -362,7 +367,7 @@ def call_configure_optimizers(module: Any, config: Any) -> Any:
     if result is not None:  # None: the built-in ones, which read them
         defaults = field_defaults(type(config))
         try:  # an automatic module's optimizer without a scheduler gets the configured schedule
-            read = SCHEDULE_FIELDS if unwrap_configure_optimizers(result)[1] is None else ()
+            read = () if lr_schedulers.read_configure_optimizers(result)[1] else SCHEDULE_FIELDS
         except ModuleContractError:  # several optimizers (manual optimization)
             read = ()
         unread = [f"{name}={getattr(config, name)!r}" for name in OPTIMIZER_FIELDS

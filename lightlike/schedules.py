@@ -234,7 +234,14 @@ class EvaluationPlateau:
 
 
 def step_on_evaluation(scheduler: Any, metrics: dict[str, float]) -> None:
-    """After an evaluation of a fit: a schedule that follows a metric (``EvaluationPlateau``)
-    takes it; any other is stepped per optimizer step only."""
-    if isinstance(scheduler, EvaluationPlateau):
+    """After an evaluation of a fit: a scheduler that follows a metric (``EvaluationPlateau``,
+    ``lightlike.lr_schedulers.Schedulers``) takes it; any other is stepped per optimizer step only."""
+    if callable(getattr(scheduler, "evaluated", None)):
         scheduler.evaluated(metrics)
+
+
+def step_on_epoch_end(scheduler: Any, epochs: int) -> None:
+    """At the end of the ``epochs``-th epoch (from 1), before its checkpoint: the schedulers of
+    ``configure_optimizers`` with ``interval="epoch"`` (``lightlike.lr_schedulers.Schedulers``)."""
+    if callable(getattr(scheduler, "epoch_ended", None)):
+        scheduler.epoch_ended(epochs)
