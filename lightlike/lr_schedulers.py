@@ -72,7 +72,7 @@ def read_configure_optimizers(result: Any) -> tuple[torch.optim.Optimizer, list[
             and not isinstance(result[1], torch.optim.Optimizer):
         optimizer, entries = result  # lightlike's (optimizer, scheduler or None)
     else:
-        several = isinstance(result, (tuple, list)) and sum(_holds_optimizer(x) for x in result) > 1
+        several = _optimizers_in(result) > 1
         hint = (" Several optimizers need manual optimization: define training_step(batch, ctx) and step them "
                 "there (docs/manual_optimization.md);" if several else "")
         raise ModuleContractError(f"configure_optimizers returned {_describe(result)};{hint} {_FORMS}")
@@ -80,9 +80,12 @@ def read_configure_optimizers(result: Any) -> tuple[torch.optim.Optimizer, list[
     return optimizer, [_config(e, optimizer, monitor) for e in entries if e is not None]
 
 
-def _holds_optimizer(x: Any) -> bool:
-    return isinstance(x, torch.optim.Optimizer) or (isinstance(x, Mapping) and "optimizer" in x) or (
-        isinstance(x, (tuple, list)) and any(isinstance(o, torch.optim.Optimizer) for o in x))
+def _optimizers_in(x: Any) -> int:
+    if isinstance(x, torch.optim.Optimizer):
+        return 1
+    if isinstance(x, Mapping):
+        return _optimizers_in(x.get("optimizer"))
+    return sum(_optimizers_in(y) for y in x) if isinstance(x, (tuple, list)) else 0
 
 
 def _config(entry: Any, optimizer: torch.optim.Optimizer, monitor: str | None) -> SchedulerConfig:
