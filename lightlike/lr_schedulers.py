@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -47,7 +47,7 @@ class SchedulerConfig:
     strict: bool = True
     name: str | None = None
     reduce_on_plateau: bool = False
-    bare: bool = False  # returned without a dict: the interval was not written
+    bare: bool = field(default=False, compare=False)  # returned without a dict: no interval written
 
 
 def read_configure_optimizers(result: Any) -> tuple[torch.optim.Optimizer, list[SchedulerConfig]]:
@@ -94,8 +94,9 @@ def _config(entry: Any, optimizer: torch.optim.Optimizer, monitor: str | None) -
         unknown = sorted(str(k) for k in entry if k not in KEYS)
         if "scheduler" not in entry or unknown:
             raise ModuleContractError(f"configure_optimizers returned a scheduler dict with keys "
-                                      f"{sorted(map(str, entry))}: Lightning's keys are {', '.join(KEYS)}, "
-                                      "'scheduler' required")
+                                      f"{sorted(map(str, entry))}: Lightning's keys are {', '.join(KEYS)}. The lr "
+                                      "scheduler dict must have the key \"scheduler\" with its item being an lr "
+                                      "scheduler")
         settings = dict(entry)
         settings.setdefault("reduce_on_plateau", isinstance(entry["scheduler"], ReduceLROnPlateau))
         config = SchedulerConfig(**settings)
@@ -109,22 +110,24 @@ def _config(entry: Any, optimizer: torch.optim.Optimizer, monitor: str | None) -
 def _check(config: SchedulerConfig, optimizer: torch.optim.Optimizer) -> None:
     kind = type(config.scheduler).__name__
     if config.interval not in ("step", "epoch"):
-        raise ModuleContractError(f"configure_optimizers returned {kind} with interval={config.interval!r}: the "
-                                  "interval is 'step' (every optimizer step) or 'epoch' (every epoch's end)")
+        raise ModuleContractError(f"configure_optimizers returned {kind} with interval={config.interval!r}: The "
+                                  f"\"interval\" key in lr scheduler dict must be \"step\" (every optimizer step) or "
+                                  f"\"epoch\" (every epoch's end) but is \"{config.interval}\"")
     if not (isinstance(config.frequency, int) and not isinstance(config.frequency, bool) and config.frequency > 0):
         raise ModuleContractError(f"configure_optimizers returned {kind} with frequency={config.frequency!r}: give a "
                                   "positive int (it steps every frequency-th interval)")
     if config.reduce_on_plateau and not config.monitor:
         raise ModuleContractError(
-            f"configure_optimizers returned {kind} without a monitor: a ReduceLROnPlateau needs the metric it "
-            "follows, e.g. {'optimizer': opt, 'lr_scheduler': {'scheduler': s, 'monitor': 'val/loss'}}")
+            f"configure_optimizers returned {kind} without a monitor: it must include a monitor when a "
+            "ReduceLROnPlateau scheduler is used (the evaluation metric it follows), e.g. {'optimizer': opt, "
+            "'lr_scheduler': {'scheduler': s, 'monitor': 'val/loss'}}")
     missing = [m for m in ("step", "state_dict", "load_state_dict") if not callable(getattr(config.scheduler, m, None))]
     if missing:
         raise ModuleContractError(f"configure_optimizers returned a scheduler of type {kind} without "
                                   f"{', '.join(m + '()' for m in missing)}; {_FORMS}")
     if getattr(config.scheduler, "optimizer", optimizer) is not optimizer:
-        raise ModuleContractError(f"configure_optimizers returned {kind} built on a different optimizer than the "
-                                  "one it returned")
+        raise ModuleContractError(f"configure_optimizers returned {kind} attached with an optimizer that wasn't "
+                                  "returned: build it on the optimizer returned with it")
 
 
 def check_at_set_up(configs: list[SchedulerConfig], config: Any) -> None:
@@ -166,6 +169,7 @@ class Schedulers:
         self.steps_in_epoch = 0  # applied optimizer steps since the epoch began
         self.evaluations = 0  # evaluations seen (monitored step-interval schedulers count them)
         self.values: list[float | None] = [None] * len(configs)  # each monitor's latest value
+        self.names: list[str] = []  # the metrics of the latest evaluation
 
     def step(self) -> None:
         """After an applied optimizer step."""
@@ -178,16 +182,14 @@ class Schedulers:
         """After an evaluation of the fit: each monitor's value is kept; a monitored
         step-interval scheduler steps with it."""
         self.evaluations += 1
+        self.names = sorted(metrics)
         for i, c in enumerate(self.configs):
             if not c.reduce_on_plateau:
                 continue
             found = key_candidates(c.monitor, metrics)  # type: ignore[arg-type]
-            if len(found) != 1:
-                self._missing(c, metrics, found)
-                continue
-            self.values[i] = float(metrics[found[0]])
+            self.values[i] = float(metrics[found[0]]) if len(found) == 1 else None
             if c.interval == "step" and self.evaluations % c.frequency == 0:
-                c.scheduler.step(self.values[i])
+                self._step_monitored(c, self.values[i])
 
     def epoch_ended(self, epochs: int) -> None:
         """At the end of the ``epochs``-th epoch (counted from 1)."""
@@ -195,21 +197,23 @@ class Schedulers:
         for i, c in enumerate(self.configs):
             if c.interval != "epoch" or epochs % c.frequency:
                 continue
-            if not c.reduce_on_plateau:
-                c.scheduler.step()
-            elif self.values[i] is not None:
-                c.scheduler.step(self.values[i])
+            if c.reduce_on_plateau:
+                self._step_monitored(c, self.values[i])
             else:
-                self._missing(c, {}, [])
+                c.scheduler.step()
 
-    def _missing(self, c: SchedulerConfig, metrics: dict[str, float], found: list[str]) -> None:
-        what = f"matches several evaluation metrics {found}" if found else (
-            f"is not among the evaluation metrics {sorted(metrics)}" if metrics else "has no evaluation value yet")
-        message = f"{type(c.scheduler).__name__} follows monitor={c.monitor!r}, which {what}"
+    def _step_monitored(self, c: SchedulerConfig, value: float | None) -> None:
+        if value is not None:
+            c.scheduler.step(value)
+            return
+        found = key_candidates(c.monitor, self.names)  # type: ignore[arg-type]
+        what = f", as it names several {found}" if found else ""
+        message = (f"{type(c.scheduler).__name__} conditioned on metric {c.monitor!r} which is not available{what}. "
+                   f"Available metrics are: {self.names} (the last evaluation's)")
         if c.strict:
-            raise ConfigError(f"{message}: return a monitor the evaluation gives ('<set>/<name>'), or "
-                              "'strict': False to skip the step", settings=("configure_optimizers",))
-        log.warning("%s; strict is False: it is not stepped", message)
+            raise ConfigError(f"{message}: return a monitor the evaluation gives ('<set>/<name>'), or 'strict': False "
+                              "to skip the step", settings=("configure_optimizers",))
+        log.warning("%s, but strict is set to `False`. Skipping learning rate update.", message)
 
     def get_last_lr(self) -> list[float]:
         return [float(g["lr"]) for g in self.optimizer.param_groups]

@@ -25,6 +25,7 @@ from torch.optim.lr_scheduler import LambdaLR, ReduceLROnPlateau
 from lightlike import lr_schedulers, schedules
 from lightlike.config import OPTIMIZERS, SCHEDULERS, field_defaults
 from lightlike.errors import ConfigError, ModuleContractError
+from lightlike.lr_schedulers import check_epoch_budget  # noqa: F401  (the Fitter's, at set-up)
 from lightlike.optimizers import (
     GALORE_ARGUMENTS,
     LIBRARY_OPTIMIZERS,
@@ -34,7 +35,6 @@ from lightlike.optimizers import (
 )
 from lightlike.optimizers.libraries import check_device
 from lightlike.precision import get_precision
-from lightlike.lr_schedulers import check_epoch_budget  # noqa: F401  (the Fitter's, at set-up)
 from lightlike.schedules import step_on_epoch_end, step_on_evaluation  # noqa: F401  (the Fitter's)
 
 log = logging.getLogger("lightlike")
