@@ -224,6 +224,9 @@ class Schedulers:
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         saved = state.get("schedulers") if isinstance(state, Mapping) else None
+        if saved is None and isinstance(state, Mapping) and len(self.configs) == 1:  # one scheduler's own state
+            state = {"schedulers": [state], "steps_in_epoch": 0, "evaluations": 0, "values": [None]}
+            saved = state["schedulers"]
         if not isinstance(saved, list) or len(saved) != len(self.configs):
             raise ConfigError(f"the checkpoint's scheduler state is not that of this module's {len(self.configs)} "
                               "scheduler(s) from configure_optimizers: resume with the module that wrote it")

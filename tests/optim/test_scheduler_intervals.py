@@ -159,6 +159,33 @@ def test_a_monitored_plateau_steps_at_each_epochs_end_with_that_evaluation(tmp_p
     assert fitter.optimizer.param_groups[0]["lr"] == 0.025
 
 
+def test_a_monitored_step_interval_plateau_steps_after_each_evaluation(tmp_path):
+    """interval="step": stepped after every evaluation (eval_every=2) with its value; frequency 2:
+    after every second one. patience 0 halves the rate at each stalled evaluation it is given."""
+    def run(name, frequency):
+        torch.manual_seed(0)
+        module, rates = Scored(plateau("val_score", interval="step", frequency=frequency), [5, 4, 4, 4]), Rates()
+        fitter = ll.Fitter(max_steps=8, batch_size=4, eval_every=2, loggers=[], model_summary=False,
+                           output_dir=str(tmp_path / name), callbacks=[rates])
+        fitter.fit(module, DictDataset(32), DictDataset(4, seed=1))
+        return rates.lrs
+
+    assert run("every", 1) == [0.1] * 6 + [0.05] * 2  # stalls at steps 6 and 8's evaluations
+    assert run("second", 2) == [0.1] * 8  # given the evaluations of steps 4 (4) and 8 (4): one stall, after the end
+
+
+def test_a_scheduler_state_of_one_scheduler_alone_loads():
+    """A checkpoint holding one scheduler's own state (written before the counters were kept)."""
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    old = step_lr(opt)
+    opt.step()
+    old.step()
+    s = step_lr(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1))
+    schedulers = Schedulers(s.optimizer, read_configure_optimizers(([s.optimizer], [s]))[1])
+    schedulers.load_state_dict(old.state_dict())
+    assert s.last_epoch == 1 and schedulers.steps_in_epoch == 0
+
+
 def test_a_monitor_the_evaluation_lacks(tmp_path, caplog):
     """strict (Lightning's default): a ConfigError naming the metrics there are; strict=False: a
     warning, and the scheduler is not stepped. No evaluation before the fit's end: refused at set-up."""
