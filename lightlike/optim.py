@@ -330,9 +330,8 @@ def build_scheduler(optimizer: torch.optim.Optimizer, config: Any, total_steps: 
 
 # -- TaskModule.configure_optimizers ---------------------------------------------------------------
 _ACCEPTED = ("return an Optimizer, (optimizer, scheduler), or {'optimizer': ..., 'lr_scheduler': ...} "
-             "(scheduler may be None, or Lightning's {'scheduler': s, 'interval': 'step'}; it is stepped once per "
-             "optimizer step; Lightning's [optimizer] and ([optimizer], [scheduler]) are read too), or None for "
-             "the built-in ones")
+             "(scheduler may be None, or Lightning's {'scheduler': s, 'interval': 'step'}; in manual optimization it "
+             "steps at each ctx.step; Lightning's [optimizer] and ([optimizer], [scheduler]) are read too)")
 _SCHEDULER_METHODS = ("step", "get_last_lr", "state_dict", "load_state_dict")
 
 
@@ -389,8 +388,9 @@ OPTIMIZER_FIELDS = ("optimizer", "optimizer_kwargs", "optimizer_target_modules",
 
 
 def unwrap_configure_optimizers(result: Any) -> tuple[torch.optim.Optimizer, Any]:
-    """Normalise what ``TaskModule.configure_optimizers`` returned (other than None, which means
-    "use the built-in ones" and is the caller's to handle) to ``(optimizer, scheduler or None)``.
+    """Normalise one entry of what a manual module's ``configure_optimizers`` returned to
+    ``(optimizer, scheduler or None)``; the scheduler steps at each ``ctx.step`` of its optimizer
+    (an automatic module's are read by ``lightlike.lr_schedulers.read_configure_optimizers``).
 
     Accepted: an ``Optimizer``; a 2-tuple/list ``(optimizer, scheduler)``; a mapping with key
     ``"optimizer"`` and optionally ``"lr_scheduler"``. A scheduler needs ``step()``,
@@ -417,8 +417,8 @@ def unwrap_configure_optimizers(result: Any) -> tuple[torch.optim.Optimizer, Any
 
 
 def _lightning_scheduler(entry: Any) -> Any:
-    """Lightning's scheduler dict ``{'scheduler': s, 'interval': 'step', 'frequency': 1}``: the
-    scheduler, when it is stepped as lightlike steps every scheduler (once per optimizer step)."""
+    """Lightning's scheduler dict ``{'scheduler': s, 'interval': 'step', 'frequency': 1}`` in
+    manual optimization: the scheduler, when it is stepped as ``ctx.step`` steps it."""
     if not isinstance(entry, Mapping):
         return entry
     unknown = sorted(str(k) for k in entry if k not in ("scheduler", "interval", "frequency", "name", "monitor",
@@ -430,8 +430,8 @@ def _lightning_scheduler(entry: Any) -> Any:
     if interval != "step" or frequency != 1:
         raise ModuleContractError(
             f"configure_optimizers returned a scheduler with interval={interval!r}, frequency={frequency!r} "
-            "(Lightning's default interval is 'epoch'); lightlike steps a scheduler once per optimizer step: "
-            "give 'interval': 'step' and 'frequency': 1, with the schedule expressed in optimizer steps")
+            "(Lightning's default interval is 'epoch'); in manual optimization a scheduler steps at each ctx.step "
+            "of its optimizer: give 'interval': 'step' and 'frequency': 1, with the schedule in optimizer steps")
     return entry["scheduler"]
 
 
