@@ -209,7 +209,8 @@ class Schedulers:
         found = key_candidates(c.monitor, self.names)  # type: ignore[arg-type]
         what = f", as it names several {found}" if found else ""
         message = (f"{type(c.scheduler).__name__} conditioned on metric {c.monitor!r} which is not available{what}. "
-                   f"Available metrics are: {self.names} (the last evaluation's)")
+                   + (f"Available metrics are: {self.names} (the last evaluation's)" if self.names
+                      else "No evaluation has run yet"))
         if c.strict:
             raise ConfigError(f"{message}: return a monitor the evaluation gives ('<set>/<name>'), or 'strict': False "
                               "to skip the step", settings=("configure_optimizers",))

@@ -159,6 +159,25 @@ def test_a_monitored_plateau_steps_at_each_epochs_end_with_that_evaluation(tmp_p
     assert fitter.optimizer.param_groups[0]["lr"] == 0.025
 
 
+def test_a_monitored_epoch_plateau_resumes_with_the_value_it_was_given(tmp_path):
+    """eval_every=3 on epochs of 4 steps: the epoch's end at step 4 steps with step 3's value,
+    which checkpoint-3 holds; killed after it and resumed, the run is the uninterrupted one.
+    (threshold 0.9: no evaluation after the first counts as better, patience 0 halves each time.)"""
+    def make(o):
+        s = torch.optim.lr_scheduler.ReduceLROnPlateau(o, patience=0, factor=0.5, threshold=0.9)
+        return {"optimizer": o, "lr_scheduler": s, "monitor": "val_loss"}
+
+    val = DictDataset(4, seed=1)
+    whole, whole_module, whole_lrs = fit(tmp_path / "whole", make, val=val, eval_every=3, save_every=3)
+    assert whole_lrs == [0.1] * 8 + [0.05] * 4  # after epoch 1: the first value; after epoch 2: halved
+    fit(tmp_path / "cut", make, val=val, eval_every=3, save_every=3, callbacks=[StopAt(4)])
+    resumed, module, lrs = fit(tmp_path / "cut", make, val=val, eval_every=3, save_every=3, resume=True)
+    assert resumed.resumed_from.endswith("checkpoint-3") and lrs == whole_lrs[3:]
+    assert resumed.optimizer.param_groups[0]["lr"] == whole.optimizer.param_groups[0]["lr"] == 0.025
+    for a, b in zip(whole_module.parameters(), module.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
 def test_a_monitored_step_interval_plateau_steps_after_each_evaluation(tmp_path):
     """interval="step": stepped after every evaluation (eval_every=2) with its value; frequency 2:
     after every second one. patience 0 halves the rate at each stalled evaluation it is given."""
