@@ -261,6 +261,8 @@ class FitConfig:
         need(self.max_steps is None or self.max_steps > 0, f"max_steps must be a positive int, got {self.max_steps!r}",
              "max_steps")
         v = self.max_epochs
+        need(v is None or math.isnan(v) or v != math.inf, "max_epochs=inf never ends: set max_steps (a learning-rate "
+             "schedule spans it), or a number of epochs", "max_epochs")
         need(v is None or (math.isfinite(v) and v > 0),
              f"max_epochs must be a number of epochs > 0 (2 or 2.5), got {v!r}", "max_epochs")
         for name in ("batch_size", "grad_accum_steps", "log_every"):

@@ -287,6 +287,7 @@ class Fitter:
         self.phase = "epoch end"
         self.callbacks.call("on_epoch_end", self, state, self.control)
         state.epoch_index += 1
+        optim.step_on_epoch_end(self.scheduler, state.epoch_index)  # configure_optimizers' interval="epoch"
         state.batches_in_epoch, state.samples_in_epoch = 0, 0
         state.epoch = float(state.epoch_index)
 
@@ -364,6 +365,7 @@ class Fitter:
         max_steps, epoch_limit = train_data.step_budget(cfg.max_steps, cfg.max_epochs, cfg.grad_accum_steps, resumed)
         check_within_the_run(resumed, max_steps, resume_from, cfg)
         warn_eval_every_past_the_end(cfg, max_steps)
+        optim.check_epoch_budget(cfg, max_steps)  # max_epochs=1e18 alone
         losses = LossBuffer(strategy.root_device, raise_nonfinite=cfg.nonfinite_loss == "raise")
         self.module = module
         return FitRun(train_data=train_data,

@@ -87,9 +87,11 @@ class TaskModule(nn.Module):
         return None
 
     def configure_optimizers(self, config: Any) -> Any:
-        """Return an optimizer, or ``(optimizer, scheduler)``, to take over from the built-in
-        ones. A scheduler returned here is stepped once per optimizer step. Default: None. A
-        module with ``training_step`` returns a list of optimizers (or of such pairs)."""
+        """Return an optimizer, or ``(optimizer, scheduler)`` (or Lightning's forms and scheduler
+        dict), to take over from the built-in ones. A scheduler steps as in Lightning: at each
+        epoch's end unless ``{"scheduler": s, "interval": "step"}`` (docs/optimizers.md). Default:
+        None. A module with ``training_step`` returns a list of optimizers (or of such pairs),
+        whose schedulers step at each ``ctx.step``."""
         return None
 
     def checkpoint_keys(self) -> Collection[str] | None:

@@ -22,9 +22,10 @@ import torch
 from torch import nn
 from torch.optim.lr_scheduler import LambdaLR, ReduceLROnPlateau
 
-from lightlike import schedules
+from lightlike import lr_schedulers, schedules
 from lightlike.config import OPTIMIZERS, SCHEDULERS, field_defaults
 from lightlike.errors import ConfigError, ModuleContractError
+from lightlike.lr_schedulers import check_epoch_budget  # noqa: F401  (the Fitter's, at set-up)
 from lightlike.optimizers import (
     GALORE_ARGUMENTS,
     LIBRARY_OPTIMIZERS,
@@ -34,7 +35,7 @@ from lightlike.optimizers import (
 )
 from lightlike.optimizers.libraries import check_device
 from lightlike.precision import get_precision
-from lightlike.schedules import step_on_evaluation  # noqa: F401  (the Fitter's, after each evaluation)
+from lightlike.schedules import step_on_epoch_end, step_on_evaluation  # noqa: F401  (the Fitter's)
 
 log = logging.getLogger("lightlike")
 
@@ -200,12 +201,16 @@ def build_optimizer_and_scheduler(module: Any, config: Any, precision: Any,
                                   total_steps: int) -> tuple[Any, Any]:
     """The optimizer and scheduler of an automatic module: ``configure_optimizers``' or the
     built-in ones. An optimizer without a scheduler (from ``configure_optimizers`` too) gets the
-    configured schedule (``lr_scheduler``, warmup), as the HF Trainer gives it."""
+    configured schedule (``lr_scheduler``, warmup), as the HF Trainer gives it; schedulers from
+    ``configure_optimizers`` are stepped as Lightning steps them (``lightlike.lr_schedulers``)."""
     custom = call_configure_optimizers(module, config)
+    scheduler: Any = None
     if custom is not None:
-        optimizer, scheduler = unwrap_configure_optimizers(custom)
+        optimizer, configs = lr_schedulers.read_configure_optimizers(custom)
+        lr_schedulers.check_at_set_up(configs, config)
+        scheduler = lr_schedulers.Schedulers(optimizer, configs) if configs else None
     else:
-        optimizer, scheduler = build_optimizer(module, config, precision, total_steps), None
+        optimizer = build_optimizer(module, config, precision, total_steps)
         if config.optimizer in SCHEDULE_FREE_WARMUP:
             config = config.replace(warmup_steps=0, warmup_ratio=0.0)
     if scheduler is None:
@@ -325,9 +330,8 @@ def build_scheduler(optimizer: torch.optim.Optimizer, config: Any, total_steps: 
 
 # -- TaskModule.configure_optimizers ---------------------------------------------------------------
 _ACCEPTED = ("return an Optimizer, (optimizer, scheduler), or {'optimizer': ..., 'lr_scheduler': ...} "
-             "(scheduler may be None, or Lightning's {'scheduler': s, 'interval': 'step'}; it is stepped once per "
-             "optimizer step; Lightning's [optimizer] and ([optimizer], [scheduler]) are read too), or None for "
-             "the built-in ones")
+             "(scheduler may be None, or Lightning's {'scheduler': s, 'interval': 'step'}; in manual optimization it "
+             "steps at each ctx.step; Lightning's [optimizer] and ([optimizer], [scheduler]) are read too)")
 _SCHEDULER_METHODS = ("step", "get_last_lr", "state_dict", "load_state_dict")
 
 
@@ -362,7 +366,7 @@ def call_configure_optimizers(module: Any, config: Any) -> Any:
     if result is not None:  # None: the built-in ones, which read them
         defaults = field_defaults(type(config))
         try:  # an automatic module's optimizer without a scheduler gets the configured schedule
-            read = SCHEDULE_FIELDS if unwrap_configure_optimizers(result)[1] is None else ()
+            read = () if lr_schedulers.read_configure_optimizers(result)[1] else SCHEDULE_FIELDS
         except ModuleContractError:  # several optimizers (manual optimization)
             read = ()
         unread = [f"{name}={getattr(config, name)!r}" for name in OPTIMIZER_FIELDS
@@ -384,8 +388,9 @@ OPTIMIZER_FIELDS = ("optimizer", "optimizer_kwargs", "optimizer_target_modules",
 
 
 def unwrap_configure_optimizers(result: Any) -> tuple[torch.optim.Optimizer, Any]:
-    """Normalise what ``TaskModule.configure_optimizers`` returned (other than None, which means
-    "use the built-in ones" and is the caller's to handle) to ``(optimizer, scheduler or None)``.
+    """Normalise one entry of what a manual module's ``configure_optimizers`` returned to
+    ``(optimizer, scheduler or None)``; the scheduler steps at each ``ctx.step`` of its optimizer
+    (an automatic module's are read by ``lightlike.lr_schedulers.read_configure_optimizers``).
 
     Accepted: an ``Optimizer``; a 2-tuple/list ``(optimizer, scheduler)``; a mapping with key
     ``"optimizer"`` and optionally ``"lr_scheduler"``. A scheduler needs ``step()``,
@@ -412,8 +417,8 @@ def unwrap_configure_optimizers(result: Any) -> tuple[torch.optim.Optimizer, Any
 
 
 def _lightning_scheduler(entry: Any) -> Any:
-    """Lightning's scheduler dict ``{'scheduler': s, 'interval': 'step', 'frequency': 1}``: the
-    scheduler, when it is stepped as lightlike steps every scheduler (once per optimizer step)."""
+    """Lightning's scheduler dict ``{'scheduler': s, 'interval': 'step', 'frequency': 1}`` in
+    manual optimization: the scheduler, when it is stepped as ``ctx.step`` steps it."""
     if not isinstance(entry, Mapping):
         return entry
     unknown = sorted(str(k) for k in entry if k not in ("scheduler", "interval", "frequency", "name", "monitor",
@@ -425,8 +430,8 @@ def _lightning_scheduler(entry: Any) -> Any:
     if interval != "step" or frequency != 1:
         raise ModuleContractError(
             f"configure_optimizers returned a scheduler with interval={interval!r}, frequency={frequency!r} "
-            "(Lightning's default interval is 'epoch'); lightlike steps a scheduler once per optimizer step: "
-            "give 'interval': 'step' and 'frequency': 1, with the schedule expressed in optimizer steps")
+            "(Lightning's default interval is 'epoch'); in manual optimization a scheduler steps at each ctx.step "
+            "of its optimizer: give 'interval': 'step' and 'frequency': 1, with the schedule in optimizer steps")
     return entry["scheduler"]
 
 

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch.optim.lr_scheduler import LambdaLR, ReduceLROnPlateau
 
-from lightlike.best import greater_is_better
+from lightlike.best import greater_is_better, resolve_key
 from lightlike.errors import ConfigError
 
 #: the schedules built here
@@ -189,7 +189,7 @@ def _plateau(optimizer: torch.optim.Optimizer, config: Any, warmup: int, kw: dic
                           f"{'higher' if mode == 'max' else 'lower'} is better, from greater_is_better or the name); "
                           "drop mode, or set greater_is_better")
     try:
-        return EvaluationPlateau(optimizer, metric, **kw)
+        return EvaluationPlateau(optimizer, metric, config.metric_for_best is not None, **kw)
     except (ValueError, TypeError) as e:  # torch's own checks of the values (factor >= 1.0, ...)
         raise _fail(name, f"ReduceLROnPlateau refused lr_scheduler_kwargs {kw}: {e}") from None
 
@@ -206,8 +206,10 @@ class EvaluationPlateau:
     #: what a checkpoint restores: where the plateau stands, not how it is set
     COUNTERS = ("best", "num_bad_epochs", "cooldown_counter", "last_epoch", "_last_lr")
 
-    def __init__(self, optimizer: torch.optim.Optimizer, metric: str, **kwargs: Any):
+    def __init__(self, optimizer: torch.optim.Optimizer, metric: str, follows_best: bool = False, **kwargs: Any):
         self.optimizer, self.metric = optimizer, metric
+        self.follows_best = follows_best  # metric is metric_for_best, whose errors BestMetric raises
+        self.key: str | None = None  # the evaluation metric ``metric`` names, found at the first evaluation
         self.plateau = ReduceLROnPlateau(optimizer, **kwargs)
 
     def step(self) -> None:
@@ -215,12 +217,19 @@ class EvaluationPlateau:
 
     def evaluated(self, metrics: dict[str, float]) -> None:
         """One evaluation's metrics: the plateau counts ``metrics[metric]`` (a NaN is never better,
-        so it counts as a bad evaluation) and lowers the rate when it is due."""
-        if self.metric not in metrics:
-            raise ConfigError(f"lr_scheduler='reduce_lr_on_plateau' follows {self.metric!r}, which is not among the "
-                              f"evaluation metrics {sorted(metrics)}: set metric_for_best to one of them",
-                              settings=("metric_for_best", "lr_scheduler"))
-        self.plateau.step(float(metrics[self.metric]))
+        so it counts as a bad evaluation) and lowers the rate when it is due. ``metric`` names the
+        evaluation metric as for the best checkpoint (``lightlike.best.resolve_key``: ``val/loss``,
+        ``loss``, ``eval_loss``, ``val_loss``); one it does not name is the best checkpoint's error
+        (raised after this step's checkpoint), or this one's when metric_for_best is unset."""
+        if self.key is None or self.key not in metrics:
+            try:
+                self.key = resolve_key(self.metric, metrics)
+            except ConfigError as error:
+                if self.follows_best:
+                    return  # BestMetric raises it once this step's checkpoint is written
+                raise ConfigError(f"lr_scheduler='reduce_lr_on_plateau' follows {self.metric!r}: {error}",
+                                  settings=("metric_for_best", "lr_scheduler")) from None
+        self.plateau.step(float(metrics[self.key]))
 
     def get_last_lr(self) -> list[float]:
         return [float(g["lr"]) for g in self.optimizer.param_groups]
@@ -234,7 +243,14 @@ class EvaluationPlateau:
 
 
 def step_on_evaluation(scheduler: Any, metrics: dict[str, float]) -> None:
-    """After an evaluation of a fit: a schedule that follows a metric (``EvaluationPlateau``)
-    takes it; any other is stepped per optimizer step only."""
-    if isinstance(scheduler, EvaluationPlateau):
+    """After an evaluation of a fit: a scheduler that follows a metric (``EvaluationPlateau``,
+    ``lightlike.lr_schedulers.Schedulers``) takes it; any other is stepped per optimizer step only."""
+    if callable(getattr(scheduler, "evaluated", None)):
         scheduler.evaluated(metrics)
+
+
+def step_on_epoch_end(scheduler: Any, epochs: int) -> None:
+    """At the end of the ``epochs``-th epoch (from 1), before its checkpoint: the schedulers of
+    ``configure_optimizers`` with ``interval="epoch"`` (``lightlike.lr_schedulers.Schedulers``)."""
+    if callable(getattr(scheduler, "epoch_ended", None)):
+        scheduler.epoch_ended(epochs)

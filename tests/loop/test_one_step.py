@@ -39,7 +39,8 @@ class Faulty(Classifier):
 
     def configure_optimizers(self, config):
         opt = torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
-        return {"optimizer": opt, "lr_scheduler": torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)}
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5),
+                                                   "interval": "step"}}
 
 
 class Counting(ll.Callback):
@@ -78,7 +79,7 @@ def hand_loop(module, steps, skip_at=None, scaler=None):
     """SGD + StepLR over the first ``steps`` batches of 8, in order; ``skip_at``: no update, no
     scheduler step, at that step; ``scaler``: torch's AMP recipe under fp16 autocast."""
     cfg = module.configure_optimizers(None)
-    opt, sched = cfg["optimizer"], cfg["lr_scheduler"]
+    opt, sched = cfg["optimizer"], cfg["lr_scheduler"]["scheduler"]
     data = DictDataset(n=64)
     for step in range(1, steps + 1):
         module.step = step

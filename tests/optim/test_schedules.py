@@ -131,7 +131,7 @@ def test_configure_optimizers_takes_over(tmp_path):
     class OwnOptimizer(Classifier):
         def configure_optimizers(self, config):
             opt = torch.optim.SGD(self.parameters(), lr=0.5)
-            return opt, torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+            return opt, {"scheduler": torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5), "interval": "step"}
 
     seen = []
 
