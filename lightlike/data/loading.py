@@ -62,6 +62,8 @@ class TrainData:
     #: and the sums over the ranks of a few ints (one all-reduce)
     min_over_ranks: Callable[[int], int] | None = None
     sum_over_ranks: Callable[[list[float]], list[float]] | None = None
+    #: the user's DataLoader (its batch_size, not the Fitter's, is the one trained with)
+    from_user: bool = False
 
     @property
     def deals_evenly(self) -> bool:
@@ -91,8 +93,9 @@ class TrainData:
         """What, besides (seed, epoch), the epoch's batches depend on; saved with a checkpoint so
         that a mid-epoch resume refuses an order that would repeat and skip samples."""
         sampler = self.sampler
-        if sampler is not None:
-            return {"seed": sampler.seed, "shuffle": sampler.shuffle, **(sampler.order_key() or {})}
+        if sampler is not None:  # (a user's DataLoader's batch_size: named when it changed, see ``continues``)
+            mine = {"batch_size": batch_items(self.loader)} if self.from_user else {}
+            return {"seed": sampler.seed, "shuffle": sampler.shuffle, **(sampler.order_key() or {}), **mine}
         if self.replays():  # each rank's batches depend on how the items are dealt
             loader = self.loader
             return {"batch_size": loader.batch_size or 1, "num_workers": loader.num_workers,
@@ -101,6 +104,15 @@ class TrainData:
         # batches of this size on each process
         return {"sampler": type(getattr(self.loader, "sampler", None)).__name__,
                 "batch_size": batch_items(self.loader), "world_size": self.world_size}
+
+    def continues(self, saved: Any) -> bool:
+        """Whether this run's data continues the epoch of a checkpoint whose ``order_key`` was
+        ``saved``: the same order; lightlike's sampler seeks by samples, so a DataLoader's changed
+        batch_size continues it too (and is named among the changed settings)."""
+        order = self.order_key()
+        if self.sampler is not None and isinstance(saved, dict) and isinstance(order, dict):
+            saved, order = ({k: v for k, v in d.items() if k != "batch_size"} for d in (saved, order))
+        return saved == order
 
     def dataset_length(self) -> int | None:
         """``len()`` of the training dataset (for an IterableDataset lightlike shards, of the one it
@@ -304,7 +316,7 @@ def build_train_data(
                             f"batch_size={grouped}: its batches would not line up with the sampler's groups (and a "
                             "resume would repeat and skip items); build both with the same batch_size")
         n = sampler.n if sampler is not None else None
-        return TrainData(data, sampler, n, seed, data.generator, world_size)
+        return TrainData(data, sampler, n, seed, data.generator, world_size, from_user=True)
     if not isinstance(data, Dataset) and not hasattr(data, "__getitem__"):
         raise DataError(
             f"training data of type {type(data).__name__} is neither a torch Dataset nor a DataLoader"
