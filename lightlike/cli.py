@@ -48,7 +48,7 @@ from lightlike.cli_args import (
     split_config,
 )
 from lightlike.cli_objects import build, collect
-from lightlike.cli_targets import call_with_known, load_target
+from lightlike.cli_targets import UserCodeFailed, call_with_known, construct, load_target
 from lightlike.config import FitConfig
 from lightlike.errors import CheckpointError, ConfigError, DataError, LightlikeError, OutputDirError
 from lightlike.fitter import Fitter
@@ -340,7 +340,7 @@ def _cmd_run(cmd: str, argv: list[str]) -> int:
     fitter = Fitter(config, callbacks=made.get("callbacks"))
     if cmd == "fit":
         with fitter.init_module():  # FSDP: on the meta device; ZeRO-3: partitioned as built
-            module = cls(**kwargs)
+            module = construct(cls, kwargs)
         _record_hparams(module, kwargs)
         train, val = _fit_data(args.get("cli_data"), module, config)
         result = fitter.fit(module, train, val, resume=args.get("cli_resume"))
@@ -350,7 +350,7 @@ def _cmd_run(cmd: str, argv: list[str]) -> int:
                          "last_checkpoint": result.last_checkpoint, "output_dir": config.output_dir})
         return 0
 
-    module = cls(**kwargs)
+    module = construct(cls, kwargs)
     _record_hparams(module, kwargs)
     if r["checkpoint"] is not None:
         _load_weights(module, r["checkpoint"], config)
@@ -553,6 +553,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             hint = _output_dir_hint(e)
         print(f"lightlike {cmd}: error: {e}{hint}", file=sys.stderr)
         return 2
+    except UserCodeFailed as e:  # the user's code raised: its own traceback, and which target
+        sys.stderr.write(e.user_traceback())
+        print(f"lightlike {cmd}: {e.note}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":
