@@ -20,7 +20,6 @@ import os
 import sys
 import tempfile
 import textwrap
-import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -30,10 +29,10 @@ import torch
 from lightlike import __version__
 from lightlike.checkpoint import (
     export_weights,
-    find_latest_valid,
     is_checkpoint_dir,
     verify_checkpoint,
 )
+from lightlike.checkpoint.export import checkpoint_of
 from lightlike.checkpoint.files import HPARAMS_FILE, WEIGHTS_FILE
 from lightlike.cli_args import (
     MODEL,
@@ -49,7 +48,7 @@ from lightlike.cli_args import (
     split_config,
 )
 from lightlike.cli_objects import build, collect
-from lightlike.cli_targets import call_with_known, load_target
+from lightlike.cli_targets import UserCodeFailed, call_with_known, construct, load_target
 from lightlike.config import FitConfig
 from lightlike.errors import CheckpointError, ConfigError, DataError, LightlikeError, OutputDirError
 from lightlike.fitter import Fitter
@@ -295,6 +294,10 @@ def _saved_hparams(path: Path, model_opts: dict[str, Any], var_kw: bool) -> dict
     return out
 
 
+def _note(line: str) -> None:
+    print(f"lightlike: {line}", file=sys.stderr)
+
+
 def _resolve_checkpoint(spec: str, config: Any) -> Path:
     p = Path(spec)
     if not p.is_dir():
@@ -304,17 +307,15 @@ def _resolve_checkpoint(spec: str, config: Any) -> Path:
         return p
     if (p / WEIGHTS_FILE).is_file():
         return p  # a `lightlike export` folder
-    skipped: list[tuple[Path, str]] = []
-    with warnings.catch_warnings():  # each skipped one is named below, with the one used
-        warnings.simplefilter("ignore")
-        latest = find_latest_valid(p, hashes=config.verify_hashes, skipped=skipped)
-    if latest is None:
+    try:  # (which weights are loaded must not be a guess: the skipped newer ones are named)
+        latest = checkpoint_of(p, config.verify_hashes, "--checkpoint", _note)
+    except CheckpointError as e:
+        raise ConfigError(f"--checkpoint {spec!r} is neither a checkpoint, an export folder, nor an "
+                          f"output_dir holding a valid checkpoint ({e})") from None
+    if latest == p:
         raise ConfigError(f"--checkpoint {spec!r} is neither a checkpoint, an export folder, nor an "
                           "output_dir holding a valid checkpoint")
-    if skipped:  # which weights are loaded must not be a guess
-        print(f"lightlike: --checkpoint {spec}: using {latest.name}, the newest valid checkpoint; skipped the newer "
-              + "; ".join(f"{s.name} ({why})" for s, why in skipped), file=sys.stderr)
-    return Path(latest)
+    return latest
 
 
 # ==============================================================================================
@@ -339,7 +340,7 @@ def _cmd_run(cmd: str, argv: list[str]) -> int:
     fitter = Fitter(config, callbacks=made.get("callbacks"))
     if cmd == "fit":
         with fitter.init_module():  # FSDP: on the meta device; ZeRO-3: partitioned as built
-            module = cls(**kwargs)
+            module = construct(cls, kwargs)
         _record_hparams(module, kwargs)
         train, val = _fit_data(args.get("cli_data"), module, config)
         result = fitter.fit(module, train, val, resume=args.get("cli_resume"))
@@ -349,7 +350,7 @@ def _cmd_run(cmd: str, argv: list[str]) -> int:
                          "last_checkpoint": result.last_checkpoint, "output_dir": config.output_dir})
         return 0
 
-    module = cls(**kwargs)
+    module = construct(cls, kwargs)
     _record_hparams(module, kwargs)
     if r["checkpoint"] is not None:
         _load_weights(module, r["checkpoint"], config)
@@ -490,7 +491,8 @@ def _print_json(obj: Any) -> None:
 
 def _cmd_export(argv: list[str]) -> int:
     p = _Parser(prog="lightlike export", description=COMMANDS["export"], allow_abbrev=False)
-    p.add_argument("checkpoint_dir", help="a checkpoint-N directory (sharded ones are consolidated)")
+    p.add_argument("checkpoint_dir", help="a checkpoint-N directory (sharded ones are consolidated), or a run's "
+                   "output_dir (its newest valid checkpoint)")
     p.add_argument("out_dir", help="where model.safetensors (+ hparams.json, config.json) go")
     p.add_argument("--no-verify-hashes", "--no_verify_hashes", dest="no_verify_hashes", action="store_true",
                    help="check sizes only (fast, for huge models)")
@@ -500,6 +502,7 @@ def _cmd_export(argv: list[str]) -> int:
                    "(from_pretrained), checked against the checkpoint's base fingerprint")
     args = p.parse_args(argv)
 
+    args.checkpoint_dir = checkpoint_of(args.checkpoint_dir, not args.no_verify_hashes, say=_note)  # a run's: its newest
     hparams = Path(args.checkpoint_dir) / HPARAMS_FILE
     if hparams.is_file() and json.loads(hparams.read_text()).get("peft_config"):  # the adapter alone
         from lightlike.interop.hf import export_hf
@@ -550,6 +553,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             hint = _output_dir_hint(e)
         print(f"lightlike {cmd}: error: {e}{hint}", file=sys.stderr)
         return 2
+    except UserCodeFailed as e:  # the user's code raised: its own traceback, and which target
+        sys.stderr.write(e.user_traceback())
+        print(f"lightlike {cmd}: {e.note}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -9,12 +9,50 @@ import importlib.util
 import inspect
 import os
 import sys
+import traceback
 import types
 from pathlib import Path
 from typing import Any
 
 from lightlike.cli_args import nearest
-from lightlike.errors import ConfigError
+from lightlike.errors import ConfigError, LightlikeError
+
+
+class UserCodeFailed(Exception):
+    """The user's code named on the command line raised while it was imported or constructed:
+    ``error`` is what it raised, ``note`` one line saying which target failed how."""
+
+    def __init__(self, error: BaseException, note: str):
+        super().__init__(note)
+        self.error, self.note = error, note
+
+    def user_traceback(self) -> str:
+        """``error``'s traceback without the frames of lightlike and importlib above the user's code."""
+        tb = self.error.__traceback__
+        while tb is not None and _not_users(tb.tb_frame.f_code.co_filename):
+            tb = tb.tb_next
+        return "".join(traceback.format_exception(type(self.error), self.error, tb))
+
+
+_PACKAGE = str(Path(__file__).resolve().parent) + os.sep
+_IMPORTLIB = str(Path(importlib.__file__).resolve().parent) + os.sep  # type: ignore[arg-type]
+
+
+def _not_users(filename: str) -> bool:
+    return filename.startswith(("<frozen importlib", _PACKAGE, _IMPORTLIB))
+
+
+def construct(cls: type, kwargs: dict[str, Any]) -> Any:
+    """``cls(**kwargs)``; what its constructor raises (but a ``LightlikeError``) comes as
+    ``UserCodeFailed`` naming it."""
+    try:
+        return cls(**kwargs)
+    except LightlikeError:  # lightlike's own word on what to change: one line, as everywhere
+        raise
+    except Exception as e:
+        where = getattr(sys.modules.get(cls.__module__), "__file__", None) or cls.__module__
+        raise UserCodeFailed(e, f"{cls.__qualname__}(...) (from {where}) raised {type(e).__name__} while it was "
+                                "constructed: its traceback is above") from e
 
 
 def load_target(spec: str, what: str, want: type | None = None, shown: str | None = None) -> Any:
@@ -68,7 +106,7 @@ def _import(where: str, what: str, spec: str) -> types.ModuleType:
         found = importlib.util.find_spec(path.stem) if path.stem.isidentifier() else None
         if found is not None and found.origin and Path(found.origin).resolve() == path:
             # importable by its own name: classes defined there pickle (DataLoader workers that spawn)
-            return importlib.import_module(path.stem)
+            return _imported(path.stem, what, spec)
         name = f"_lightlike_user_{path.stem}_{abs(hash(str(path))) % 10**8}"
         if name in sys.modules:
             return sys.modules[name]
@@ -78,8 +116,10 @@ def _import(where: str, what: str, spec: str) -> types.ModuleType:
         sys.modules[name] = module
         try:
             loader_spec.loader.exec_module(module)
-        except BaseException:
+        except BaseException as e:
             del sys.modules[name]
+            if isinstance(e, Exception):
+                raise _import_failed(e, what, spec) from e
             raise
         return module
     if os.getcwd() not in sys.path and "" not in sys.path:
@@ -90,7 +130,22 @@ def _import(where: str, what: str, spec: str) -> types.ModuleType:
         if e.name is not None and where.startswith(e.name) and where[len(e.name):][:1] in ("", "."):
             raise ConfigError(f"{what} {spec!r}: no module {e.name!r} (give a file path, e.g. "
                               "examples/cli_module.py:Classifier, or a dotted module importable from here)") from None
-        raise
+        raise _import_failed(e, what, spec) from e
+    except Exception as e:
+        raise _import_failed(e, what, spec) from e
+
+
+def _imported(name: str, what: str, spec: str) -> types.ModuleType:
+    try:
+        return importlib.import_module(name)
+    except Exception as e:
+        raise _import_failed(e, what, spec) from e
+
+
+def _import_failed(error: Exception, what: str, spec: str) -> Exception:
+    if isinstance(error, LightlikeError):
+        return error
+    return UserCodeFailed(error, f"{what} {spec!r} failed to import ({type(error).__name__}): its traceback is above")
 
 
 def call_with_known(fn: Any, available: dict[str, Any]) -> Any:

@@ -44,6 +44,20 @@ def _fmt(value: Any) -> str:
     return f"{value:.4g}"
 
 
+def terminal_shape(stream: Any) -> dict[str, Any]:
+    """tqdm's size arguments for ``stream``: the terminal's size, followed as it changes; a fixed
+    100 columns and 20 rows where it reports no size (a pseudo-terminal without one, as ``script``,
+    ``docker exec -t`` and some CI runners give), where tqdm would read 0 columns and -1 rows and
+    draw nothing (a bar past the last row is hidden)."""
+    try:
+        size = os.get_terminal_size(stream.fileno())
+    except (AttributeError, OSError, ValueError):  # not a real terminal (a forced bar on a buffer)
+        return {"dynamic_ncols": True}
+    if size.columns > 0 and size.lines > 0:
+        return {"dynamic_ncols": True}
+    return {"dynamic_ncols": False, "ncols": size.columns or 100, "nrows": size.lines or 20}
+
+
 def _nothing() -> None:
     pass
 
@@ -95,13 +109,7 @@ class ProgressBar(Callback):
             log.warning("tqdm is not installed: no progress bar (%s)", INSTALL_HINT)
             return
         total = state.max_steps or None
-        # follow the terminal's width, except where it reports none (a pseudo-terminal without a
-        # size, as some CI runners and `docker exec -t` give), on which tqdm would draw nothing
-        try:
-            dynamic = os.get_terminal_size(self.stream.fileno()).columns > 0
-        except (AttributeError, OSError, ValueError):  # not a real terminal (a forced bar on a buffer)
-            dynamic = True
-        self._tqdm, self._width = tqdm, {"dynamic_ncols": dynamic, "ncols": None if dynamic else 100}
+        self._tqdm, self._width = tqdm, terminal_shape(self.stream)
         self.bar = tqdm(total=total, initial=min(state.global_step, total or state.global_step),
                         unit="step", desc="fit", file=self.stream, leave=True, **self._width)
         if self.stream in (sys.stderr, sys.stdout):  # log lines (the application's console handlers too)

@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import logging
 import os
 import re
 import shutil
+import warnings
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from lightlike.checkpoint.files import CONFIG_FILE, HPARAMS_FILE, WEIGHTS_FILE
-from lightlike.checkpoint.manifest import CHECKPOINT_DIR_NAME, MANIFEST, list_checkpoints, verify_checkpoint
+from lightlike.checkpoint.manifest import CHECKPOINT_DIR_NAME, MANIFEST, find_latest_valid, verify_checkpoint
 from lightlike.errors import CheckpointError
 
 log = logging.getLogger("lightlike")
@@ -28,7 +31,8 @@ _TEMP = re.compile(rf"^\.(?:{'|'.join(map(re.escape, EXPORTED))})\.tmp-\d+$")  #
 
 
 def export_weights(checkpoint_dir: str | Path, out_dir: str | Path, hashes: bool = True) -> Path:
-    """Verify ``checkpoint_dir`` and write ``out_dir/model.safetensors`` (plus ``hparams.json``
+    """Verify ``checkpoint_dir`` (a checkpoint, or a run's ``output_dir``: its newest valid
+    checkpoint, ``checkpoint_of``) and write ``out_dir/model.safetensors`` (plus ``hparams.json``
     and ``config.json`` when the checkpoint has them). Returns the path of the weights.
 
     ``out_dir`` is new, empty, an earlier export (it holds nothing but those three files: they
@@ -39,12 +43,11 @@ def export_weights(checkpoint_dir: str | Path, out_dir: str | Path, hashes: bool
     folder, a checkpoint above all, is refused with a ``CheckpointError`` before anything is
     written: nothing that an export did not write is overwritten. Every file is written aside
     first and renamed into place only when all are written, so a failure part-way (a full disk)
-    leaves an earlier export as it was.
+    leaves an earlier export as it was, and no folder that the export created.
 
     Sharded checkpoints (FSDP's DCP shards, DeepSpeed's ZeRO partitions) are consolidated into
     the same single file by the consolidator their ``state_format`` names."""
-    src = Path(checkpoint_dir)
-    _check_source(src)
+    src = checkpoint_of(checkpoint_dir, hashes)
     manifest = verify_checkpoint(src, hashes=hashes)
     fmt = (manifest.get("meta") or {}).get("state_format", "full")
     out = Path(out_dir)
@@ -62,7 +65,15 @@ def export_weights(checkpoint_dir: str | Path, out_dir: str | Path, hashes: bool
         return out / WEIGHTS_FILE
     # decided before anything is written: what of an earlier export this one replaces or removes
     replaced = [name for name in EXPORTED if (out / name).is_file()]
-    out.mkdir(parents=True, exist_ok=True)
+    with new_folder(out):
+        _write(src, out, fmt, consolidated)
+    if replaced:
+        log.warning("export into %s replaced %s of an earlier export", out, ", ".join(replaced))
+    return out / WEIGHTS_FILE
+
+
+def _write(src: Path, out: Path, fmt: str, consolidated: bool) -> None:
+    """The export's files written aside in ``out``, then renamed into place (the weights last)."""
     # every file is written aside first, and only then are all renamed into place: a failure
     # while writing (a full disk, a consolidation error) leaves an earlier export whole, never
     # this checkpoint's weights beside that export's hparams.json/config.json
@@ -89,33 +100,54 @@ def export_weights(checkpoint_dir: str | Path, out_dir: str | Path, hashes: bool
     finally:
         for tmp in temps.values():
             tmp.unlink(missing_ok=True)
-    if replaced:
-        log.warning("export into %s replaced %s of an earlier export", out, ", ".join(replaced))
-    return out / WEIGHTS_FILE
 
 
-def _check_source(src: Path) -> None:
-    """A missing path, a file, or a run's output_dir is named as such, not as a torn checkpoint
-    ("manifest.json is missing"); a run's output_dir is answered with its newest valid checkpoint."""
+def checkpoint_of(src: str | Path, hashes: bool = True, what: str = "export",
+                  say: Callable[[str], None] | None = None) -> Path:
+    """The checkpoint that ``src`` names: ``src`` itself when it is one (or any folder that is not
+    a run's ``output_dir``: verified by the caller), else the newest valid checkpoint of the run's
+    ``output_dir`` ``src``, with a line naming it and the newer ones skipped (to ``say``; default:
+    the log). A missing path, a file, or an ``output_dir`` without a valid checkpoint is a
+    ``CheckpointError`` beginning with ``what``."""
+    src = Path(src)
     if not src.exists():
-        raise CheckpointError(f"export: no such checkpoint directory: {str(src)!r}")
+        raise CheckpointError(f"{what}: no such checkpoint directory: {str(src)!r}")
     if not src.is_dir():
-        raise CheckpointError(f"export: {str(src)!r} is a file, not a checkpoint directory")
-    if not (src / MANIFEST).exists():
-        if any(p.is_dir() and CHECKPOINT_DIR_NAME.match(p.name) for p in src.iterdir()):
-            newest = None
-            for p in reversed(list_checkpoints(src)):  # sizes only: the export verifies the one passed in full
-                try:
-                    verify_checkpoint(p, hashes=False)
-                except (CheckpointError, OSError):
-                    continue
-                newest = p
+        raise CheckpointError(f"{what}: {str(src)!r} is a file, not a checkpoint directory")
+    if (src / MANIFEST).exists() or not any(p.is_dir() and CHECKPOINT_DIR_NAME.match(p.name) for p in src.iterdir()):
+        return src
+    skipped: list[tuple[Path, str]] = []
+    with warnings.catch_warnings():  # each skipped one is named below, with the one used
+        warnings.simplefilter("ignore")
+        newest = find_latest_valid(src, hashes=hashes, skipped=skipped)
+    reasons = "; ".join(f"{p.name} ({why})" for p, why in skipped)
+    if newest is None:
+        raise CheckpointError(f"{what}: {str(src)!r} is a run's output_dir, not one checkpoint, and holds no valid "
+                              "checkpoint" + (f": {reasons}" if skipped else ""))
+    note = f"{what} {src}: using {newest.name}, the newest valid checkpoint" + (
+        f"; skipped the newer {reasons}" if skipped else "")
+    if say is not None:
+        say(note)
+    else:
+        log.log(logging.WARNING if skipped else logging.INFO, "%s", note)
+    return Path(newest)
+
+
+@contextlib.contextmanager
+def new_folder(out: Path) -> Iterator[None]:
+    """``out`` created (with its missing parents) for the body; where the body fails, the folders
+    this created are removed again, each only while it is empty (nothing else is ever deleted)."""
+    created = [p for p in (out, *out.parents) if not p.exists()]
+    out.mkdir(parents=True, exist_ok=True)
+    try:
+        yield
+    except BaseException:
+        for p in created:  # the deepest first
+            try:
+                p.rmdir()
+            except OSError:  # not empty (or gone): left as it is
                 break
-            if newest is None:
-                raise CheckpointError(f"export: {str(src)!r} is a run's output_dir, not one checkpoint, and holds "
-                                      "no valid checkpoint to export")
-            raise CheckpointError(f"export: {str(src)!r} is a run's output_dir, not one checkpoint: pass one of "
-                                  f"its checkpoints, e.g. its newest valid one, {str(newest)!r}")
+        raise
 
 
 def _check_out_dir(out: Path) -> None:

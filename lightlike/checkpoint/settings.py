@@ -120,12 +120,12 @@ def apply_changed_settings(config: FitConfig, module: Any, optimizer: Any, sched
 def _changed_order(saved: Any, order: Any, changed: list[str]) -> list[str]:
     """What else the data order depends on that changed since the checkpoint (``saved``, its
     ``data_order``; ``order``, this run's), as ``"data order's key: old -> new"`` (keys ``changed``
-    already names left out): at an epoch's end the next epochs' order changes with it (an
+    already names left out, and keys an older checkpoint did not record): at an epoch's end the next epochs' order changes with it (an
     IterableDataset's with num_workers, dealt over the workers; mid-epoch such a change is
     refused before this is called)."""
     if not isinstance(saved, dict) or not isinstance(order, dict):
         return []
-    return [f"data order's {k}: {saved.get(k)!r} -> {order.get(k)!r}" for k in sorted({*saved, *order}, key=str)
+    return [f"data order's {k}: {saved.get(k)!r} -> {order.get(k)!r}" for k in sorted(saved, key=str)
             if k not in changed and saved.get(k) != order.get(k)]
 
 

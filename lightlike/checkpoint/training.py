@@ -74,7 +74,8 @@ class LoopState:
                                       loading.config.resume_data_changed)
         position = 0 if self.restart else saved["state"].get("samples_in_epoch", 0)
         saved_order, order = saved["data_order"], self.order_key()
-        if position and saved_order != order:
+        continues = saved_order == order if self.train_data is None else self.train_data.continues(saved_order)
+        if position and not continues:
             raise CheckpointError(
                 f"{path.name} was taken mid-epoch with a data order of {saved_order} and this run's "
                 f"gives {order}: the rest of the epoch would repeat and skip samples. Resume with the "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 from collections.abc import Callable
@@ -11,12 +12,9 @@ from typing import Any
 
 import torch
 from torch.utils.data import (
-    BatchSampler,
     DataLoader,
     Dataset,
     IterableDataset,
-    RandomSampler,
-    SequentialSampler,
 )
 
 from lightlike.data.checked import CheckedDataset, DefaultCollate
@@ -24,6 +22,7 @@ from lightlike.data.hf_datasets import loader_inputs, set_dataset_epoch
 from lightlike.data.iterable import ShardedIterable
 from lightlike.data.loader_info import (
     already_split,
+    batch_items,
     batching,
     check_nonempty,
     loader_like,
@@ -32,10 +31,12 @@ from lightlike.data.loader_info import (
 )
 from lightlike.data.position import EpochPosition
 from lightlike.data.sampler import ResumableSampler
+from lightlike.data.user_loader import own_generator, plain_shuffle, say_how_it_resumes, seekable_loader
 from lightlike.data.workers import end_with_parent, start_workers
 from lightlike.errors import ConfigError, DataError
 
 log = logging.getLogger("lightlike")
+_END = object()
 
 
 def epoch_steps(epochs: float, per_epoch: int, less: int = 0) -> int:
@@ -61,6 +62,8 @@ class TrainData:
     #: and the sums over the ranks of a few ints (one all-reduce)
     min_over_ranks: Callable[[int], int] | None = None
     sum_over_ranks: Callable[[list[float]], list[float]] | None = None
+    #: the user's DataLoader (its batch_size, not the Fitter's, is the one trained with)
+    from_user: bool = False
 
     @property
     def deals_evenly(self) -> bool:
@@ -81,19 +84,35 @@ class TrainData:
         again (an IterableDataset cannot seek); map-style data seeks through its sampler."""
         return self.sampler is None and isinstance(self.loader.dataset, IterableDataset)
 
+    def reads_again(self) -> bool:
+        """Whether a mid-epoch resume reads the epoch's first batches again: an IterableDataset, or a
+        map-style DataLoader of the user's whose sampler cannot seek (``user_loader``)."""
+        return self.sampler is None
+
     def order_key(self) -> dict[str, Any] | None:
         """What, besides (seed, epoch), the epoch's batches depend on; saved with a checkpoint so
         that a mid-epoch resume refuses an order that would repeat and skip samples."""
         sampler = self.sampler
-        if sampler is not None:
-            return {"seed": sampler.seed, "shuffle": sampler.shuffle, **(sampler.order_key() or {})}
+        if sampler is not None:  # (a user's DataLoader's batch_size: named when it changed, see ``continues``)
+            mine = {"batch_size": batch_items(self.loader)} if self.from_user else {}
+            return {"seed": sampler.seed, "shuffle": sampler.shuffle, **(sampler.order_key() or {}), **mine}
         if self.replays():  # each rank's batches depend on how the items are dealt
             loader = self.loader
             return {"batch_size": loader.batch_size or 1, "num_workers": loader.num_workers,
                     "world_size": self.world_size, "drop_last": loader.drop_last}
-        # a sampler of the user's that cannot seek: its order is nobody else's (on several
-        # processes lightlike's sampler replaces it, whose position would mean other samples)
-        return {"sampler": type(getattr(self.loader, "sampler", None)).__name__}
+        # a sampler of the user's that cannot seek: its order is nobody else's, read again in
+        # batches of this size on each process
+        return {"sampler": type(getattr(self.loader, "sampler", None)).__name__,
+                "batch_size": batch_items(self.loader), "world_size": self.world_size}
+
+    def continues(self, saved: Any) -> bool:
+        """Whether this run's data continues the epoch of a checkpoint whose ``order_key`` was
+        ``saved``: the same order; lightlike's sampler seeks by samples, so a DataLoader's changed
+        batch_size continues it too (and is named among the changed settings)."""
+        order = self.order_key()
+        if self.sampler is not None and isinstance(saved, dict) and isinstance(order, dict):
+            saved, order = ({k: v for k, v in d.items() if k != "batch_size"} for d in (saved, order))
+        return saved == order
 
     def dataset_length(self) -> int | None:
         """``len()`` of the training dataset (for an IterableDataset lightlike shards, of the one it
@@ -128,6 +147,8 @@ class TrainData:
         """(optimizer steps to take, epochs to stop after): ``max_steps`` wins; epochs are counted
         too when only ``max_epochs`` is set (``should_epoch_stop`` ends one early). ``resumed``:
         the ``FitState`` of the checkpoint a run resumes from."""
+        if resumed is not None and resumed.samples_in_epoch:
+            self.check_resumable_mid_epoch()
         batches = self.batches_per_epoch()
         sampler = self.sampler
         if batches == 0 and sampler is not None and sampler.world_size > 1 and sampler.n < sampler.world_size:
@@ -154,7 +175,7 @@ class TrainData:
         if self.sampler is not None and resumed.samples_in_epoch:
             self.sampler.set_epoch(resumed.epoch_index, resumed.samples_in_epoch)
             left = self.batches_per_epoch()  # type: ignore[assignment]
-        elif resumed.samples_in_epoch and self.replays():  # read again up to the position, not trained on
+        elif resumed.samples_in_epoch and self.reads_again():  # read again up to the position, not trained on
             # (mid-epoch the ranks have taken the same batches: a replay keeps the world size)
             left = max(0, batches - resumed.batches_in_epoch)
         # (a fractional last epoch: the steps taken of it are counted as a negative rest of epochs)
@@ -173,28 +194,43 @@ class TrainData:
             self.sampler.set_epoch(epoch, start_sample)
             if start_sample:
                 self._warn_uneven_rest(epoch, start_sample)
-        elif start_sample and self.replays():
-            batches = self._fresh_iterator(epoch)
-            log.warning("resuming mid-epoch in an IterableDataset, which cannot seek: reading the %d batch(es) "
-                        "this process had taken of epoch %d again (not trained on). The continuation is exact "
-                        "when the dataset yields the same items in the same order each time it is read",
-                        start_batch, epoch)
-            for taken in range(start_batch):
-                if next(batches, None) is None:
-                    raise DataError(f"resuming mid-epoch: epoch {epoch} of the IterableDataset ended after {taken} "
-                                    f"batch(es), but the checkpoint was taken after {start_batch}: the dataset "
-                                    "does not yield the same items when read again")
-            return batches
         elif start_sample:
-            raise DataError(
-                "cannot resume mid-epoch: the training data is a DataLoader without lightlike's "
-                "ResumableSampler as its sampler (one inside a BatchSampler is not followed); pass a map-style "
-                "Dataset, or build the DataLoader with batch_size=... and a ResumableSampler as sampler=")
+            return self._read_again(epoch, start_batch)
         else:  # e.g. a DistributedSampler, also inside a BatchSampler (batch_sampler= or sampler=)
             for sampler in samplers_of(self.loader):
                 if hasattr(sampler, "set_epoch"):
                     sampler.set_epoch(epoch)
         return self._fresh_iterator(epoch)
+
+    def check_resumable_mid_epoch(self) -> None:
+        """Refuse a mid-epoch resume whose epoch cannot be read again (before anything is restored)."""
+        named = None if self.sampler is not None or self.replays() else own_generator(self.loader)
+        if named is not None:
+            raise DataError(f"cannot resume mid-epoch: the training DataLoader's {named} draws its order from a "
+                            "torch.Generator of its own, whose state the checkpoint does not hold; resume from a "
+                            "checkpoint taken at an epoch's end, or pass the Dataset (or a DataLoader with "
+                            "shuffle=True) for mid-epoch resumes")
+
+    def _read_again(self, epoch: int, start_batch: int) -> Any:
+        """The epoch's iterator past the ``start_batch`` batches this process had taken (read, not
+        trained on): the continuation is exact when the data gives the same batches when read again."""
+        self.check_resumable_mid_epoch()
+        for sampler in samplers_of(self.loader):
+            if hasattr(sampler, "set_epoch"):
+                sampler.set_epoch(epoch)
+        batches = self._fresh_iterator(epoch)
+        what = "an IterableDataset, which cannot seek" if self.replays() else \
+            f"a DataLoader whose sampler ({type(self.loader.sampler).__name__}) cannot seek"
+        log.warning("resuming mid-epoch in %s: reading the %d batch(es) this process had taken of epoch %d again "
+                    "(loaded, not trained on: the cost of that many batches of data loading). The continuation is "
+                    "exact when the data gives the same batches in the same order each time it is read",
+                    what, start_batch, epoch)
+        for taken in range(start_batch):
+            if next(batches, None) is None:
+                raise DataError(f"resuming mid-epoch: epoch {epoch} of the training data ended after {taken} "
+                                f"batch(es), but the checkpoint was taken after {start_batch}: the data does not "
+                                "give the same batches when read again")
+        return batches
 
     def _warn_uneven_rest(self, epoch: int, start: int) -> None:
         """A mid-epoch resume on another number of processes: the rest of the epoch may not split
@@ -220,15 +256,29 @@ class TrainData:
                 # its sampler shuffles: drawn here, so that an epoch's order does not depend on
                 # whether the iterator is reused (a resumed run's first epoch starts a fresh one)
                 torch.empty((), dtype=torch.int64).random_(generator=self.generator)
-            return start_workers(self.loader)
+            if not self._draws_lazily():
+                return start_workers(self.loader)
         # a DataLoader of the user's without generator= draws its workers' base seed from the
         # global CPU generator as its iterator starts: at the epoch's start in one run, at the
         # resume point in a resumed one. Drawn here from (seed, epoch), outside training's random
         # streams: the CPU generator alone is seeded (torch.manual_seed would reseed CUDA's too,
         # which fork_rng(devices=[]) does not restore: a GPU's dropout restarted every epoch)
+        # A sampler of the user's read in this process draws its order as the first batch is
+        # taken: taken here too, so that the order is the same when the epoch is read again
         with torch.random.fork_rng(devices=[]):
             torch.default_generator.manual_seed(self.seed + epoch)
-            return start_workers(self.loader)
+            batches = start_workers(self.loader)
+            if not self._draws_lazily():
+                return batches
+            first = next(batches, _END)
+        return iter(()) if first is _END else itertools.chain([first], batches)
+
+    def _draws_lazily(self) -> bool:
+        """A map-style loader of the user's read in this process (``num_workers=0``), whose sampler
+        is not lightlike's: it draws its order (from the global CPU generator, if random) as the
+        first batch is taken, not as the iterator starts."""
+        return self.sampler is None and not self.loader.num_workers and not isinstance(self.loader.dataset,
+                                                                                        IterableDataset)
 
 
 def build_train_data(
@@ -256,6 +306,9 @@ def build_train_data(
             check_nonempty(data.dataset, "training")
         if world_size > 1 and not already_split(data, world_size=world_size):
             data = _split_train_loader(data, shuffle=shuffle, seed=seed, rank=rank, world_size=world_size)
+        elif not isinstance(data.sampler, ResumableSampler):
+            data = seekable_loader(data, seed=seed, world_size=world_size)
+        say_how_it_resumes(data, batch_size)
         sampler = data.sampler if isinstance(data.sampler, ResumableSampler) else None
         grouped = getattr(sampler, "batch_size", None)  # a LengthGroupedSampler's runs are its batches
         if grouped is not None and data.batch_size != grouped:
@@ -263,7 +316,7 @@ def build_train_data(
                             f"batch_size={grouped}: its batches would not line up with the sampler's groups (and a "
                             "resume would repeat and skip items); build both with the same batch_size")
         n = sampler.n if sampler is not None else None
-        return TrainData(data, sampler, n, seed, data.generator, world_size)
+        return TrainData(data, sampler, n, seed, data.generator, world_size, from_user=True)
     if not isinstance(data, Dataset) and not hasattr(data, "__getitem__"):
         raise DataError(
             f"training data of type {type(data).__name__} is neither a torch Dataset nor a DataLoader"
@@ -305,19 +358,6 @@ def build_train_data(
 # share instead of the whole set.
 
 
-def _plain_sampler(loader: DataLoader) -> bool | None:
-    """The user's sampler as a shuffle flag: True for a plain RandomSampler, False for a
-    SequentialSampler, None for anything else (which cannot be kept)."""
-    s = loader.sampler
-    if type(loader.batch_sampler) is BatchSampler and loader.batch_size is None:  # batch_sampler=BatchSampler(...)
-        s = loader.batch_sampler.sampler
-    if type(s) is SequentialSampler:
-        return False
-    if type(s) is RandomSampler and not s.replacement and s._num_samples is None:
-        return True
-    return None
-
-
 def _split_train_loader(loader: DataLoader, *, shuffle: bool, seed: int, rank: int, world_size: int) -> DataLoader:
     batch_size, drop_last, custom = batching(loader)
     generator = torch.Generator()
@@ -343,7 +383,7 @@ def _split_train_loader(loader: DataLoader, *, shuffle: bool, seed: int, rank: i
                         "DistributedSampler) built for this job's ranks")
     # a batch_sampler of the user's is replaced whole: the Fitter's shuffle decides (the loader's
     # sampler is then torch's placeholder SequentialSampler, not the user's choice)
-    shuffled = None if custom else _plain_sampler(loader)
+    shuffled = None if custom else plain_shuffle(loader)
     if custom or shuffled is None:
         what = f"batch_sampler ({type(loader.batch_sampler).__name__})" if custom else \
             f"sampler ({type(loader.sampler).__name__})"

@@ -40,7 +40,7 @@ from typing import Any
 import torch
 from torch.nn import functional as F
 
-from lightlike.checkpoint.export import export_weights, fsync_replace
+from lightlike.checkpoint.export import checkpoint_of, export_weights, fsync_replace, new_folder
 from lightlike.checkpoint.frozen import trained_keys
 from lightlike.checkpoint.weights import load_safetensors
 from lightlike.data.collators import mask_padded_context
@@ -315,19 +315,19 @@ def export_hf(source: Any, out_dir: str | Path, *, config: Any = None, prefix: s
                 "export_hf('OUTPUT_DIR/checkpoint-N', out_dir), on one process")
     if torch.distributed.is_available() and torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
         return out  # transformers writes on rank 0 only: an empty folder here would look like a failed export
-    out.mkdir(parents=True, exist_ok=True)
-    if checkpoint:
-        model = _model_from_checkpoint(Path(source), config, prefix, hashes, out, base, merge)
-    elif merge:
-        model = merged_copy(model)
-
-    tmp = Path(tempfile.mkdtemp(prefix=".export-hf-", dir=out))
-    try:
-        model.save_pretrained(str(tmp))
-        for f in sorted(tmp.iterdir()):
-            fsync_replace(f, out / f.name)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    with new_folder(out):  # (a failed export leaves no folder behind that it created)
+        if checkpoint:  # a run's output_dir: its newest valid checkpoint
+            model = _model_from_checkpoint(checkpoint_of(source, hashes, "export_hf"), config, prefix, hashes, out,
+                                           base, merge)
+        elif merge:
+            model = merged_copy(model)
+        tmp = Path(tempfile.mkdtemp(prefix=".export-hf-", dir=out))
+        try:
+            model.save_pretrained(str(tmp))
+            for f in sorted(tmp.iterdir()):
+                fsync_replace(f, out / f.name)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 

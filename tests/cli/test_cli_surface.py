@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 import lightlike as ll
 from lightlike.cli import main
@@ -236,25 +237,32 @@ def test_export_missing_path(capsys, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-def test_export_an_output_dir_names_its_newest_checkpoint(capsys, tmp_path):
+def test_export_an_output_dir_exports_its_newest_valid_checkpoint(capsys, tmp_path):
+    """`lightlike export RUN OUT`: the newest valid checkpoint's weights, and a line naming it (and
+    a newer torn one as skipped); a run without a valid checkpoint leaves no OUT behind."""
+    from safetensors.torch import load_file
+
     run = tmp_path / "run"
     assert run_cli(capsys, "fit", TARGET, "--max_steps", "4", "--save_every", "2", "--output_dir", str(run),
                    *SMALL)[0] == 0
-    line = one_line_error(capsys, "export", str(run), str(tmp_path / "out"))
-    assert "is a run's output_dir, not one checkpoint" in line
-    assert line.endswith(f"its newest valid one, {str(run / 'checkpoint-4')!r}")
+    code, out, err = run_cli(capsys, "export", str(run), str(tmp_path / "out4"))
+    assert code == 0 and f"lightlike: --checkpoint {run}" not in err
+    assert f"lightlike: export {run}: using checkpoint-4, the newest valid checkpoint" in err
     (run / "checkpoint-4" / "manifest.json").unlink()  # torn: the newest valid one is older
-    line = one_line_error(capsys, "export", str(run), str(tmp_path / "out"))
-    assert line.endswith(f"its newest valid one, {str(run / 'checkpoint-2')!r}")
-    assert not (tmp_path / "out").exists()
-    code, out, err = run_cli(capsys, "export", str(run / "checkpoint-2"), str(tmp_path / "out"))
-    assert code == 0 and (tmp_path / "out" / "model.safetensors").is_file(), err
+    code, out, err = run_cli(capsys, "export", str(run), str(tmp_path / "out"))
+    assert code == 0 and "using checkpoint-2, the newest valid checkpoint; skipped the newer checkpoint-4 (" in err
+    exported = load_file(str(tmp_path / "out" / "model.safetensors"))
+    saved = load_file(str(run / "checkpoint-2" / "model.safetensors"))
+    assert exported.keys() == saved.keys() and all(torch.equal(exported[k], saved[k]) for k in saved)
+    newest = load_file(str(tmp_path / "out4" / "model.safetensors"))
+    assert not all(torch.equal(newest[k], saved[k]) for k in saved)  # (checkpoint-4's, taken before it tore)
 
 
 def test_export_an_output_dir_without_a_valid_checkpoint(capsys, tmp_path):
     (tmp_path / "run" / "checkpoint-3").mkdir(parents=True)
     line = one_line_error(capsys, "export", str(tmp_path / "run"), str(tmp_path / "out"))
     assert "is a run's output_dir, not one checkpoint, and holds no valid checkpoint" in line
+    assert not (tmp_path / "out").exists()
 
 
 # -- 8: a Literal constructor argument takes only its values ------------------------------------

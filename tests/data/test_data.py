@@ -164,7 +164,9 @@ def test_user_train_loader_is_split_over_ranks():
     assert sorted(seen[0] + seen[1]) == list(range(10)) and seen[0] + seen[1] != list(range(10))
     mine = DataLoader(Items(10), batch_size=2, sampler=ResumableSampler(10, rank=1, world_size=2))
     assert build_train_data(mine, rank=1, world_size=2, **common).loader is mine
-    assert build_train_data(ordered, **common).loader is ordered  # one process: as it is
+    one = build_train_data(ordered, **common)  # one process: rebuilt in its own order, so that it seeks
+    assert isinstance(one.sampler, ResumableSampler) and not one.sampler.shuffle and one.loader.drop_last
+    assert ids(one.epoch_iterator(0)) == list(range(8)) and ids(one.epoch_iterator(0, start_sample=4)) == [4, 5, 6, 7]
 
 
 def test_a_plain_batch_sampler_keeps_its_batch_size_drop_last_and_order():

@@ -23,18 +23,43 @@ def _ckpt(out, step, value=1.0, fmt="full", weights=True):
     return out / f"checkpoint-{step}"
 
 
-def test_an_output_dir_is_refused_naming_its_newest_valid_checkpoint(tmp_path):
-    """export of a run's output_dir: the error suggests the newest checkpoint that verifies
-    (checkpoint-4), not the oldest (2) and not a newer torn one (6, a file cut short)."""
+def test_an_output_dir_exports_its_newest_valid_checkpoint(tmp_path, caplog):
+    """export of a run's output_dir (docs/migrating.md's export_hf("runs/bert", ...) did this, and
+    was refused): the newest checkpoint that verifies (checkpoint-4), not the oldest (2) and not a
+    newer torn one (6, a file cut short), which is named as skipped."""
     for step in (2, 4, 6):
         _ckpt(tmp_path, step, float(step))
     weights = tmp_path / "checkpoint-6" / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:-4])
-    with pytest.raises(ll.CheckpointError, match="is a run's output_dir") as e:
-        export_weights(tmp_path, tmp_path / "out")
-    assert str(tmp_path / "checkpoint-4") in str(e.value)
-    assert "checkpoint-2" not in str(e.value) and "checkpoint-6" not in str(e.value)
-    assert not (tmp_path / "out").exists()
+    path = export_weights(tmp_path, tmp_path / "out")
+    assert torch.equal(load_file(str(path))["w"], torch.full((3,), 4.0))
+    note = [r.getMessage() for r in caplog.records if "using checkpoint-4" in r.getMessage()]
+    assert note == [f"export {tmp_path}: using checkpoint-4, the newest valid checkpoint; skipped the newer "
+                    f"{note[0].split('skipped the newer ')[1]}"] and "checkpoint-6 (" in note[0]
+
+
+def test_an_output_dir_without_a_valid_checkpoint_leaves_no_folder(tmp_path):
+    run = tmp_path / "run"
+    _ckpt(run, 2)
+    (run / "checkpoint-2" / "manifest.json").unlink()
+    with pytest.raises(ll.CheckpointError, match="is a run's output_dir, not one checkpoint, and holds no valid"):
+        export_weights(run, tmp_path / "a" / "b" / "out")
+    assert not (tmp_path / "a").exists()
+
+
+def test_a_failed_export_removes_the_folders_it_created_and_nothing_else(tmp_path, monkeypatch):
+    """A failure while writing (here: copying hparams.json) leaves no new folder behind; a folder
+    that was there before, and what it holds, stays."""
+    ckpt = _ckpt(tmp_path / "run", 3)
+    (ckpt / "hparams.json").write_text("{}")
+    monkeypatch.setattr(export_mod.shutil, "copyfile", lambda *a: (_ for _ in ()).throw(OSError(28, "No space")))
+    with pytest.raises(OSError, match="No space"):
+        export_weights(ckpt, tmp_path / "new" / "deeper" / "out")
+    assert not (tmp_path / "new").exists()
+    (tmp_path / "kept").mkdir()
+    with pytest.raises(OSError, match="No space"):
+        export_weights(ckpt, tmp_path / "kept" / "out")
+    assert (tmp_path / "kept").is_dir() and not (tmp_path / "kept" / "out").exists()
 
 
 def record_fsync_and_replace(monkeypatch):
@@ -66,7 +91,7 @@ def test_each_exported_file_is_fsynced_then_renamed_into_place(tmp_path, monkeyp
 
 def test_a_failed_consolidation_leaves_no_temp_file(tmp_path, monkeypatch):
     """A consolidator that fails half-way: the error comes through and the half-written temp
-    file is removed; no model.safetensors appears."""
+    file is removed, and the folder the export created with it; no model.safetensors appears."""
     ckpt = _ckpt(tmp_path / "run", 5, fmt="fake", weights=False)
     fake = types.ModuleType("be_fake_consolidator")
 
@@ -81,7 +106,7 @@ def test_a_failed_consolidation_leaves_no_temp_file(tmp_path, monkeypatch):
     out = tmp_path / "out"
     with pytest.raises(RuntimeError, match="shard unreadable"):
         export_weights(ckpt, out)
-    assert list(out.iterdir()) == []
+    assert not out.exists()  # nor the folder the export created
 
 
 def test_a_sharded_layout_without_a_consolidator_is_a_checkpoint_error(tmp_path):
