@@ -29,6 +29,8 @@ class FitState:
     best_checkpoint: str | None = None
     last_eval_step: int = -1
     last_save_step: int = -1
+    # a stop asked for before min_steps / min_epochs were reached, waiting for them (lightlike/stop_gate.py)
+    stop_deferred: bool = False
     # the trackers' run ids ({"wandb": id, "mlflow": id}): a resumed fit continues those runs
     tracker_runs: dict[str, str] = field(default_factory=dict)
 
