@@ -34,7 +34,7 @@ from lightlike.checkpoint.training import LoopState, check_within_the_run, saved
 from lightlike.compiled import compile_run
 from lightlike.config import FitConfig, check_keys
 from lightlike.data.eval_loading import build_eval_loader, normalise_eval_sets
-from lightlike.data.limits import TrainLimit, eval_limit, limited_eval_sets
+from lightlike.data.limits import TrainLimit, eval_limits, limited_eval_sets
 from lightlike.data.loading import build_train_data
 from lightlike.errors import ConfigError, DataError
 from lightlike.evaluation import run_evaluation
@@ -220,7 +220,6 @@ class Fitter:
         Returns whether the epoch's loop ends here."""
         state, control = self.state, self.control
         epoch_ended = stop = False
-        hold_stop(self.config, state, control)
         if state.global_step >= run.next_scheduled or epoch_done or control.pending():  # else: nothing is due
             plan = BoundaryPlan.at(state.global_step, self.config, max_steps=run.max_steps, epoch_done=epoch_done,
                                    epoch_index=state.epoch_index, epoch_limit=run.epoch_limit,
@@ -228,7 +227,7 @@ class Fitter:
             if not plan.quiet(control):
                 epoch_ended, stop = self._carry_out(run, plan)
             run.next_scheduled = next_scheduled_step(self.config, state.global_step, run.max_steps)
-            hold_stop(self.config, state, control)  # a stop set in on_save
+        hold_stop(self.config, state, control)  # held (min_epochs / min_steps), or held no longer
         if self.preemption.stop_requested(self.strategy, state.global_step):
             self._preempted(stop or control.should_training_stop)
         return epoch_ended or control.should_training_stop
@@ -493,10 +492,10 @@ class Fitter:
         # training's random streams continue as if no evaluation ran (a user's DataLoader draws
         # its workers' base seed from the global generator; the module or a dataset may sample)
         with rng_kept():
-            for name, loader in run.eval_sets.items():
+            for name, loader, limit in eval_limits(self.config, run.eval_sets):
                 m, _, _ = run_evaluation(self.model, self.module, loader, self.strategy, name,
                                          streaming=self.config.eval_streaming, compiled=run.compiled,
-                                         include=self.config.include_for_metrics, limit=eval_limit(self.config, loader, name),
+                                         include=self.config.include_for_metrics, limit=limit,
                                          on_batch=self.callbacks.eval_batch_hook(self))  # a progress bar
                 metrics.update(m)
         state = self.state
@@ -572,10 +571,9 @@ class Fitter:
         model = self._prepare_for_eval(module)
         metrics: dict[str, float] = {}
         loaders = self._eval_loaders(data, default_name=default_name)
-        for name, loader in (limited_eval_sets(self.config, loaders) if default_name == "val" else loaders).items():
+        for name, loader, limit in eval_limits(self.config, loaders, limited=default_name == "val"):
             m, _, _ = run_evaluation(model, module, loader, strategy, name, streaming=self.config.eval_streaming,
-                                     include=self.config.include_for_metrics,
-                                     limit=eval_limit(self.config, loader, name) if default_name == "val" else None)
+                                     include=self.config.include_for_metrics, limit=limit)
             metrics.update(m)
         return metrics
 

@@ -76,11 +76,20 @@ def eval_limit(config: FitConfig, loader: Any, name: str) -> int | None:
     return batch_limit(config.limit_val_batches, loader_length(loader), "limit_val_batches", f"{name!r} evaluation")
 
 
+def eval_limits(config: FitConfig, eval_sets: dict[str, Any], limited: bool = True) -> list[tuple[str, Any, int | None]]:
+    """(name, loader, this process's batches to evaluate) of each set; with ``limited=False``
+    (``test``, ``predict``) every batch. ``limit_val_batches=0`` leaves no set (``limited_eval_sets``)."""
+    if not limited:
+        return [(name, loader, None) for name, loader in eval_sets.items()]
+    return [(name, loader, eval_limit(config, loader, name))
+            for name, loader in limited_eval_sets(config, eval_sets).items()]
+
+
 def limited_eval_sets(config: FitConfig, eval_sets: dict[str, Any]) -> dict[str, Any]:
     """The evaluation sets of a fit: none with ``limit_val_batches=0`` (said once); each set's
     limit checked against its loader now, before any step."""
     if config.limit_val_batches == 0 and eval_sets:
-        log.info("limit_val_batches=0: the fit evaluates nothing (its evaluation sets %s are not read)",
+        log.info("limit_val_batches=0: nothing is evaluated (the evaluation sets %s are not read)",
                  ", ".join(map(repr, eval_sets)))
         return {}
     for name, loader in eval_sets.items():

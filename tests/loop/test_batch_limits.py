@@ -178,3 +178,21 @@ def test_a_stop_held_by_min_epochs_is_kept_over_a_kill_and_resume(tmp_path):
     go(tmp_path / "cut", [StopOnceAt(2), StopAt(7)])
     resumed, result = go(tmp_path / "cut", [], resume=True)
     assert result.global_step == 10 and torch.equal(flat_params(resumed), flat_params(model))
+
+
+def test_limits_count_each_process_batches_on_two_ranks(tmp_path):
+    """torchrun, 2 processes (gloo). Training: 2 batches an epoch on each rank, 2 epochs: 4 steps.
+    Evaluation: the set of 30 is dealt round-robin, 15 items (5 batches of 3) to each rank; a limit
+    of 2 batches evaluates each rank's first 6, together items 0..11 (mean index 5.5); 0.5 of 5
+    batches is int(2.5) = 2 batches, the same items."""
+    import json
+    from pathlib import Path
+
+    from launching import launch
+
+    p = launch(2, tmp_path, script=Path(__file__).parents[1] / "scripts" / "limits_target.py")
+    assert p.returncode == 0, p.stderr[-4000:]
+    for rank in (0, 1):
+        got = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert got["steps"] == [[1, 0, 1], [2, 0, 2], [3, 1, 1], [4, 1, 2]] and got["global_step"] == 4
+        assert got["fit_index"] == got["validate_index"] == 5.5
