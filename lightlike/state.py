@@ -84,6 +84,8 @@ class FitState:
                 raise bad(f.name, v, "a number or null")
             if f.name == "best_step" and not (v is None or (is_int and v >= 0)):
                 raise bad(f.name, v, "an integer >= 0 or null")
+            if f.name == "stop_deferred" and not isinstance(v, bool):
+                raise bad(f.name, v, "true or false")
             if f.name == "best_checkpoint" and not (v is None or isinstance(v, str)):
                 raise bad(f.name, v, "a checkpoint's name or null")
             if f.name == "log_history" and not (isinstance(v, list) and all(isinstance(r, dict) for r in v)):

@@ -71,6 +71,8 @@ class EarlyStopping(Callback):
             self.best, self.wait, self.stopped_step = None, 0, None  # state: count afresh (an instance used before too)
         elif self.stopped_step is not None:  # resumed from the checkpoint of the step it stopped at
             control.should_training_stop = True
+            if state.stop_deferred:  # asked for, held by min_epochs / min_steps: still held
+                return
             log.warning("resumed from %s, taken when EarlyStopping stopped the run at step %d: the run stays "
                         "stopped (resume without this EarlyStopping to train on)", fitter.resumed_from,
                         self.stopped_step)

@@ -196,3 +196,23 @@ def test_limits_count_each_process_batches_on_two_ranks(tmp_path):
         got = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert got["steps"] == [[1, 0, 1], [2, 0, 2], [3, 1, 1], [4, 1, 2]] and got["global_step"] == 4
         assert got["fit_index"] == got["validate_index"] == 5.5
+
+
+def test_early_stopping_held_by_min_steps_resumes_held_without_saying_it_stays_stopped(tmp_path, caplog):
+    """EarlyStopping asks to stop at step 2 (its metric never improves: learning rate 0) and
+    min_steps=8 holds it; killed at step 5 and resumed from step 4's checkpoint, the run goes on to
+    step 8, as the uninterrupted one, without the warning of a run resumed where it was stopped."""
+    def go(out, kill=None, resume=None):
+        torch.manual_seed(0)
+        model = Classifier()
+        f = ll.Fitter(max_steps=30, min_steps=8, eval_every=1, save_every=2, batch_size=4, learning_rate=0.0,
+                      output_dir=str(out), loggers=[], model_summary=False,
+                      callbacks=[ll.EarlyStopping(patience=1)] + ([StopAt(kill)] if kill else []))
+        with contextlib.suppress(KeyboardInterrupt):
+            return f.fit(model, DictDataset(n=40), DictDataset(n=8, seed=1), resume=resume)
+        return None
+
+    assert go(tmp_path / "ref").global_step == 8
+    go(tmp_path / "cut", kill=5)
+    assert go(tmp_path / "cut", resume=True).global_step == 8
+    assert "the run stays stopped" not in caplog.text
