@@ -169,3 +169,25 @@ def test_control_pending_is_true_for_each_flag_alone_and_false_for_none():
         control = Control()
         setattr(control, name, True)
         assert control.pending(), name
+
+
+@pytest.mark.parametrize(("kw", "values", "stops_at"), [
+    (dict(mode="max", stopping_threshold=0.9), [0.5, 0.9, 0.95], 3),  # better than 0.9: above it
+    (dict(mode="max", divergence_threshold=0.1), [0.5, 0.6, 0.1, 0.05], 4),  # worse than 0.1: below it
+    (dict(mode="min", stopping_threshold=0.2), [0.5, 0.2, 0.1], 3),
+    (dict(mode="min", divergence_threshold=3.0, check_finite=False), [1.0, 3.0, float("inf")], 3),
+    (dict(mode="min", check_finite=True), [1.0, float("-inf")], 2),
+])
+def test_early_stopping_thresholds_stop_at_once_in_either_mode(kw, values, stops_at):
+    """Lightning's meanings: a threshold is passed strictly (torch.lt / torch.gt), whatever the
+    patience; check_finite stops on -inf too (an improvement, were it counted)."""
+    es, fitter = ll.EarlyStopping(patience=10, **kw), SimpleNamespace(resumed_from=None)
+    es.on_fit_start(fitter, ll.FitState(), Control())
+    stops = [_es_event(es, v, step, fitter) for step, v in enumerate(values, start=1)]
+    assert stops == [step == stops_at for step in range(1, len(values) + 1)]
+    assert es.stopped_step == stops_at
+
+
+def test_early_stopping_refuses_a_threshold_that_is_not_finite():
+    with pytest.raises(ll.ConfigError, match="EarlyStopping stopping_threshold must be a finite number or None, got nan"):
+        ll.EarlyStopping(stopping_threshold=float("nan"))
