@@ -80,6 +80,16 @@ class FitConfig:
         None, "Stop after this many epochs over the training data; a fraction (2.5, HF's num_train_epochs) stops "
         "after ceil(2.5 * optimizer steps per epoch) steps (the HF Trainer's count), the schedule's total too.")
     max_steps: int | None = _f(None, "Stop after this many optimizer steps (wins over max_epochs).")
+    min_epochs: int | None = _f(None, "A stop asked for earlier (EarlyStopping, control.should_training_stop) waits "
+                                      "until this many epochs are done (Lightning's min_epochs).")
+    min_steps: int | None = _f(None, "A stop asked for earlier waits until this many optimizer steps are done "
+                                     "(Lightning's min_steps).")
+    limit_train_batches: int | float | None = _f(
+        None, "Train on only the first N batches of each epoch (an int; per process), or that fraction of them (a "
+        "float in (0, 1]), as Lightning's; the epoch, and max_epochs' steps, end there.")
+    limit_val_batches: int | float | None = _f(
+        None, "Evaluate on only the first N batches of each evaluation set (an int; per process), or that "
+        "fraction of them (a float in [0, 1]); 0 evaluates nothing. During fit and validate(), as Lightning's.")
     # -- data ----------------------------------------------------------------------------------
     batch_size: int = _f(8, "Items per micro-batch on each process.")
     eval_batch_size: int | None = _f(None, "Items per evaluation batch (default: batch_size).")
@@ -265,6 +275,7 @@ class FitConfig:
              "schedule spans it), or a number of epochs", "max_epochs")
         need(v is None or (math.isfinite(v) and v > 0),
              f"max_epochs must be a number of epochs > 0 (2 or 2.5), got {v!r}", "max_epochs")
+        self._check_length_options(need)
         for name in ("batch_size", "grad_accum_steps", "log_every"):
             v = getattr(self, name)
             need(isinstance(v, int) and v > 0, f"{name} must be a positive int, got {v!r}", name)
@@ -327,6 +338,24 @@ class FitConfig:
         need(not (self.load_best_at_end and self.save_strategy == "no"),
              "load_best_at_end=True but save_strategy='no' saves no checkpoint to load: use save_strategy='steps' "
              "(the default), 'epoch' or 'best', or drop load_best_at_end", "load_best_at_end", "save_strategy")
+
+    def _check_length_options(self, need: Any) -> None:
+        """min_epochs / min_steps within max_epochs / max_steps; the batch limits' ranges."""
+        for name, most in (("min_epochs", self.max_epochs), ("min_steps", self.max_steps)):
+            v = getattr(self, name)
+            need(v is None or v >= 0, f"{name} must be an int >= 0 or None, got {v!r}", name)
+            need(v is None or most is None or v <= most, f"{name}={v!r} is more than max_{name[4:]}={most!r}: the "
+                 f"run ends at max_{name[4:]}; lower {name} or raise max_{name[4:]}", name, f"max_{name[4:]}")
+        for name in ("limit_train_batches", "limit_val_batches"):
+            v = getattr(self, name)
+            need(v is None or (v >= 0 if isinstance(v, int) else 0.0 <= v <= 1.0), f"{name} must be a number of "
+                 f"batches (an int >= 0) or a fraction of them (a float in [0, 1]), got {v!r}", name)
+        need(not (self.limit_val_batches == 0 and self.metric_for_best), f"limit_val_batches=0 evaluates nothing, so "
+             f"metric_for_best={self.metric_for_best!r} never has a value: drop one of them", "limit_val_batches",
+             "metric_for_best")
+        need(self.limit_train_batches != 0, "limit_train_batches=0 trains on nothing: to only evaluate, call "
+             "Fitter.validate(module, data); to train on every batch, leave limit_train_batches out",
+             "limit_train_batches")
 
     def _check_fine_tuning_options(self, need: Any) -> None:
         """The HF fine-tuning fields: include_for_metrics, NEFTune and Liger."""

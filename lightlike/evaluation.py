@@ -31,6 +31,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from lightlike.best import greater_is_better, is_improvement  # noqa: F401  (also lightlike.evaluation's)
+from lightlike.data.limits import capped, limited
 from lightlike.data.workers import start_workers
 from lightlike.errors import ConfigError, DataError, LightlikeError, ModuleContractError, on_every_rank
 from lightlike.eval_prediction import TrainerForm, call_compute_metrics, defines_compute_metrics
@@ -409,6 +410,7 @@ def run_evaluation(
     compiled: Any = None,
     on_batch: Callable[[str, int, int | None], None] | None = None,
     include: Any = (),
+    limit: int | None = None,
 ) -> tuple[dict[str, float], Any, Any]:
     """Evaluate one set. Returns ``(metrics, predictions, labels)``; predictions/labels are
     collected (on CPU, in dataset order) when ``keep_outputs`` (predict) or when the module
@@ -417,8 +419,9 @@ def run_evaluation(
     ``compiled``: a fit's ``CompiledStep`` (``compile=True``), which computes forward, loss and
     metrics as one compiled function. ``on_batch(prefix, i, num_batches)``: called after each of
     this rank's batches (the callbacks' ``on_eval_batch_end``; a progress bar). ``include``:
-    ``FitConfig.include_for_metrics`` (``TrainerForm``: what an HF ``compute_metrics`` gets)."""
-    num_batches = _num_batches(loader) if on_batch is not None else None
+    ``FitConfig.include_for_metrics`` (``TrainerForm``: what an HF ``compute_metrics`` gets). ``limit``:
+    this rank's first batches only (``limit_val_batches``, ``lightlike/data/limits.py``)."""
+    num_batches = capped(_num_batches(loader), limit) if on_batch is not None else None
     streaming, streams, wants_whole_set = _streams_for(module, strategy, streaming)
     collect = keep_outputs or (wants_whole_set and not streaming)
     tally = _Tally(strategy.root_device, prefix)
@@ -431,7 +434,8 @@ def run_evaluation(
     with strategy.evaluating(model) as model:
         model.eval()
         try:
-            batches = waiting_for(start_workers(loader), f"the {prefix!r} evaluation DataLoader's next batch")
+            batches = limited(waiting_for(start_workers(loader), f"the {prefix!r} evaluation DataLoader's next batch"),
+                              limit)
             for i, (batch, real) in enumerate(_in_lockstep(batches, strategy) if strategy.forward_is_collective
                                               else ((b, True) for b in batches)):
                 _evaluate_batch(model, module, strategy, strategy.batch_to_device(batch), real, i, tally,

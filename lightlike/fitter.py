@@ -34,6 +34,7 @@ from lightlike.checkpoint.training import LoopState, check_within_the_run, saved
 from lightlike.compiled import compile_run
 from lightlike.config import FitConfig, check_keys
 from lightlike.data.eval_loading import build_eval_loader, normalise_eval_sets
+from lightlike.data.limits import TrainLimit, eval_limits, limited_eval_sets
 from lightlike.data.loading import build_train_data
 from lightlike.errors import ConfigError, DataError
 from lightlike.evaluation import run_evaluation
@@ -52,6 +53,7 @@ from lightlike.precision import get_precision
 from lightlike.preemption import PreemptionHandler, requeue_slurm_job, waiting_for
 from lightlike.state import Control, FitResult, FitState, PredictionResult
 from lightlike.step import AutomaticStep, StepContext
+from lightlike.stop_gate import hold_stop
 from lightlike.strategies import Strategy, get_strategy
 from lightlike.utils.failfast import decided_on_main, failing_fast, guarded
 from lightlike.utils.oom import OutOfMemoryRetry
@@ -156,12 +158,14 @@ class Fitter:
         state, control = self.state, self.control
         self.model.train()
         run.next_scheduled = next_scheduled_step(self.config, state.global_step, run.max_steps)
+        hold_stop(self.config, state, control)  # min_epochs / min_steps (lightlike/stop_gate.py)
         while state.global_step < run.max_steps and not control.should_training_stop \
                 and state.epoch_index < run.epoch_limit:
             batches = run.train_data.epoch_iterator(state.epoch_index, state.samples_in_epoch, state.batches_in_epoch)
             position = run.train_data.position(state.samples_in_epoch, state.batches_in_epoch,
                                                self.strategy.world_size)
-            batches = waiting_for(position.watch(batches), "the training DataLoader's next batch")
+            batches = run.limit.watch(waiting_for(position.watch(batches), "the training DataLoader's next batch"),
+                                      state.batches_in_epoch)
             if state.batches_in_epoch == 0:
                 self.callbacks.call("on_epoch_start", self, state, control)
             while state.global_step < run.max_steps:
@@ -172,7 +176,7 @@ class Fitter:
                     break
                 self.callbacks.call("on_step_start", self, state, control)
                 self._training_step(run, window)
-                epoch_done = self._advance(position, len(window))
+                epoch_done = run.limit.ends_epoch(state, self._advance(position, len(window)))
                 self.callbacks.call("on_step_end", self, state, control)
                 if self._step_boundary(run, epoch_done):
                     break
@@ -223,6 +227,7 @@ class Fitter:
             if not plan.quiet(control):
                 epoch_ended, stop = self._carry_out(run, plan)
             run.next_scheduled = next_scheduled_step(self.config, state.global_step, run.max_steps)
+        hold_stop(self.config, state, control)  # held (min_epochs / min_steps), or held no longer
         if self.preemption.stop_requested(self.strategy, state.global_step):
             self._preempted(stop or control.should_training_stop)
         return epoch_ended or control.should_training_stop
@@ -242,6 +247,7 @@ class Fitter:
         epoch_ended = plan.ends_epoch(control)
         if epoch_ended:
             self._end_epoch()
+        hold_stop(self.config, state, control)
         stop = plan.ends_run(control) or state.epoch_index >= run.epoch_limit
         if control.should_log or stop:
             self._log_training(run, final=True)
@@ -361,6 +367,7 @@ class Fitter:
         agree_on_data = strategy.world_size > 1 and not train_data.deals_evenly
         if agree_on_data:
             train_data.agree_on_length(strategy)
+        limit, eval_sets = TrainLimit(cfg, train_data), limited_eval_sets(cfg, eval_sets)  # limit_*_batches
         resumed = saved_fit_state(resume_from, train_data, cfg.resume_data_changed, strategy.global_rank)
         max_steps, epoch_limit = train_data.step_budget(cfg.max_steps, cfg.max_epochs, cfg.grad_accum_steps, resumed)
         check_within_the_run(resumed, max_steps, resume_from, cfg)
@@ -370,7 +377,7 @@ class Fitter:
         self.module = module
         return FitRun(train_data=train_data,
                    eval_sets=eval_sets, best=BestMetric(cfg, eval_sets), max_steps=max_steps, epoch_limit=epoch_limit,
-                   losses=losses, agree_on_data=agree_on_data, resume_from=resume_from)
+                   losses=losses, agree_on_data=agree_on_data, resume_from=resume_from, limit=limit)
 
     def _set_up_model(self, run: FitRun) -> None:
         """The module wrapped by the strategy, its optimizer and scheduler, and the checkpointer
@@ -487,10 +494,10 @@ class Fitter:
         # training's random streams continue as if no evaluation ran (a user's DataLoader draws
         # its workers' base seed from the global generator; the module or a dataset may sample)
         with rng_kept():
-            for name, loader in run.eval_sets.items():
+            for name, loader, limit in eval_limits(self.config, run.eval_sets):
                 m, _, _ = run_evaluation(self.model, self.module, loader, self.strategy, name,
                                          streaming=self.config.eval_streaming, compiled=run.compiled,
-                                         include=self.config.include_for_metrics,
+                                         include=self.config.include_for_metrics, limit=limit,
                                          on_batch=self.callbacks.eval_batch_hook(self))  # a progress bar
                 metrics.update(m)
         state = self.state
@@ -565,9 +572,10 @@ class Fitter:
         strategy = self.setup_strategy()
         model = self._prepare_for_eval(module)
         metrics: dict[str, float] = {}
-        for name, loader in self._eval_loaders(data, default_name=default_name).items():
+        loaders = self._eval_loaders(data, default_name=default_name)
+        for name, loader, limit in eval_limits(self.config, loaders, limited=default_name == "val"):
             m, _, _ = run_evaluation(model, module, loader, strategy, name, streaming=self.config.eval_streaming,
-                                     include=self.config.include_for_metrics)
+                                     include=self.config.include_for_metrics, limit=limit)
             metrics.update(m)
         return metrics
 

@@ -40,6 +40,7 @@ class FitRun:
     epoch_limit: float  # epochs to run (inf when only max_steps bounds the fit)
     losses: LossBuffer
     agree_on_data: bool  # several ranks whose shares may run out at different steps
+    limit: Any = None  # limit_train_batches: lightlike.data.limits.TrainLimit
     resume_from: Any = None  # the checkpoint this fit resumed from (a Path), or None
     ctx: Any = None  # the StepContext of every training step (lightlike/step.py)
     training_step: Callable[[list[Any], Any], None] | None = None  # (window, ctx): AutomaticStep or ManualStep
@@ -95,7 +96,7 @@ class BoundaryPlan(NamedTuple):
     def at(cls, step: int, config: FitConfig, *, max_steps: int, epoch_done: bool, epoch_index: int,
            epoch_limit: float, has_eval_sets: bool) -> BoundaryPlan:
         return cls(step=step, log_step=step % config.log_every == 0,
-                   eval_step=bool(config.eval_every) and step % config.eval_every == 0,  # type: ignore[operator]
+                   eval_step=has_eval_sets and bool(config.eval_every) and step % config.eval_every == 0,  # type: ignore[operator]
                    save_step=scheduled_save(config, step),
                    last_step=step >= max_steps, epoch_done=epoch_done, last_epoch=epoch_index + 1 >= epoch_limit,
                    has_eval_sets=has_eval_sets, eval_at_epoch_end=config.eval_on_epoch_end and has_eval_sets)

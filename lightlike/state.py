@@ -29,6 +29,8 @@ class FitState:
     best_checkpoint: str | None = None
     last_eval_step: int = -1
     last_save_step: int = -1
+    # a stop asked for before min_steps / min_epochs were reached, waiting for them (lightlike/stop_gate.py)
+    stop_deferred: bool = False
     # the trackers' run ids ({"wandb": id, "mlflow": id}): a resumed fit continues those runs
     tracker_runs: dict[str, str] = field(default_factory=dict)
 
@@ -82,6 +84,8 @@ class FitState:
                 raise bad(f.name, v, "a number or null")
             if f.name == "best_step" and not (v is None or (is_int and v >= 0)):
                 raise bad(f.name, v, "an integer >= 0 or null")
+            if f.name == "stop_deferred" and not isinstance(v, bool):
+                raise bad(f.name, v, "true or false")
             if f.name == "best_checkpoint" and not (v is None or isinstance(v, str)):
                 raise bad(f.name, v, "a checkpoint's name or null")
             if f.name == "log_history" and not (isinstance(v, list) and all(isinstance(r, dict) for r in v)):

@@ -77,6 +77,15 @@ class Callback:
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         pass
 
+    def init_args(self) -> dict[str, Any] | None:
+        """The arguments this callback was built with, saved beside its state: a resume restores
+        the state only into a callback built with the same ones (as the HF Trainer's
+        ``ExportableState``). None (the default): not compared."""
+        return None
+
+
+#: where ``CallbackList.state_dict`` keeps the callbacks' ``init_args`` (by ``state_key``)
+ARGS_KEY = "__init_args__"
 
 #: the flags a callback may set, by name: ``Control``'s fields, which are the HF Trainer's names
 FLAGS = tuple(f.name for f in dataclasses.fields(Control))
@@ -223,7 +232,9 @@ class CallbackList:
                                            registry=where.setdefault("__warningregistry__", {}))
 
     def state_dict(self) -> dict[str, Any]:
+        """Each callback's state by ``state_key``; their ``init_args`` under ``ARGS_KEY``."""
         out: dict[str, Any] = {}
+        args: dict[str, Any] = {}
         for cb in self.callbacks:
             st = cb.state_dict()
             if st:
@@ -232,9 +243,26 @@ class CallbackList:
                         f"two callbacks share state_key {cb.state_key!r}; give each a distinct state_key"
                     )
                 out[cb.state_key] = st
+                if cb.init_args() is not None:
+                    args[cb.state_key] = cb.init_args()
+        if args:
+            out[ARGS_KEY] = args
         return out
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Each callback's saved state, unless it was saved with other ``init_args`` than the
+        callback's now: then the callback keeps its new arguments and starts afresh, with a
+        warning naming it and each argument that changed."""
+        saved_args = state.get(ARGS_KEY, {})
         for cb in self.callbacks:
-            if cb.state_key in state:
-                cb.load_state_dict(state[cb.state_key])
+            if cb.state_key not in state:
+                continue
+            before, now = saved_args.get(cb.state_key), cb.init_args()
+            if before is not None and now is not None and before != now:
+                changed = ", ".join(f"{k}={before.get(k)!r} -> {now.get(k)!r}"
+                                    for k in sorted(before.keys() | now.keys()) if before.get(k) != now.get(k))
+                warnings.warn(f"the checkpoint holds the state of {type(cb).__name__} ({cb.state_key}) built with other "
+                              f"arguments ({changed}): it is not restored; this run's {type(cb).__name__} keeps its "
+                              "new arguments and starts afresh", UserWarning, stacklevel=2)
+                continue
+            cb.load_state_dict(state[cb.state_key])

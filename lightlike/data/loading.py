@@ -64,6 +64,8 @@ class TrainData:
     sum_over_ranks: Callable[[list[float]], list[float]] | None = None
     #: the user's DataLoader (its batch_size, not the Fitter's, is the one trained with)
     from_user: bool = False
+    #: ``limit_train_batches``: the micro-batches each epoch takes on every rank (None: all)
+    batch_limit: int | None = None
 
     @property
     def deals_evenly(self) -> bool:
@@ -160,6 +162,7 @@ class TrainData:
                             "with fewer items than batch_size): pass more data or a smaller batch_size")
         if max_steps is not None:
             return max_steps, math.inf
+        batches = batches if self.batch_limit is None else min(batches or self.batch_limit, self.batch_limit)
         if batches is None:
             whole = float(max_epochs).is_integer()  # type: ignore[arg-type]
             raise ConfigError("the training data has no length (IterableDataset): set max_steps" + (
@@ -178,6 +181,8 @@ class TrainData:
         elif resumed.samples_in_epoch and self.reads_again():  # read again up to the position, not trained on
             # (mid-epoch the ranks have taken the same batches: a replay keeps the world size)
             left = max(0, batches - resumed.batches_in_epoch)
+        if self.batch_limit is not None:
+            left = max(0, min(left, self.batch_limit - resumed.batches_in_epoch))
         # (a fractional last epoch: the steps taken of it are counted as a negative rest of epochs)
         rest = -(-left // accum) + epoch_steps(max_epochs, per_epoch, resumed.epoch_index + 1)  # type: ignore[arg-type]
         return resumed.global_step + max(0, rest), max_epochs  # type: ignore[return-value]

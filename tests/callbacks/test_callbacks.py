@@ -349,17 +349,21 @@ def test_callbacks_are_called_in_the_order_given(tmp_path):
 
 
 def test_a_nan_metric_never_counts_as_an_improvement():
-    """NaN at the first evaluation became the best (no best yet), and nothing beats NaN:
-    EarlyStopping then stopped after `patience` evaluations that were all improvements."""
+    """With check_finite=False: NaN at the first evaluation became the best (no best yet), and
+    nothing beats NaN: EarlyStopping then stopped after `patience` evaluations that were all
+    improvements. With check_finite=True (the default, as Lightning's) NaN stops at once."""
     from lightlike.evaluation import is_improvement
 
     assert not is_improvement(float("nan"), None, greater_is_better=False)
-    stopper, control = ll.EarlyStopping(monitor="val/loss", patience=2), ll.Control()
+    stopper, control = ll.EarlyStopping(monitor="val/loss", patience=2, check_finite=False), ll.Control()
     state = ll.FitState()
     for step, value in enumerate([float("nan"), 0.9, 0.8, 0.7], start=1):
         state.global_step = step
         stopper.on_evaluate(None, state, control, {"val/loss": value})
     assert not control.should_training_stop and stopper.best == 0.7
+    stopper = ll.EarlyStopping(monitor="val/loss", patience=2)
+    stopper.on_evaluate(None, state, control, {"val/loss": float("nan")})
+    assert control.should_training_stop and stopper.stopped_step == 4
 
 
 def test_a_fresh_control_returned_clears_no_flag_another_callback_set(tmp_path):

@@ -90,7 +90,7 @@ def test_early_stopping_refuses_patience_zero_and_takes_min_delta_by_size():
     es = ll.EarlyStopping(patience=1, min_delta=-0.5)
     assert es.min_delta == 0.5
     fitter = SimpleNamespace(resumed_from=None)
-    es.on_fit_start(fitter, None, Control())
+    es.on_fit_start(fitter, ll.FitState(), Control())
     assert not _es_event(es, 1.0, 1, fitter)
     # 0.8 is lower, but not by more than 0.5: no improvement, patience 1 -> stop
     assert _es_event(es, 0.8, 2, fitter)
@@ -101,7 +101,7 @@ def test_early_stopping_counters_restored_by_load_state_dict():
     fitter = SimpleNamespace(resumed_from="run/checkpoint-4")
     es = ll.EarlyStopping(patience=3)
     es.load_state_dict({"best": 1.0, "wait": 2, "stopped_step": None})
-    es.on_fit_start(fitter, None, Control())
+    es.on_fit_start(fitter, ll.FitState(), Control())
     assert (es.best, es.wait) == (1.0, 2)
     assert _es_event(es, 1.5, 5, fitter)  # the third evaluation without improving on 1.0
     assert es.stopped_step == 5
@@ -113,7 +113,7 @@ def test_early_stopping_state_loaded_by_hand_does_not_carry_into_a_fresh_fit():
     es = ll.EarlyStopping(patience=3)
     es.load_state_dict({"best": 1.0, "wait": 2, "stopped_step": 4})
     control = Control()
-    es.on_fit_start(SimpleNamespace(resumed_from=None), None, control)
+    es.on_fit_start(SimpleNamespace(resumed_from=None), ll.FitState(), control)
     assert not control.should_training_stop
     assert (es.best, es.wait, es.stopped_step) == (None, 0, None)
 
@@ -124,10 +124,10 @@ def test_early_stopping_loaded_state_serves_one_fit_only():
     es = ll.EarlyStopping(patience=3)
     es.load_state_dict({"best": 1.0, "wait": 2, "stopped_step": 4})
     control = Control()
-    es.on_fit_start(SimpleNamespace(resumed_from="a/checkpoint-4"), None, control)
+    es.on_fit_start(SimpleNamespace(resumed_from="a/checkpoint-4"), ll.FitState(), control)
     assert control.should_training_stop  # resumed at the step it stopped at: stays stopped
     control = Control()
-    es.on_fit_start(SimpleNamespace(resumed_from="b/checkpoint-2"), None, control)  # no state loaded
+    es.on_fit_start(SimpleNamespace(resumed_from="b/checkpoint-2"), ll.FitState(), control)  # no state loaded
     assert not control.should_training_stop
     assert (es.best, es.wait, es.stopped_step) == (None, 0, None)
 
@@ -169,3 +169,25 @@ def test_control_pending_is_true_for_each_flag_alone_and_false_for_none():
         control = Control()
         setattr(control, name, True)
         assert control.pending(), name
+
+
+@pytest.mark.parametrize(("kw", "values", "stops_at"), [
+    (dict(mode="max", stopping_threshold=0.9), [0.5, 0.9, 0.95], 3),  # better than 0.9: above it
+    (dict(mode="max", divergence_threshold=0.1), [0.5, 0.6, 0.1, 0.05], 4),  # worse than 0.1: below it
+    (dict(mode="min", stopping_threshold=0.2), [0.5, 0.2, 0.1], 3),
+    (dict(mode="min", divergence_threshold=3.0, check_finite=False), [1.0, 3.0, float("inf")], 3),
+    (dict(mode="min", check_finite=True), [1.0, float("-inf")], 2),
+])
+def test_early_stopping_thresholds_stop_at_once_in_either_mode(kw, values, stops_at):
+    """Lightning's meanings: a threshold is passed strictly (torch.lt / torch.gt), whatever the
+    patience; check_finite stops on -inf too (an improvement, were it counted)."""
+    es, fitter = ll.EarlyStopping(patience=10, **kw), SimpleNamespace(resumed_from=None)
+    es.on_fit_start(fitter, ll.FitState(), Control())
+    stops = [_es_event(es, v, step, fitter) for step, v in enumerate(values, start=1)]
+    assert stops == [step == stops_at for step in range(1, len(values) + 1)]
+    assert es.stopped_step == stops_at
+
+
+def test_early_stopping_refuses_a_threshold_that_is_not_finite():
+    with pytest.raises(ll.ConfigError, match="EarlyStopping stopping_threshold must be a finite number or None, got nan"):
+        ll.EarlyStopping(stopping_threshold=float("nan"))
