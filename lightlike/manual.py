@@ -20,6 +20,7 @@ its docstring says what each call does. What differs here:
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -83,7 +84,21 @@ def set_up(config: Any, module: Any, strategy: Any) -> tuple[Any, list[tuple[tor
     over the parameters set up) with their schedulers, as ``(model, [(optimizer, scheduler), ...])``."""
     check_manual_config(config)
     model = strategy.setup_module(module, manual=True)
-    return model, unwrap_manual_optimizers(optim.call_configure_optimizers(module, config))
+    pairs = unwrap_manual_optimizers(optim.call_configure_optimizers(module, config))
+    warn_untrained(model, pairs)
+    return model, pairs
+
+
+def warn_untrained(model: torch.nn.Module, pairs: list[tuple[torch.optim.Optimizer, Any]]) -> None:
+    """A warning naming a few trainable parameters (``requires_grad``) that no optimizer holds:
+    they would never change."""
+    held = {id(p) for opt, _ in pairs for g in opt.param_groups for p in g["params"]}
+    left = [name for name, p in model.named_parameters() if p.requires_grad and id(p) not in held]
+    if left:
+        shown = ", ".join(repr(n) for n in left[:5]) + (f" and {len(left) - 5} more" if len(left) > 5 else "")
+        warnings.warn(f"{len(left)} trainable parameter(s) are in no optimizer configure_optimizers returned, so "
+                      f"training never changes them: {shown}. Add them to an optimizer, or freeze them "
+                      "(requires_grad_(False)) if that is what you mean", stacklevel=3)
 
 
 class ManualOptimizers:

@@ -23,7 +23,11 @@ bookkeeping exist once, here:
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
+import math
+import warnings
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -69,6 +73,14 @@ class StepContext:
         self._applied = False  # some update of this step was applied
         self._skipped: str | None = None  # the cause of this step's first skipped update
         self._veto: str | None = None  # the non-finite check's cause for the update it vetoed
+        self._live = False  # inside a training step (a context used after its step is an error)
+        self._updating = False  # inside ctx.step's update (an optimizer stepped outside it was stepped directly)
+        self._backwards, self._steps = 0, 0  # this step's ctx.backward and ctx.step calls
+        self._warned: set[Any] = set()  # the misuse warnings given (each once per fit)
+        if self._fused is None:  # (LOMO updates inside backward)
+            for i, o in enumerate(self.optimizers):
+                if isinstance(o, torch.optim.Optimizer):
+                    o.register_step_pre_hook(functools.partial(_stepped_directly, weakref.ref(self), i))
 
     @property
     def log_step(self) -> bool:
@@ -79,6 +91,7 @@ class StepContext:
     def begin(self, step: int, module: torch.nn.Module) -> None:
         """Start training step ``step`` (from 1)."""
         self.global_step, self._mark = step, len(self.losses.pending)
+        self._live, self._backwards, self._steps = True, 0, 0
         self._prepared, self._norm, self._applied, self._skipped = [], None, False, None
         for optimizer in self._modal:
             optimizer.train()
@@ -92,6 +105,15 @@ class StepContext:
         counted, and under "skip" undone (buffers back, its losses out of the rows). Returns
         (the cause of a skipped step, else None; the gradient norm to log: one optimizer's, not
         several's, which are not one number)."""
+        self._live = False
+        agreement = getattr(self.strategy, "step_agreement", None)  # manual DDP: the ranks took the same ctx.steps
+        if agreement is not None:
+            agreement.end_step(self.global_step)
+        if self._backwards and not self._steps and self._fused is None:
+            self._warn_once("kept", f"training_step {self.global_step} called ctx.backward but no ctx.step: its "
+                            "gradients are kept and add to the next backward's, and nothing was updated. Call "
+                            "ctx.step(optimizer) after ctx.backward in the same training_step (to accumulate over "
+                            "several batches, backpropagate them all inside one training_step)")
         if self._scaled and self._prepared:
             self.strategy.precision.update_scale()
         norm = self._norm if self._first is not None else None
@@ -110,6 +132,7 @@ class StepContext:
         """Around a backward that is not the last before ``step`` (accumulation): its gradients
         are not synchronised over the ranks yet (under FSDP: no reduce-scatter, no reshard). With
         ``enabled=False`` the context of the last one."""
+        self._check_live("ctx.no_sync()")
         if not enabled:
             return self.strategy.no_sync(self.model, False)
         return self._no_sync()
@@ -126,6 +149,9 @@ class StepContext:
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of ``loss`` through the strategy (scaled under ``16-mixed``); for LOMO, its
         fused backward-and-update at the scheduler's current rate."""
+        if not self._live:
+            self._check_live("ctx.backward(loss)")
+        self._backwards += 1
         if self._fused is not None:
             optimizer, scheduler = self.optimizers[0], self.schedulers[0]
             self._before_update(optimizer)  # (the update happens inside this backward: no gradients to see)
@@ -141,21 +167,38 @@ class StepContext:
         clipping (a device tensor)."""
         from lightlike.strategies.base import clip_gradients
 
+        self._check_live("ctx.clip_gradients(optimizer, max_norm)")
+        if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or math.isnan(max_norm) \
+                or max_norm <= 0:
+            raise ModuleContractError(f"ctx.clip_gradients(optimizer, max_norm={max_norm!r}) at step "
+                                      f"{self.global_step}: max_norm must be a number > 0 (a negative one would flip "
+                                      "the gradients' sign, 0 would zero them; inf clips nothing)")
         self._prepare(optimizer, self._index(optimizer))
         return clip_gradients(optimizer, max_norm, None)  # type: ignore[return-value]
 
     def step(self, optimizer: torch.optim.Optimizer) -> bool:
         """Average, unscale, clip, check, step and zero ``optimizer``'s gradients; step its
         scheduler when the update was applied. Returns whether it was."""
+        if not self._live:
+            self._check_live("ctx.step(optimizer)")
         i = 0 if optimizer is self._first else self._index(optimizer)
+        self._steps += 1
         if self._fused is not None:  # LOMO updated inside backward: its scheduler steps
             return self._fused_step()
         if self._scaled:
             self._once(i)
         if i not in self._prepared:  # (ctx.clip_gradients may have prepared them)
+            if not _has_gradients(optimizer) and getattr(self.strategy, "step_agreement", None) is None:
+                return self._no_gradients(i)  # (another rank's gradients count only where ctx.step averages)
             self._prepared.append(i)
-            self.strategy.prepare_gradients(optimizer)
-        result = self.strategy.step(optimizer, self.model, self._max_norm, self._max_value, self._vet)
+            self.strategy.prepare_gradients(optimizer, (self.global_step, i))
+        if not _has_gradients(optimizer):
+            return self._no_gradients(i)
+        self._updating = True
+        try:
+            result = self.strategy.step(optimizer, self.model, self._max_norm, self._max_value, self._vet)
+        finally:
+            self._updating = False
         optimizer.zero_grad(set_to_none=True)
         norm = result.grad_norm
         if norm is None:  # vetoed by the non-finite check
@@ -200,7 +243,7 @@ class StepContext:
         unscaled, once per step."""
         if i not in self._prepared:
             self._prepared.append(i)
-            self.strategy.prepare_gradients(optimizer)
+            self.strategy.prepare_gradients(optimizer, (self.global_step, i))
 
     def _vet(self, optimizer: torch.optim.Optimizer, norm: torch.Tensor | None) -> bool:
         """``Strategy.step``'s question before the update: under "skip", whether the losses
@@ -214,6 +257,26 @@ class StepContext:
         self._before_update(optimizer)
         return True
 
+    def _check_live(self, call: str) -> None:
+        if not self._live:
+            raise ModuleContractError(f"{call} was called on the step context of step {self.global_step} after that "
+                                      "training_step returned: use ctx only inside training_step (keep no reference "
+                                      "to it in a callback, an evaluation or a later step)")
+
+    def _no_gradients(self, i: int) -> bool:
+        """``ctx.step`` of an optimizer none of whose parameters has a gradient (on any rank):
+        nothing to update, its scheduler does not step; said once."""
+        self._warn_once(("empty", i), f"ctx.step(ctx.optimizers[{i}]) at step {self.global_step}: none of its "
+                        "parameters has a gradient (no ctx.backward reached them since its last step), so nothing "
+                        "was updated and ctx.step returned False; call ctx.backward on a loss that depends on them "
+                        "first, or leave out this ctx.step")
+        return False
+
+    def _warn_once(self, key: Any, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            warnings.warn(message, stacklevel=4)
+
     def _skip(self, cause: str, i: int) -> bool:
         if self._skipped is None:
             self._skipped = cause
@@ -221,6 +284,36 @@ class StepContext:
             log.warning("non-finite %s at step %d: the update of optimizer %d (of ctx.optimizers) skipped",
                         cause, self.global_step, i)
         return False
+
+
+def _has_gradients(optimizer: torch.optim.Optimizer) -> bool:
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.grad is not None:
+                return True
+    return False
+
+
+def _stepped_directly(ref: Any, i: int, optimizer: Any, args: Any, kwargs: Any) -> None:
+    """An optimizer's step pre-hook: a step inside a training step but outside ``ctx.step``
+    bypassed it. Under DDP's manual optimization (gradients averaged by ``ctx.step``) an error,
+    before the ranks' weights part; elsewhere a warning, once."""
+    ctx = ref()
+    if ctx is None or not ctx._live or ctx._updating:
+        return
+    ctx._steps += 1  # (an update, if not ctx.step's)
+    averages = getattr(ctx.strategy, "step_agreement", None) is not None
+    skipped = ("gradient clipping (max_grad_norm, max_grad_value), the non-finite check, on_before_optimizer_step, "
+               "zeroing the gradients and its scheduler's step")
+    if ctx._scaled:
+        skipped = f"unscaling the gradients ({ctx.strategy.precision.name}), {skipped}"
+    message = (f"ctx.optimizers[{i}].step() was called directly in training_step {ctx.global_step}: that bypasses "
+               f"ctx.step, so {{}}{skipped} were skipped. Call ctx.step(optimizer) instead (Lightning's opt.step() "
+               "in manual optimization does what ctx.step does; a raw torch optimizer's does not)")
+    if averages:
+        raise ModuleContractError(message.format("averaging the gradients over the ranks (each rank's weights would "
+                                                 "differ), "))
+    ctx._warn_once(("direct", i), message.format(""))
 
 
 def fused_backward(strategy: Any, optimizers: tuple[Any, ...]) -> FusedBackward | None:
