@@ -47,11 +47,12 @@ class StepContext:
     the order ``configure_optimizers`` returned them), ``global_step`` (the step being taken,
     counted from 1), ``log_step`` (whether this step writes a log row), ``no_sync()``,
     ``backward(loss)``, ``step(optimizer) -> bool`` and ``clip_gradients(optimizer, max_norm)``.
-    One context serves every step of a fit."""
+    One context serves every step of a fit. ``manual``: the module's own ``training_step`` calls it,
+    which is checked for misuse (a step without gradients, an optimizer stepped directly)."""
 
     def __init__(self, *, strategy: Any, model: Any, pairs: list[tuple[Any, Any]], check: NonFiniteCheck,
                  losses: LossBuffer, before_update: Callable[[Any], None], max_norm: float | None,
-                 max_value: float | None, log_every: int, max_steps: int):
+                 max_value: float | None, log_every: int, max_steps: int, manual: bool = False):
         self.strategy, self.model, self.check, self.losses = strategy, model, check, losses
         self.optimizers = tuple(o for o, _ in pairs)
         self.schedulers = tuple(s for _, s in pairs)
@@ -77,7 +78,8 @@ class StepContext:
         self._updating = False  # inside ctx.step's update (an optimizer stepped outside it was stepped directly)
         self._backwards, self._steps = 0, 0  # this step's ctx.backward and ctx.step calls
         self._warned: set[Any] = set()  # the misuse warnings given (each once per fit)
-        if self._fused is None:  # (LOMO updates inside backward)
+        self.manual = manual  # the module's own training_step calls this context (else AutomaticStep does)
+        if manual and self._fused is None:  # (LOMO updates inside backward)
             for i, o in enumerate(self.optimizers):
                 if isinstance(o, torch.optim.Optimizer):
                     o.register_step_pre_hook(functools.partial(_stepped_directly, weakref.ref(self), i))
@@ -106,9 +108,8 @@ class StepContext:
         (the cause of a skipped step, else None; the gradient norm to log: one optimizer's, not
         several's, which are not one number)."""
         self._live = False
-        agreement = getattr(self.strategy, "step_agreement", None)  # manual DDP: the ranks took the same ctx.steps
-        if agreement is not None:
-            agreement.end_step(self.global_step)
+        if self.manual and self._averages_at_step():  # the ranks took the same ctx.step calls
+            self.strategy.step_agreement.end_step(self.global_step)
         if self._backwards and not self._steps and self._fused is None:
             self._warn_once("kept", f"training_step {self.global_step} called ctx.backward but no ctx.step: its "
                             "gradients are kept and add to the next backward's, and nothing was updated. Call "
@@ -188,11 +189,11 @@ class StepContext:
         if self._scaled:
             self._once(i)
         if i not in self._prepared:  # (ctx.clip_gradients may have prepared them)
-            if not _has_gradients(optimizer) and getattr(self.strategy, "step_agreement", None) is None:
-                return self._no_gradients(i)  # (another rank's gradients count only where ctx.step averages)
+            if self.manual and not _has_gradients(optimizer) and not self._averages_at_step():
+                return self._no_gradients(i)  # (nothing to unscale: another rank's count only if ctx.step averages)
             self._prepared.append(i)
             self.strategy.prepare_gradients(optimizer, (self.global_step, i))
-        if not _has_gradients(optimizer):
+        if self.manual and not _has_gradients(optimizer):
             return self._no_gradients(i)
         self._updating = True
         try:
@@ -257,6 +258,10 @@ class StepContext:
         self._before_update(optimizer)
         return True
 
+    def _averages_at_step(self) -> bool:
+        """Whether ``ctx.step`` averages the gradients over several ranks (manual DDP)."""
+        return getattr(self.strategy, "step_agreement", None) is not None
+
     def _check_live(self, call: str) -> None:
         if not self._live:
             raise ModuleContractError(f"{call} was called on the step context of step {self.global_step} after that "
@@ -302,7 +307,7 @@ def _stepped_directly(ref: Any, i: int, optimizer: Any, args: Any, kwargs: Any) 
     if ctx is None or not ctx._live or ctx._updating:
         return
     ctx._steps += 1  # (an update, if not ctx.step's)
-    averages = getattr(ctx.strategy, "step_agreement", None) is not None
+    averages = ctx._averages_at_step()
     skipped = ("gradient clipping (max_grad_norm, max_grad_value), the non-finite check, on_before_optimizer_step, "
                "zeroing the gradients and its scheduler's step")
     if ctx._scaled:

@@ -5,7 +5,8 @@ Adam optimizer (float64), the batch's loss through the experts a plan says.
 
 PLAN is ``;``-separated ``step:rank:what`` entries; ``what`` is one of ``a`` / ``b`` (that rank
 backpropagates through that expert alone at that step), ``none`` (no ``ctx.backward``; ``ctx.step``
-still called) or ``nostep`` (``ctx.backward`` but no ``ctx.step``). Other steps use both experts.
+still called), ``nostep`` (``ctx.backward`` but no ``ctx.step``) or ``direct`` (``opt.step()`` on the raw
+optimizer instead of ``ctx.step``). Other steps use both experts.
 
 Writes ``final-rank<r>.pt``: the weights, the optimizer's state and the batches this rank saw.
 """
@@ -45,7 +46,9 @@ class Experts(ll.TaskModule):
         loss = ((out - y) ** 2).mean()
         if what != "none":
             ctx.backward(loss)
-        if what != "nostep":
+        if what == "direct":
+            opt.step()
+        elif what != "nostep":
             ctx.step(opt)
         return loss.detach()
 

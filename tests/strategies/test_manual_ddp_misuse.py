@@ -82,3 +82,16 @@ def test_a_rank_that_skips_ctx_step_is_one_error_on_every_rank(tmp_path):
         assert f"rank {rank} of 2 failed during train step at step 2: ModuleContractError: manual optimization " \
                f"under DDP: {said}" in text, text[-3000:]
     assert "EnforceNotMet" not in text and "SIGABRT" not in text
+
+
+def test_a_raw_optimizer_step_is_an_error_under_ddp(tmp_path):
+    """opt.step() on the raw optimizer under DDP's manual optimization would update each rank
+    with its own gradients (averaged only by ctx.step): the ranks' weights would part without a
+    word. It is an error before that update, naming the call to make instead."""
+    p = launch(2, tmp_path, "--plan", "2:0:direct;2:1:direct", script=TARGET)
+    assert p.returncode != 0
+    text = p.stdout + p.stderr
+    assert "failed during train step at step 2: ModuleContractError: ctx.optimizers[0].step() was called directly " \
+           "in training_step 2: that bypasses ctx.step, so averaging the gradients over the ranks (each rank's " \
+           "weights would differ), gradient clipping" in text, text[-3000:]
+    assert "Call ctx.step(optimizer) instead" in text
