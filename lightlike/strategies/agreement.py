@@ -8,7 +8,7 @@ optimizer skips it, as on one process). A rank that skips a ``ctx.step`` another
 meet the others in a collective of another size (gloo aborts the process, NCCL hangs): instead
 every rank raises one ``ModuleContractError`` naming the ranks, the step and the optimizers.
 
-Each agreement is one all-gather of 5 integers over a CPU (gloo) group: no device tensor is read,
+Each agreement is one all-reduce of 10 integers over a CPU (gloo) group: no device tensor is read,
 so the step gains no host-device sync. One more all-reduce of a per-parameter flag follows only on
 a step where some rank lacks a gradient the optimizer holds.
 """
@@ -39,9 +39,9 @@ class StepAgreement:
         gets zeros. Raises on every rank when another rank is elsewhere."""
         params = [p for g in optimizer.param_groups for p in g["params"]]
         present = [p.grad is not None for p in params]
-        rows = self._gather([_STEP, step, index, len(params), sum(present)])
+        fewest = self._agree([_STEP, step, index, len(params), sum(present)])
         self.prepared += 1
-        if all(row[4] == len(params) for row in rows):  # the usual case: every rank has every gradient
+        if fewest == len(params):  # the usual case: every rank has every gradient
             return params
         flags = torch.tensor(present, dtype=torch.uint8)
         dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
@@ -54,16 +54,22 @@ class StepAgreement:
     def end_step(self, step: int) -> None:
         """The end of training step ``step``: every rank took the same number of ``ctx.step``."""
         prepared, self.prepared = self.prepared, 0
-        self._gather([_END, step, prepared, 0, 0])
+        self._agree([_END, step, prepared, 0, 0])
 
-    def _gather(self, header: list[int]) -> list[list[int]]:
-        mine = torch.tensor(header, dtype=torch.int64)
-        parts = [torch.empty_like(mine) for _ in range(self.world_size)]
-        dist.all_gather(parts, mine, group=self.group)
-        rows = [p.tolist() for p in parts]
-        if any(row[:4] != rows[0][:4] for row in rows):
-            raise on_every_rank(ModuleContractError(_disagreement(rows)))
-        return rows
+    def _agree(self, header: list[int]) -> int:
+        """One all-reduce (the maximum of each field and of its negation): whether every rank's
+        first 4 fields are this rank's; if not, each rank's header is gathered for the error.
+        Returns the smallest last field (the fewest gradients a rank holds)."""
+        both = torch.tensor(header + [-v for v in header], dtype=torch.int64)
+        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.group)
+        top = both.tolist()
+        n = len(header)
+        if any(top[i] != -top[n + i] for i in range(4)):
+            mine = torch.tensor(header, dtype=torch.int64)
+            parts = [torch.empty_like(mine) for _ in range(self.world_size)]
+            dist.all_gather(parts, mine, group=self.group)
+            raise on_every_rank(ModuleContractError(_disagreement([p.tolist() for p in parts])))
+        return -top[2 * n - 1]
 
 
 def _disagreement(rows: list[list[int]]) -> str:
