@@ -10,7 +10,9 @@ its docstring says what each call does. What differs here:
   (``Strategy.prepare_gradients``, one all-reduce per dtype). Averaging is linear, so gradients
   summed from several backward passes are averaged exactly once, whichever parameters each pass
   touched (DDP's reducer, made for one backward over every parameter per step, is not used: no
-  hang, no ``find_unused_parameters``). FSDP reduce-scatters in each backward, as usual.
+  hang, no ``find_unused_parameters``). A rank without a gradient another rank has contributes
+  zeros, and the ranks agree on each ``ctx.step`` before its all-reduce
+  (``lightlike/strategies/agreement.py``). FSDP reduce-scatters in each backward, as usual.
 - ``16-mixed`` follows torch's multi-optimizer AMP recipe: ONE ``GradScaler`` for all optimizers,
   ``scaler.step(optimizer)`` per optimizer, one ``scaler.update()`` at the end of the training step.
   So each optimizer steps at most once per training step under ``16-mixed``.

@@ -26,6 +26,7 @@ import contextlib
 import functools
 import logging
 import math
+import numbers
 import warnings
 import weakref
 from collections.abc import Callable, Iterator
@@ -169,7 +170,7 @@ class StepContext:
         from lightlike.strategies.base import clip_gradients
 
         self._check_live("ctx.clip_gradients(optimizer, max_norm)")
-        if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or math.isnan(max_norm) \
+        if isinstance(max_norm, bool) or not isinstance(max_norm, numbers.Real) or math.isnan(max_norm) \
                 or max_norm <= 0:
             raise ModuleContractError(f"ctx.clip_gradients(optimizer, max_norm={max_norm!r}) at step "
                                       f"{self.global_step}: max_norm must be a number > 0 (a negative one would flip "
