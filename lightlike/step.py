@@ -109,13 +109,8 @@ class StepContext:
         (the cause of a skipped step, else None; the gradient norm to log: one optimizer's, not
         several's, which are not one number)."""
         self._live = False
-        if self.manual and self._averages_at_step():  # the ranks took the same ctx.step calls
-            self.strategy.step_agreement.end_step(self.global_step)
-        if self._backwards and not self._steps and self._fused is None:
-            self._warn_once("kept", f"training_step {self.global_step} called ctx.backward but no ctx.step: its "
-                            "gradients are kept and add to the next backward's, and nothing was updated. Call "
-                            "ctx.step(optimizer) after ctx.backward in the same training_step (to accumulate over "
-                            "several batches, backpropagate them all inside one training_step)")
+        if self.manual:
+            self._end_manual_step()
         if self._scaled and self._prepared:
             self.strategy.precision.update_scale()
         norm = self._norm if self._first is not None else None
@@ -134,7 +129,8 @@ class StepContext:
         """Around a backward that is not the last before ``step`` (accumulation): its gradients
         are not synchronised over the ranks yet (under FSDP: no reduce-scatter, no reshard). With
         ``enabled=False`` the context of the last one."""
-        self._check_live("ctx.no_sync()")
+        if not self._live:
+            self._check_live("ctx.no_sync()")
         if not enabled:
             return self.strategy.no_sync(self.model, False)
         return self._no_sync()
@@ -196,11 +192,9 @@ class StepContext:
             self.strategy.prepare_gradients(optimizer, (self.global_step, i))
         if self.manual and not _has_gradients(optimizer):
             return self._no_gradients(i)
-        self._updating = True
-        try:
-            result = self.strategy.step(optimizer, self.model, self._max_norm, self._max_value, self._vet)
-        finally:
-            self._updating = False
+        self._updating = True  # (an error below ends the fit, and this context with it)
+        result = self.strategy.step(optimizer, self.model, self._max_norm, self._max_value, self._vet)
+        self._updating = False
         optimizer.zero_grad(set_to_none=True)
         norm = result.grad_norm
         if norm is None:  # vetoed by the non-finite check
@@ -258,6 +252,17 @@ class StepContext:
                 return False
         self._before_update(optimizer)
         return True
+
+    def _end_manual_step(self) -> None:
+        """The end of a module's own training step: under DDP the ranks agree they took the same
+        ``ctx.step`` calls; a ``ctx.backward`` without any ``ctx.step`` is said once."""
+        if self._averages_at_step():
+            self.strategy.step_agreement.end_step(self.global_step)
+        if self._backwards and not self._steps and self._fused is None:
+            self._warn_once("kept", f"training_step {self.global_step} called ctx.backward but no ctx.step: its "
+                            "gradients are kept and add to the next backward's, and nothing was updated. Call "
+                            "ctx.step(optimizer) after ctx.backward in the same training_step (to accumulate over "
+                            "several batches, backpropagate them all inside one training_step)")
 
     def _averages_at_step(self) -> bool:
         """Whether ``ctx.step`` averages the gradients over several ranks (manual DDP)."""
