@@ -69,7 +69,8 @@ class StepContext:
         self.global_step = 0
         self._unvetted: list[torch.Tensor] = []  # losses backpropagated since the last vetted update ("skip")
         self._mark = 0  # the loss buffer's length when the step began (a step undone drops what follows)
-        self._prepared: list[int] = []  # optimizers whose gradients are averaged and unscaled this step
+        self._prepared: list[int] = []  # optimizers whose gradients are averaged and unscaled since their update
+        self._prepares = 0  # how many times this step prepared (averaged, unscaled) an optimizer's gradients
         self._stepped: list[int] = []  # optimizers stepped this step (under a loss scaler)
         self._norm: torch.Tensor | None = None  # the gradient norm of this step's last update (not vetoed)
         self._applied = False  # some update of this step was applied
@@ -94,7 +95,7 @@ class StepContext:
     def begin(self, step: int, module: torch.nn.Module) -> None:
         """Start training step ``step`` (from 1)."""
         self.global_step, self._mark = step, len(self.losses.pending)
-        self._live, self._backwards, self._steps = True, 0, 0
+        self._live, self._backwards, self._steps, self._prepares = True, 0, 0, 0
         self._prepared, self._norm, self._applied, self._skipped = [], None, False, None
         for optimizer in self._modal:
             optimizer.train()
@@ -111,7 +112,7 @@ class StepContext:
         self._live = False
         if self.manual:
             self._end_manual_step()
-        if self._scaled and self._prepared:
+        if self._scaled and self._prepares:
             self.strategy.precision.update_scale()
         norm = self._norm if self._first is not None else None
         cause = self._skipped
@@ -189,13 +190,16 @@ class StepContext:
             if self.manual and not _has_gradients(optimizer) and not self._averages_at_step():
                 return self._no_gradients(i)  # (nothing to unscale: another rank's count only if ctx.step averages)
             self._prepared.append(i)
+            self._prepares += 1
             self.strategy.prepare_gradients(optimizer, (self.global_step, i))
         if self.manual and not _has_gradients(optimizer):
+            self._prepared.remove(i)
             return self._no_gradients(i)
         self._updating = True  # (an error below ends the fit, and this context with it)
         result = self.strategy.step(optimizer, self.model, self._max_norm, self._max_value, self._vet)
         self._updating = False
         optimizer.zero_grad(set_to_none=True)
+        self._prepared.remove(i)  # (a second ctx.step of it in this training step averages its new gradients)
         norm = result.grad_norm
         if norm is None:  # vetoed by the non-finite check
             return self._skip(self._veto, i)  # type: ignore[arg-type]
@@ -239,6 +243,7 @@ class StepContext:
         unscaled, once per step."""
         if i not in self._prepared:
             self._prepared.append(i)
+            self._prepares += 1
             self.strategy.prepare_gradients(optimizer, (self.global_step, i))
 
     def _vet(self, optimizer: torch.optim.Optimizer, norm: torch.Tensor | None) -> bool:
@@ -257,7 +262,7 @@ class StepContext:
         """The end of a module's own training step: under DDP the ranks agree they took the same
         ``ctx.step`` calls; a ``ctx.backward`` without any ``ctx.step`` is said once."""
         if self._averages_at_step():
-            self.strategy.step_agreement.end_step(self.global_step)
+            self.strategy.step_agreement.end_step(self.global_step, self._prepares)
         if self._backwards and not self._steps and self._fused is None:
             self._warn_once("kept", f"training_step {self.global_step} called ctx.backward but no ctx.step: its "
                             "gradients are kept and add to the next backward's, and nothing was updated. Call "

@@ -31,7 +31,6 @@ class StepAgreement:
 
     def __init__(self, rank: int, world_size: int, group: Any = None):
         self.rank, self.world_size, self.group = rank, world_size, group
-        self.prepared = 0  # ctx.step/clip_gradients calls of this training step (gradients averaged)
 
     def params_with_gradients(self, optimizer: torch.optim.Optimizer, step: int, index: int) -> list[torch.Tensor]:
         """The parameters of ``optimizer`` (``ctx.optimizers[index]``, at training step ``step``)
@@ -40,7 +39,6 @@ class StepAgreement:
         params = [p for g in optimizer.param_groups for p in g["params"]]
         present = [p.grad is not None for p in params]
         fewest = self._agree([_STEP, step, index, len(params), sum(present)])
-        self.prepared += 1
         if fewest == len(params):  # the usual case: every rank has every gradient
             return params
         flags = torch.tensor(present, dtype=torch.uint8)
@@ -51,9 +49,9 @@ class StepAgreement:
                 p.grad = torch.zeros_like(p)
         return used
 
-    def end_step(self, step: int) -> None:
-        """The end of training step ``step``: every rank took the same number of ``ctx.step``."""
-        prepared, self.prepared = self.prepared, 0
+    def end_step(self, step: int, prepared: int) -> None:
+        """The end of training step ``step``, in which this rank averaged ``prepared`` optimizers'
+        gradients (``ctx.step``, ``ctx.clip_gradients``): every rank did as many."""
         self._agree([_END, step, prepared, 0, 0])
 
     def _agree(self, header: list[int]) -> int:

@@ -5,7 +5,8 @@ Adam optimizer (float64), the batch's loss through the experts a plan says.
 
 PLAN is ``;``-separated ``step:rank:what`` entries; ``what`` is one of ``a`` / ``b`` (that rank
 backpropagates through that expert alone at that step), ``none`` (no ``ctx.backward``; ``ctx.step``
-still called), ``nostep`` (``ctx.backward`` but no ``ctx.step``) or ``direct`` (``opt.step()`` on the raw
+still called), ``nostep`` (``ctx.backward`` but no ``ctx.step``), ``twice`` (two updates, one per half
+batch) or ``direct`` (``opt.step()`` on the raw
 optimizer instead of ``ctx.step``). Other steps use both experts.
 
 Writes ``final-rank<r>.pt``: the weights, the optimizer's state and the batches this rank saw.
@@ -42,6 +43,11 @@ class Experts(ll.TaskModule):
         experts = what if what in ("a", "b") else "ab"
         self.seen.append({k: v.clone() for k, v in batch.items()})
         x, y = batch["x"], batch["y"]
+        if what == "twice":  # two updates in one training_step: each half of the batch
+            for half in (slice(0, 2), slice(2, 4)):
+                ctx.backward(((self.a(x[half]) + self.b(x[half]) - y[half]) ** 2).mean())
+                ctx.step(opt)
+            return ((self(batch) - y) ** 2).mean().detach()
         out = sum((getattr(self, e)(x) for e in experts), torch.zeros_like(y))
         loss = ((out - y) ** 2).mean()
         if what != "none":

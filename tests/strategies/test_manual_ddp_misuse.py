@@ -23,6 +23,12 @@ def _experts(plan):
     return Experts(parse_plan(plan)).double()
 
 
+def _loss(model, what, batch, part=slice(None)):
+    experts = what if what in ("a", "b") else "ab"
+    out = sum((getattr(model, e)(batch["x"][part]) for e in experts), torch.zeros_like(batch["y"][part]))
+    return ((out - batch["y"][part]) ** 2).mean()
+
+
 def _by_hand(plan, seen):
     """The 2-rank steps written in plain PyTorch on one process: per step, each rank's gradient
     of its loss (None where it backpropagated nothing into a parameter), summed over the ranks
@@ -31,20 +37,18 @@ def _by_hand(plan, seen):
     ref = copy.deepcopy(model)
     opt = torch.optim.Adam(ref.parameters(), 0.1)
     for step in range(1, len(seen[0]) + 1):
-        grads = []
-        for rank in (0, 1):
-            what = model.plan.get((step, rank), "ab")
-            batch = seen[rank][step - 1]
-            out = sum((getattr(ref, e)(batch["x"]) for e in (what if what in ("a", "b") else "ab")),
-                      torch.zeros_like(batch["y"]))
-            ref.zero_grad(set_to_none=True)
-            if what != "none":
-                ((out - batch["y"]) ** 2).mean().backward()
-            grads.append([p.grad for p in ref.parameters()])
-        for p, g0, g1 in zip(ref.parameters(), *grads, strict=True):
-            given = [g for g in (g0, g1) if g is not None]
-            p.grad = sum(given, torch.zeros_like(p)) / 2 if given else None
-        opt.step()
+        whats = [model.plan.get((step, rank), "ab") for rank in (0, 1)]
+        for part in [slice(0, 2), slice(2, 4)] if whats[0] == "twice" else [slice(None)]:
+            grads = []
+            for rank in (0, 1):
+                ref.zero_grad(set_to_none=True)
+                if whats[rank] != "none":
+                    _loss(ref, whats[rank], seen[rank][step - 1], part).backward()
+                grads.append([p.grad for p in ref.parameters()])
+            for p, g0, g1 in zip(ref.parameters(), *grads, strict=True):
+                given = [g for g in (g0, g1) if g is not None]
+                p.grad = sum(given, torch.zeros_like(p)) / 2 if given else None
+            opt.step()
     return ref, opt
 
 
@@ -67,6 +71,21 @@ def test_a_rank_without_gradients_contributes_zeros(tmp_path):
         for key, value in state.items():
             torch.testing.assert_close(got[i][key], value, rtol=1e-12, atol=1e-12)
     assert [int(got[i]["step"]) for i in range(4)] == [4, 4, 3, 3]  # a.weight, a.bias, b.weight, b.bias
+
+
+def test_two_updates_of_one_optimizer_in_a_step_are_each_averaged(tmp_path):
+    """Two ctx.step of one optimizer in one training_step (each after a half batch's backward):
+    before, the second update's gradients were not averaged over the ranks (the optimizer counted
+    as prepared for the whole step) and the ranks' weights parted by 0.16. Now both ranks end
+    with the hand-written reference's weights (each update's gradients averaged) to 1e-12."""
+    plan = "2:0:twice;2:1:twice"
+    run_each_ok(2, [(tmp_path, ["--plan", plan])], script=TARGET)
+    ranks = [torch.load(tmp_path / f"final-rank{r}.pt", weights_only=True) for r in (0, 1)]
+    ref, opt = _by_hand(plan, [r["seen"] for r in ranks])
+    for k, want in ref.state_dict().items():
+        assert torch.equal(ranks[0]["weights"][k], ranks[1]["weights"][k]), k
+        torch.testing.assert_close(ranks[0]["weights"][k], want, rtol=1e-12, atol=1e-12, msg=k)
+    assert int(ranks[0]["optimizer"]["state"][0]["step"]) == 5 == int(opt.state_dict()["state"][0]["step"])
 
 
 def test_a_rank_that_skips_ctx_step_is_one_error_on_every_rank(tmp_path):
