@@ -1,7 +1,7 @@
 """Manual optimization under DDP where the ranks' steps differ: two experts ``a`` and ``b`` in one
 Adam optimizer (float64), the batch's loss through the experts a plan says.
 
-    torchrun --nproc_per_node 2 manual_misuse_target.py OUT --plan PLAN [--steps N] [--then OUT2 ...]
+    torchrun --nproc_per_node 2 manual_misuse_target.py OUT --plan PLAN [--steps N] [--two] [--then OUT2 ...]
 
 PLAN is ``;``-separated ``step:rank:what`` entries; ``what`` is one of ``a`` / ``b`` (that rank
 backpropagates through that expert alone at that step), ``none`` (no ``ctx.backward``; ``ctx.step``
@@ -59,6 +59,21 @@ class Experts(ll.TaskModule):
         return loss.detach()
 
 
+class TwoOptimizers(Experts):
+    """One optimizer per expert, both stepped each step; ``skip0`` in the plan: that rank skips
+    the first one's ctx.step."""
+
+    def configure_optimizers(self, config):
+        return [torch.optim.Adam(self.a.parameters(), 0.1), torch.optim.Adam(self.b.parameters(), 0.1)]
+
+    def training_step(self, batch, ctx):
+        ctx.backward(((self(batch) - batch["y"]) ** 2).mean())
+        for i, opt in enumerate(ctx.optimizers):
+            if not (i == 0 and self.plan.get((ctx.global_step, self.rank)) == "skip0"):
+                ctx.step(opt)
+        return torch.zeros(())
+
+
 class Rows(torch.utils.data.Dataset):
     def __init__(self, n: int = 32):
         g = torch.Generator().manual_seed(1)
@@ -85,10 +100,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("out")
     p.add_argument("--plan", default="")
     p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--two", action="store_true", help="TwoOptimizers")
     args = p.parse_args(argv)
     out, rank = Path(args.out), int(os.environ.get("RANK", "0"))
     torch.manual_seed(0)
-    module = Experts(parse_plan(args.plan)).double()
+    module = (TwoOptimizers if args.two else Experts)(parse_plan(args.plan)).double()
     fitter = ll.Fitter(max_steps=args.steps, batch_size=4, output_dir=str(out / "run"), loggers=[], shuffle=False,
                        log_level="warning", strategy="ddp", model_summary=False, progress_bar=False, save_every=None)
     fitter.fit(module, Rows())

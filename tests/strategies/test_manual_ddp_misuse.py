@@ -114,3 +114,17 @@ def test_a_raw_optimizer_step_is_an_error_under_ddp(tmp_path):
            "in training_step 2: that bypasses ctx.step, so averaging the gradients over the ranks (each rank's " \
            "weights would differ), gradient clipping" in text, text[-3000:]
     assert "Call ctx.step(optimizer) instead" in text
+
+
+def test_ranks_at_different_optimizers_are_one_error_naming_both(tmp_path):
+    """Two optimizers; at step 2 rank 1 skips the first one's ctx.step and calls the second's:
+    rank 0's all-reduce of optimizer 0's gradients would have met rank 1's of optimizer 1's.
+    Every rank raises instead, naming each rank's optimizer."""
+    p = launch(2, tmp_path, "--two", "--plan", "2:1:skip0", script=TARGET)
+    assert p.returncode != 0
+    text = p.stdout + p.stderr
+    for rank in (0, 1):
+        assert f"rank {rank} of 2 failed during train step at step 2: ModuleContractError: manual optimization " \
+               "under DDP: the ranks' training steps differ at step 2: rank 0 called ctx.step(ctx.optimizers[0]) " \
+               "(2 parameters) in training_step 2; rank 1 called ctx.step(ctx.optimizers[1]) (2 parameters) in " \
+               "training_step 2." in text, text[-3000:]
