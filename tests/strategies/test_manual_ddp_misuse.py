@@ -118,8 +118,9 @@ def test_a_raw_optimizer_step_is_an_error_under_ddp(tmp_path):
 
 def test_ranks_at_different_optimizers_are_one_error_naming_both(tmp_path):
     """Two optimizers; at step 2 rank 1 skips the first one's ctx.step and calls the second's:
-    rank 0's all-reduce of optimizer 0's gradients would have met rank 1's of optimizer 1's.
-    Every rank raises instead, naming each rank's optimizer."""
+    before, rank 0's all-reduce of optimizer 0's gradients met rank 1's of optimizer 1's (the
+    same size: a's and b's gradients mixed) and the run hung at the next. Every rank raises
+    instead, naming each rank's optimizer."""
     p = launch(2, tmp_path, "--two", "--plan", "2:1:skip0", script=TARGET)
     assert p.returncode != 0
     text = p.stdout + p.stderr
