@@ -425,7 +425,8 @@ class Fitter:
         run.ctx = StepContext(strategy=strategy, model=self.model, pairs=pairs, check=check, losses=run.losses,
                               before_update=functools.partial(self.callbacks.call, "on_before_optimizer_step", self,
                                                               self.state, self.control), max_norm=cfg.max_grad_norm,
-                              max_value=cfg.max_grad_value, log_every=cfg.log_every, max_steps=run.max_steps)
+                              max_value=cfg.max_grad_value, log_every=cfg.log_every, max_steps=run.max_steps,
+                              manual=run.manual is not None)
 
     def setup_strategy(self) -> Strategy:
         """The strategy named by the config, its processes and devices set up (once)."""

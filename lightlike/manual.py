@@ -10,7 +10,9 @@ its docstring says what each call does. What differs here:
   (``Strategy.prepare_gradients``, one all-reduce per dtype). Averaging is linear, so gradients
   summed from several backward passes are averaged exactly once, whichever parameters each pass
   touched (DDP's reducer, made for one backward over every parameter per step, is not used: no
-  hang, no ``find_unused_parameters``). FSDP reduce-scatters in each backward, as usual.
+  hang, no ``find_unused_parameters``). A rank without a gradient another rank has contributes
+  zeros, and the ranks agree on each ``ctx.step`` before its all-reduce
+  (``lightlike/strategies/agreement.py``). FSDP reduce-scatters in each backward, as usual.
 - ``16-mixed`` follows torch's multi-optimizer AMP recipe: ONE ``GradScaler`` for all optimizers,
   ``scaler.step(optimizer)`` per optimizer, one ``scaler.update()`` at the end of the training step.
   So each optimizer steps at most once per training step under ``16-mixed``.
@@ -20,6 +22,7 @@ its docstring says what each call does. What differs here:
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -83,7 +86,21 @@ def set_up(config: Any, module: Any, strategy: Any) -> tuple[Any, list[tuple[tor
     over the parameters set up) with their schedulers, as ``(model, [(optimizer, scheduler), ...])``."""
     check_manual_config(config)
     model = strategy.setup_module(module, manual=True)
-    return model, unwrap_manual_optimizers(optim.call_configure_optimizers(module, config))
+    pairs = unwrap_manual_optimizers(optim.call_configure_optimizers(module, config))
+    warn_untrained(model, pairs)
+    return model, pairs
+
+
+def warn_untrained(model: torch.nn.Module, pairs: list[tuple[torch.optim.Optimizer, Any]]) -> None:
+    """A warning naming a few trainable parameters (``requires_grad``) that no optimizer holds:
+    they would never change."""
+    held = {id(p) for opt, _ in pairs for g in opt.param_groups for p in g["params"]}
+    left = [name for name, p in model.named_parameters() if p.requires_grad and id(p) not in held]
+    if left:
+        shown = ", ".join(repr(n) for n in left[:5]) + (f" and {len(left) - 5} more" if len(left) > 5 else "")
+        warnings.warn(f"{len(left)} trainable parameter(s) are in no optimizer configure_optimizers returned, so "
+                      f"training never changes them: {shown}. Add them to an optimizer, or freeze them "
+                      "(requires_grad_(False)) if that is what you mean", stacklevel=3)
 
 
 class ManualOptimizers:

@@ -23,7 +23,12 @@ bookkeeping exist once, here:
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
+import math
+import numbers
+import warnings
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -43,11 +48,12 @@ class StepContext:
     the order ``configure_optimizers`` returned them), ``global_step`` (the step being taken,
     counted from 1), ``log_step`` (whether this step writes a log row), ``no_sync()``,
     ``backward(loss)``, ``step(optimizer) -> bool`` and ``clip_gradients(optimizer, max_norm)``.
-    One context serves every step of a fit."""
+    One context serves every step of a fit. ``manual``: the module's own ``training_step`` calls it,
+    which is checked for misuse (a step without gradients, an optimizer stepped directly)."""
 
     def __init__(self, *, strategy: Any, model: Any, pairs: list[tuple[Any, Any]], check: NonFiniteCheck,
                  losses: LossBuffer, before_update: Callable[[Any], None], max_norm: float | None,
-                 max_value: float | None, log_every: int, max_steps: int):
+                 max_value: float | None, log_every: int, max_steps: int, manual: bool = False):
         self.strategy, self.model, self.check, self.losses = strategy, model, check, losses
         self.optimizers = tuple(o for o, _ in pairs)
         self.schedulers = tuple(s for _, s in pairs)
@@ -63,12 +69,22 @@ class StepContext:
         self.global_step = 0
         self._unvetted: list[torch.Tensor] = []  # losses backpropagated since the last vetted update ("skip")
         self._mark = 0  # the loss buffer's length when the step began (a step undone drops what follows)
-        self._prepared: list[int] = []  # optimizers whose gradients are averaged and unscaled this step
+        self._prepared: list[int] = []  # optimizers whose gradients are averaged and unscaled since their update
+        self._prepares = 0  # how many times this step prepared (averaged, unscaled) an optimizer's gradients
         self._stepped: list[int] = []  # optimizers stepped this step (under a loss scaler)
         self._norm: torch.Tensor | None = None  # the gradient norm of this step's last update (not vetoed)
         self._applied = False  # some update of this step was applied
         self._skipped: str | None = None  # the cause of this step's first skipped update
         self._veto: str | None = None  # the non-finite check's cause for the update it vetoed
+        self._live = False  # inside a training step (a context used after its step is an error)
+        self._updating = False  # inside ctx.step's update (an optimizer stepped outside it was stepped directly)
+        self._backwards, self._steps = 0, 0  # this step's ctx.backward and ctx.step calls
+        self._warned: set[Any] = set()  # the misuse warnings given (each once per fit)
+        self.manual = manual  # the module's own training_step calls this context (else AutomaticStep does)
+        if manual and self._fused is None:  # (LOMO updates inside backward)
+            for i, o in enumerate(self.optimizers):
+                if isinstance(o, torch.optim.Optimizer):
+                    o.register_step_pre_hook(functools.partial(_stepped_directly, weakref.ref(self), i))
 
     @property
     def log_step(self) -> bool:
@@ -79,6 +95,7 @@ class StepContext:
     def begin(self, step: int, module: torch.nn.Module) -> None:
         """Start training step ``step`` (from 1)."""
         self.global_step, self._mark = step, len(self.losses.pending)
+        self._live, self._backwards, self._steps, self._prepares = True, 0, 0, 0
         self._prepared, self._norm, self._applied, self._skipped = [], None, False, None
         for optimizer in self._modal:
             optimizer.train()
@@ -92,7 +109,10 @@ class StepContext:
         counted, and under "skip" undone (buffers back, its losses out of the rows). Returns
         (the cause of a skipped step, else None; the gradient norm to log: one optimizer's, not
         several's, which are not one number)."""
-        if self._scaled and self._prepared:
+        self._live = False
+        if self.manual:
+            self._end_manual_step()
+        if self._scaled and self._prepares:
             self.strategy.precision.update_scale()
         norm = self._norm if self._first is not None else None
         cause = self._skipped
@@ -110,6 +130,8 @@ class StepContext:
         """Around a backward that is not the last before ``step`` (accumulation): its gradients
         are not synchronised over the ranks yet (under FSDP: no reduce-scatter, no reshard). With
         ``enabled=False`` the context of the last one."""
+        if not self._live:
+            self._check_live("ctx.no_sync()")
         if not enabled:
             return self.strategy.no_sync(self.model, False)
         return self._no_sync()
@@ -126,6 +148,9 @@ class StepContext:
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of ``loss`` through the strategy (scaled under ``16-mixed``); for LOMO, its
         fused backward-and-update at the scheduler's current rate."""
+        if not self._live:
+            self._check_live("ctx.backward(loss)")
+        self._backwards += 1
         if self._fused is not None:
             optimizer, scheduler = self.optimizers[0], self.schedulers[0]
             self._before_update(optimizer)  # (the update happens inside this backward: no gradients to see)
@@ -141,22 +166,40 @@ class StepContext:
         clipping (a device tensor)."""
         from lightlike.strategies.base import clip_gradients
 
+        self._check_live("ctx.clip_gradients(optimizer, max_norm)")
+        if isinstance(max_norm, bool) or not isinstance(max_norm, numbers.Real) or math.isnan(max_norm) \
+                or max_norm <= 0:
+            raise ModuleContractError(f"ctx.clip_gradients(optimizer, max_norm={max_norm!r}) at step "
+                                      f"{self.global_step}: max_norm must be a number > 0 (a negative one would flip "
+                                      "the gradients' sign, 0 would zero them; inf clips nothing)")
         self._prepare(optimizer, self._index(optimizer))
         return clip_gradients(optimizer, max_norm, None)  # type: ignore[return-value]
 
     def step(self, optimizer: torch.optim.Optimizer) -> bool:
         """Average, unscale, clip, check, step and zero ``optimizer``'s gradients; step its
         scheduler when the update was applied. Returns whether it was."""
+        if not self._live:
+            self._check_live("ctx.step(optimizer)")
         i = 0 if optimizer is self._first else self._index(optimizer)
+        self._steps += 1
         if self._fused is not None:  # LOMO updated inside backward: its scheduler steps
             return self._fused_step()
         if self._scaled:
             self._once(i)
         if i not in self._prepared:  # (ctx.clip_gradients may have prepared them)
+            if self.manual and not _has_gradients(optimizer) and not self._averages_at_step():
+                return self._no_gradients(i)  # (nothing to unscale: another rank's count only if ctx.step averages)
             self._prepared.append(i)
-            self.strategy.prepare_gradients(optimizer)
+            self._prepares += 1
+            self.strategy.prepare_gradients(optimizer, (self.global_step, i))
+        if self.manual and not _has_gradients(optimizer):
+            self._prepared.remove(i)
+            return self._no_gradients(i)
+        self._updating = True  # (an error below ends the fit, and this context with it)
         result = self.strategy.step(optimizer, self.model, self._max_norm, self._max_value, self._vet)
+        self._updating = False
         optimizer.zero_grad(set_to_none=True)
+        self._prepared.remove(i)  # (a second ctx.step of it in this training step averages its new gradients)
         norm = result.grad_norm
         if norm is None:  # vetoed by the non-finite check
             return self._skip(self._veto, i)  # type: ignore[arg-type]
@@ -200,7 +243,8 @@ class StepContext:
         unscaled, once per step."""
         if i not in self._prepared:
             self._prepared.append(i)
-            self.strategy.prepare_gradients(optimizer)
+            self._prepares += 1
+            self.strategy.prepare_gradients(optimizer, (self.global_step, i))
 
     def _vet(self, optimizer: torch.optim.Optimizer, norm: torch.Tensor | None) -> bool:
         """``Strategy.step``'s question before the update: under "skip", whether the losses
@@ -214,6 +258,41 @@ class StepContext:
         self._before_update(optimizer)
         return True
 
+    def _end_manual_step(self) -> None:
+        """The end of a module's own training step: under DDP the ranks agree they took the same
+        ``ctx.step`` calls; a ``ctx.backward`` without any ``ctx.step`` is said once."""
+        if self._averages_at_step():
+            self.strategy.step_agreement.end_step(self.global_step, self._prepares)
+        if self._backwards and not self._steps and self._fused is None:
+            self._warn_once("kept", f"training_step {self.global_step} called ctx.backward but no ctx.step: its "
+                            "gradients are kept and add to the next backward's, and nothing was updated. Call "
+                            "ctx.step(optimizer) after ctx.backward in the same training_step (to accumulate over "
+                            "several batches, backpropagate them all inside one training_step)")
+
+    def _averages_at_step(self) -> bool:
+        """Whether ``ctx.step`` averages the gradients over several ranks (manual DDP)."""
+        return getattr(self.strategy, "step_agreement", None) is not None
+
+    def _check_live(self, call: str) -> None:
+        if not self._live:
+            raise ModuleContractError(f"{call} was called on the step context of step {self.global_step} after that "
+                                      "training_step returned: use ctx only inside training_step (keep no reference "
+                                      "to it in a callback, an evaluation or a later step)")
+
+    def _no_gradients(self, i: int) -> bool:
+        """``ctx.step`` of an optimizer none of whose parameters has a gradient (on any rank):
+        nothing to update, its scheduler does not step; said once."""
+        self._warn_once(("empty", i), f"ctx.step(ctx.optimizers[{i}]) at step {self.global_step}: none of its "
+                        "parameters has a gradient (no ctx.backward reached them since its last step), so nothing "
+                        "was updated and ctx.step returned False; call ctx.backward on a loss that depends on them "
+                        "first, or leave out this ctx.step")
+        return False
+
+    def _warn_once(self, key: Any, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            warnings.warn(message, stacklevel=4)
+
     def _skip(self, cause: str, i: int) -> bool:
         if self._skipped is None:
             self._skipped = cause
@@ -221,6 +300,36 @@ class StepContext:
             log.warning("non-finite %s at step %d: the update of optimizer %d (of ctx.optimizers) skipped",
                         cause, self.global_step, i)
         return False
+
+
+def _has_gradients(optimizer: torch.optim.Optimizer) -> bool:
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.grad is not None:
+                return True
+    return False
+
+
+def _stepped_directly(ref: Any, i: int, optimizer: Any, args: Any, kwargs: Any) -> None:
+    """An optimizer's step pre-hook: a step inside a training step but outside ``ctx.step``
+    bypassed it. Under DDP's manual optimization (gradients averaged by ``ctx.step``) an error,
+    before the ranks' weights part; elsewhere a warning, once."""
+    ctx = ref()
+    if ctx is None or not ctx._live or ctx._updating:
+        return
+    ctx._steps += 1  # (an update, if not ctx.step's)
+    averages = ctx._averages_at_step()
+    skipped = ("gradient clipping (max_grad_norm, max_grad_value), the non-finite check, on_before_optimizer_step, "
+               "zeroing the gradients and its scheduler's step")
+    if ctx._scaled:
+        skipped = f"unscaling the gradients ({ctx.strategy.precision.name}), {skipped}"
+    message = (f"ctx.optimizers[{i}].step() was called directly in training_step {ctx.global_step}: that bypasses "
+               f"ctx.step, so {{}}{skipped} were skipped. Call ctx.step(optimizer) instead (Lightning's opt.step() "
+               "in manual optimization does what ctx.step does; a raw torch optimizer's does not)")
+    if averages:
+        raise ModuleContractError(message.format("averaging the gradients over the ranks (each rank's weights would "
+                                                 "differ), "))
+    ctx._warn_once(("direct", i), message.format(""))
 
 
 def fused_backward(strategy: Any, optimizers: tuple[Any, ...]) -> FusedBackward | None:

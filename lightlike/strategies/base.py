@@ -145,10 +145,11 @@ class Strategy(ABC):
         """Backward of ``loss`` (already weighted by the loop; scaled by the precision if it must)."""
         self.precision.backward(loss)
 
-    def prepare_gradients(self, optimizer: torch.optim.Optimizer) -> None:
+    def prepare_gradients(self, optimizer: torch.optim.Optimizer, where: tuple[int, int] = (0, 0)) -> None:
         """Make ``optimizer``'s gradients the true, synchronised ones, once per step before
         clipping or stepping: unscaled (``16-mixed``), and averaged over the ranks where backward
-        did not average them (manual optimization under DDP)."""
+        did not average them (manual optimization under DDP). ``where``: (the training step, the
+        optimizer's index in ``ctx.optimizers``), for an error that names them."""
         self.precision.unscale_gradients(optimizer)
 
     def step(self, optimizer: torch.optim.Optimizer, module: nn.Module, max_norm: float | None,

@@ -21,6 +21,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from lightlike.errors import ConfigError
 from lightlike.precision import Precision
+from lightlike.strategies.agreement import StepAgreement
 from lightlike.strategies.parallel import ParallelStrategy
 
 
@@ -53,6 +54,10 @@ class DDPStrategy(ParallelStrategy):
                                gradient_as_bucket_view=gradient_as_bucket_view, bucket_cap_mb=bucket_cap_mb)
         self._synced: weakref.WeakSet = weakref.WeakSet()  # static_graph wrappers past a synchronised backward
         self._averages_at_step = False  # manual optimization: no reducer, gradients averaged at each step
+        #: manual optimization on several ranks: the ranks agree on each ctx.step and on the end of
+        #: each training step (``agreement.py``; the step context calls its ``end_step``); else None
+        self.step_agreement: StepAgreement | None = None
+        self._agreement_group: Any = None  # the gloo group it agrees over, where the default one is not gloo
 
     # -- module and optimizer ------------------------------------------------------------------
     def setup_module(self, module: nn.Module, manual: bool = False) -> nn.Module:
@@ -66,7 +71,7 @@ class DDPStrategy(ParallelStrategy):
                 "leaves them so): DDP cannot take it; use strategy='fsdp' for this Fitter too, or load the "
                 "checkpoint's weights into a fresh module (module.load_weights('output_dir/checkpoint-N'))")
         module = self.precision.convert_module(module).to(self.root_device)
-        self._averages_at_step = False  # DDP's reducer averages in backward
+        self._averages_at_step, self.step_agreement = False, None  # DDP's reducer averages in backward
         ids = [self.root_device.index] if self.root_device.type == "cuda" else None
         return DistributedDataParallel(module, device_ids=ids, **self.ddp_kwargs)  # type: ignore[arg-type]
 
@@ -81,14 +86,22 @@ class DDPStrategy(ParallelStrategy):
         for tensor in [*module.parameters(), *module.buffers()]:
             torch.distributed.broadcast(tensor.data, src=0)
         self._averages_at_step = True
+        if self.world_size > 1:  # the ranks agree on each ctx.step over a CPU group: no device sync
+            if self._agreement_group is None and torch.distributed.get_backend() != "gloo":
+                self._agreement_group = torch.distributed.new_group(backend="gloo")
+            self.step_agreement = StepAgreement(self.global_rank, self.world_size, self._agreement_group)
         return module
 
-    def prepare_gradients(self, optimizer: torch.optim.Optimizer) -> None:
+    def prepare_gradients(self, optimizer: torch.optim.Optimizer, where: tuple[int, int] = (0, 0)) -> None:
         """Unscaled; under manual optimization also averaged over the ranks first (one
-        all-reduce per dtype and device over the flattened gradients, divided by the world size;
-        every rank must hold gradients for the same parameters, as for any collective)."""
-        if self._averages_at_step and self.world_size > 1:
-            self._average([p for g in optimizer.param_groups for p in g["params"] if p.grad is not None])
+        all-reduce per dtype and device over the flattened gradients, divided by the world size),
+        once the ranks agree that each is at this ``ctx.step`` (``agreement.py``: a rank without a
+        gradient another rank has contributes zeros)."""
+        if self._averages_at_step and self.step_agreement is not None:
+            params = self.step_agreement.params_with_gradients(optimizer, *where)
+            if not params:
+                return  # no rank has a gradient: nothing to average or unscale
+            self._average(params)
         self.precision.unscale_gradients(optimizer)
 
     def _average(self, params: list[torch.Tensor]) -> None:

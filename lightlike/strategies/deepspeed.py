@@ -254,7 +254,7 @@ class DeepSpeedStrategy(ParallelStrategy):
         # the Fitter's weights already make the window's gradient the item mean: no 1/GAS here
         self._engine().backward(loss, scale_wrt_gas=False)
 
-    def prepare_gradients(self, optimizer: torch.optim.Optimizer) -> None:
+    def prepare_gradients(self, optimizer: torch.optim.Optimizer, where: tuple[int, int] = (0, 0)) -> None:
         return None  # the engine unscales and reduces inside its own step
 
     def step(self, optimizer: torch.optim.Optimizer, module: nn.Module, max_norm: float | None,
