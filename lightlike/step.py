@@ -80,6 +80,7 @@ class StepContext:
         self._updating = False  # inside ctx.step's update (an optimizer stepped outside it was stepped directly)
         self._backwards, self._steps = 0, 0  # this step's ctx.backward and ctx.step calls
         self._warned: set[Any] = set()  # the misuse warnings given (each once per fit)
+        self._scheduler_seen: dict[int, Any] = {}  # manual: each scheduler's last_epoch after ctx.step stepped it
         self.manual = manual  # the module's own training_step calls this context (else AutomaticStep does)
         if manual and self._fused is None:  # (LOMO updates inside backward)
             for i, o in enumerate(self.optimizers):
@@ -145,9 +146,10 @@ class StepContext:
         finally:
             strategy.no_sync(model, False)  # the next backward synchronises again
 
-    def backward(self, loss: torch.Tensor) -> None:
-        """Backward of ``loss`` through the strategy (scaled under ``16-mixed``); for LOMO, its
-        fused backward-and-update at the scheduler's current rate."""
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> None:
+        """Backward of ``loss`` through the strategy (scaled under ``16-mixed``); ``retain_graph``
+        keeps the graph for another backward through it (Lightning's ``manual_backward(loss,
+        retain_graph=True)``). For LOMO, its fused backward-and-update at the scheduler's current rate."""
         if not self._live:
             self._check_live("ctx.backward(loss)")
         self._backwards += 1
@@ -159,7 +161,7 @@ class StepContext:
             return
         if self._skips:
             self._unvetted.append(loss.detach())
-        self.strategy.backward(loss, self.model)
+        self.strategy.backward(loss, self.model, retain_graph)
 
     def clip_gradients(self, optimizer: torch.optim.Optimizer, max_norm: float) -> torch.Tensor:
         """Clip ``optimizer``'s gradients to the global norm ``max_norm``; returns the norm before
@@ -209,9 +211,8 @@ class StepContext:
         if not result.applied:
             return self._skip("overflow" if result.overflow else "gradient", i)
         self._applied = True
-        scheduler = self.schedulers[i]
-        if scheduler is not None:
-            scheduler.step()
+        if self.schedulers[i] is not None:
+            self._step_scheduler(i)
         return True
 
     # -- inside -------------------------------------------------------------------------------
@@ -220,8 +221,25 @@ class StepContext:
             self.losses.add_norm(self._norm, self.global_step)  # "raise": checked at the next read
         self._applied = True
         if self.schedulers[0] is not None:
-            self.schedulers[0].step()
+            self._step_scheduler(0)
         return True
+
+    def _step_scheduler(self, i: int) -> None:
+        """Step optimizer ``i``'s scheduler after an applied update. In manual optimization, a
+        scheduler the module stepped itself since (Lightning leaves that to the module) is said
+        once: it would step twice per update."""
+        scheduler = self.schedulers[i]
+        if not self.manual:
+            scheduler.step()
+            return
+        seen = self._scheduler_seen.get(i)
+        if seen is not None and getattr(scheduler, "last_epoch", seen) != seen:
+            self._warn_once(("scheduler", i), f"the scheduler of ctx.optimizers[{i}] was stepped outside ctx.step "
+                            f"(before step {self.global_step}): ctx.step already steps it after each applied update, "
+                            "so it now steps twice; remove the module's own scheduler.step() (Lightning's manual "
+                            "optimization leaves it to the module, lightlike does not)")
+        scheduler.step()
+        self._scheduler_seen[i] = getattr(scheduler, "last_epoch", None)
 
     def _index(self, optimizer: Any) -> int:
         for i, o in enumerate(self.optimizers):

@@ -67,8 +67,8 @@ class Precision:
         """The context a forward pass runs in: none in fp32."""
         return NO_CONTEXT
 
-    def backward(self, loss: torch.Tensor) -> None:
-        loss.backward()
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> None:
+        loss.backward(retain_graph=retain_graph)
 
     def unscale_gradients(self, optimizer: torch.optim.Optimizer) -> None:
         """Make gradients true (unscaled) values, before clipping or inspection."""

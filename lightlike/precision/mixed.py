@@ -51,10 +51,10 @@ class MixedPrecision(Precision):
     def autocast(self) -> contextlib.AbstractContextManager:
         return torch.autocast(self.device.type, dtype=self.compute_dtype)
 
-    def backward(self, loss: torch.Tensor) -> None:
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> None:
         if self.scaler is not None:
             loss = self.scaler.scale(loss)
-        loss.backward()
+        loss.backward(retain_graph=retain_graph)
 
     def unscale_gradients(self, optimizer: torch.optim.Optimizer) -> None:
         if self.scaler is not None:

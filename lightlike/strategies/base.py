@@ -141,9 +141,10 @@ class Strategy(ABC):
         """Context for one micro-step: with ``enabled``, its gradients must not be synchronised
         over ranks yet (a micro-step before the last of an accumulation window)."""
 
-    def backward(self, loss: torch.Tensor, module: nn.Module) -> None:
-        """Backward of ``loss`` (already weighted by the loop; scaled by the precision if it must)."""
-        self.precision.backward(loss)
+    def backward(self, loss: torch.Tensor, module: nn.Module, retain_graph: bool = False) -> None:
+        """Backward of ``loss`` (already weighted by the loop; scaled by the precision if it must);
+        ``retain_graph`` keeps the graph for another backward through it."""
+        self.precision.backward(loss, retain_graph)
 
     def prepare_gradients(self, optimizer: torch.optim.Optimizer, where: tuple[int, int] = (0, 0)) -> None:
         """Make ``optimizer``'s gradients the true, synchronised ones, once per step before

@@ -250,9 +250,9 @@ class DeepSpeedStrategy(ParallelStrategy):
         self._engine().set_gradient_accumulation_boundary(not enabled)
         return contextlib.nullcontext()
 
-    def backward(self, loss: torch.Tensor, module: nn.Module) -> None:
+    def backward(self, loss: torch.Tensor, module: nn.Module, retain_graph: bool = False) -> None:
         # the Fitter's weights already make the window's gradient the item mean: no 1/GAS here
-        self._engine().backward(loss, scale_wrt_gas=False)
+        self._engine().backward(loss, retain_graph=retain_graph, scale_wrt_gas=False)
 
     def prepare_gradients(self, optimizer: torch.optim.Optimizer, where: tuple[int, int] = (0, 0)) -> None:
         return None  # the engine unscales and reduces inside its own step

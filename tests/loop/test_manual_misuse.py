@@ -187,3 +187,28 @@ def test_a_step_context_used_after_its_step_is_an_error(tmp_path, call):
                                                    "that training_step returned"):
         calls[call]()
     assert all(p.grad is None for p in module.parameters())
+
+
+class StepsItsScheduler(Probe):
+    """A Lightning-style manual module that steps its own scheduler after each update (Lightning
+    leaves that to the module; ctx.step already does it)."""
+
+    def configure_optimizers(self, config):
+        opt = torch.optim.SGD(self.a.parameters(), 0.1)
+        self.sched = torch.optim.lr_scheduler.StepLR(opt, 1, 0.5)
+        return [(opt, self.sched)]
+
+    def training_step(self, batch, ctx):
+        loss = super().training_step(batch, ctx)
+        self.sched.step()
+        return loss
+
+
+def test_a_scheduler_the_module_steps_itself_is_said_once(tmp_path):
+    module = StepsItsScheduler("normal")
+    _, got = caught(tmp_path, module, steps=4)
+    said = [m for m in got if "stepped outside ctx.step" in m]
+    assert len(said) == 1 and "ctx.optimizers[0]" in said[0] and "before step 2" in said[0], got
+    assert module.sched.last_epoch == 8  # twice per update: what the warning is about
+    _, quiet = caught(tmp_path / "b", Probe("normal"), steps=4)
+    assert not [m for m in quiet if "stepped outside ctx.step" in m], quiet

@@ -82,11 +82,12 @@ def test_multiple_optimizers_over_the_same_parameters(tmp_path):
     _fit(tmp_path, ManualOptModel(shared=True))
 
 
-@pytest.mark.xfail(strict=True, raises=TypeError,
-                   reason="defect: ctx.backward takes no retain_graph (Lightning's manual_backward(loss, retain_graph=True))")
 def test_manual_backward_retain_graph(tmp_path):
     """lightning tests/tests_pytorch/trainer/optimization/test_manual_optimization.py::ManualOptModel:
-    ``manual_backward(loss_2, retain_graph=True)`` then ``manual_backward(loss_2)`` over one graph."""
+    ``manual_backward(loss_2, retain_graph=True)`` then ``manual_backward(loss_2)`` over one graph:
+    the gradient is twice one backward's (against the same two backward passes by hand)."""
+    torch.manual_seed(0)
+
     class Twice(BoringModel):
         def training_step(self, batch, ctx):
             loss = self.loss(self(batch), batch)
@@ -98,7 +99,20 @@ def test_manual_backward_retain_graph(tmp_path):
         def configure_optimizers(self, config):
             return [torch.optim.SGD(self.parameters(), lr=0.1)]
 
-    _fit(tmp_path, Twice())
+    module = Twice()
+    ref = nn.Linear(32, 2)
+    ref.load_state_dict(module.layer.state_dict())
+    _fit(tmp_path, module, limit_train_batches=1)
+    x = RandomDataset(32, 1).data[0][None]
+    out = ref(x)
+    loss = nn.functional.mse_loss(out, torch.ones_like(out))
+    loss.backward(retain_graph=True)
+    loss.backward()
+    with torch.no_grad():
+        for p in ref.parameters():
+            p -= 0.1 * p.grad
+    torch.testing.assert_close(module.layer.weight, ref.weight)
+    torch.testing.assert_close(module.layer.bias, ref.bias)
 
 
 def test_manual_optimization_matches_a_hand_loop(tmp_path):
