@@ -52,7 +52,7 @@ from lightlike.pending import LossBuffer
 from lightlike.precision import get_precision
 from lightlike.preemption import PreemptionHandler, requeue_slurm_job, waiting_for
 from lightlike.state import Control, FitResult, FitState, PredictionResult
-from lightlike.step import AutomaticStep, StepContext
+from lightlike.step import AutomaticStep, ManualStepContext, StepContext
 from lightlike.stop_gate import hold_stop
 from lightlike.strategies import Strategy, get_strategy
 from lightlike.utils.failfast import decided_on_main, failing_fast, guarded
@@ -422,11 +422,11 @@ class Fitter:
             run.training_step = AutomaticStep(module, run.forward_loss, module.num_items,
                                               uniform_counts=run.train_data.deals_evenly and default_counts)
         check = NonFiniteCheck(cfg.nonfinite_loss, strategy.collectives, strategy.root_device, self.state)
-        run.ctx = StepContext(strategy=strategy, model=self.model, pairs=pairs, check=check, losses=run.losses,
-                              before_update=functools.partial(self.callbacks.call, "on_before_optimizer_step", self,
-                                                              self.state, self.control), max_norm=cfg.max_grad_norm,
-                              max_value=cfg.max_grad_value, log_every=cfg.log_every, max_steps=run.max_steps,
-                              manual=run.manual is not None)
+        context = StepContext if run.manual is None else ManualStepContext
+        run.ctx = context(strategy=strategy, model=self.model, pairs=pairs, check=check, losses=run.losses,
+                          before_update=functools.partial(self.callbacks.call, "on_before_optimizer_step", self,
+                                                          self.state, self.control), max_norm=cfg.max_grad_norm,
+                          max_value=cfg.max_grad_value, log_every=cfg.log_every, max_steps=run.max_steps)
 
     def setup_strategy(self) -> Strategy:
         """The strategy named by the config, its processes and devices set up (once)."""

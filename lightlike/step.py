@@ -48,12 +48,12 @@ class StepContext:
     the order ``configure_optimizers`` returned them), ``global_step`` (the step being taken,
     counted from 1), ``log_step`` (whether this step writes a log row), ``no_sync()``,
     ``backward(loss)``, ``step(optimizer) -> bool`` and ``clip_gradients(optimizer, max_norm)``.
-    One context serves every step of a fit. ``manual``: the module's own ``training_step`` calls it,
-    which is checked for misuse (a step without gradients, an optimizer stepped directly)."""
+    One context serves every step of a fit; a module's own ``training_step`` gets a
+    ``ManualStepContext``, which also checks how it is used."""
 
     def __init__(self, *, strategy: Any, model: Any, pairs: list[tuple[Any, Any]], check: NonFiniteCheck,
                  losses: LossBuffer, before_update: Callable[[Any], None], max_norm: float | None,
-                 max_value: float | None, log_every: int, max_steps: int, manual: bool = False):
+                 max_value: float | None, log_every: int, max_steps: int):
         self.strategy, self.model, self.check, self.losses = strategy, model, check, losses
         self.optimizers = tuple(o for o, _ in pairs)
         self.schedulers = tuple(s for _, s in pairs)
@@ -70,22 +70,12 @@ class StepContext:
         self._unvetted: list[torch.Tensor] = []  # losses backpropagated since the last vetted update ("skip")
         self._mark = 0  # the loss buffer's length when the step began (a step undone drops what follows)
         self._prepared: list[int] = []  # optimizers whose gradients are averaged and unscaled since their update
-        self._prepares = 0  # how many times this step prepared (averaged, unscaled) an optimizer's gradients
         self._stepped: list[int] = []  # optimizers stepped this step (under a loss scaler)
         self._norm: torch.Tensor | None = None  # the gradient norm of this step's last update (not vetoed)
         self._applied = False  # some update of this step was applied
         self._skipped: str | None = None  # the cause of this step's first skipped update
         self._veto: str | None = None  # the non-finite check's cause for the update it vetoed
-        self._live = False  # inside a training step (a context used after its step is an error)
-        self._updating = False  # inside ctx.step's update (an optimizer stepped outside it was stepped directly)
-        self._backwards, self._steps = 0, 0  # this step's ctx.backward and ctx.step calls
-        self._warned: set[Any] = set()  # the misuse warnings given (each once per fit)
-        self._scheduler_seen: dict[int, Any] = {}  # manual: each scheduler's last_epoch after ctx.step stepped it
-        self.manual = manual  # the module's own training_step calls this context (else AutomaticStep does)
-        if manual and self._fused is None:  # (LOMO updates inside backward)
-            for i, o in enumerate(self.optimizers):
-                if isinstance(o, torch.optim.Optimizer):
-                    o.register_step_pre_hook(functools.partial(_stepped_directly, weakref.ref(self), i))
+        self._prepares = 0  # how many times this step prepared (averaged, unscaled) an optimizer's gradients
 
     @property
     def log_step(self) -> bool:
@@ -95,8 +85,7 @@ class StepContext:
     # -- the step's lifetime (the Fitter's) ------------------------------------------------------
     def begin(self, step: int, module: torch.nn.Module) -> None:
         """Start training step ``step`` (from 1)."""
-        self.global_step, self._mark = step, len(self.losses.pending)
-        self._live, self._backwards, self._steps, self._prepares = True, 0, 0, 0
+        self.global_step, self._mark, self._prepares = step, len(self.losses.pending), 0
         self._prepared, self._norm, self._applied, self._skipped = [], None, False, None
         for optimizer in self._modal:
             optimizer.train()
@@ -110,9 +99,6 @@ class StepContext:
         counted, and under "skip" undone (buffers back, its losses out of the rows). Returns
         (the cause of a skipped step, else None; the gradient norm to log: one optimizer's, not
         several's, which are not one number)."""
-        self._live = False
-        if self.manual:
-            self._end_manual_step()
         if self._scaled and self._prepares:
             self.strategy.precision.update_scale()
         norm = self._norm if self._first is not None else None
@@ -131,8 +117,6 @@ class StepContext:
         """Around a backward that is not the last before ``step`` (accumulation): its gradients
         are not synchronised over the ranks yet (under FSDP: no reduce-scatter, no reshard). With
         ``enabled=False`` the context of the last one."""
-        if not self._live:
-            self._check_live("ctx.no_sync()")
         if not enabled:
             return self.strategy.no_sync(self.model, False)
         return self._no_sync()
@@ -150,9 +134,6 @@ class StepContext:
         """Backward of ``loss`` through the strategy (scaled under ``16-mixed``); ``retain_graph``
         keeps the graph for another backward through it (Lightning's ``manual_backward(loss,
         retain_graph=True)``). For LOMO, its fused backward-and-update at the scheduler's current rate."""
-        if not self._live:
-            self._check_live("ctx.backward(loss)")
-        self._backwards += 1
         if self._fused is not None:
             optimizer, scheduler = self.optimizers[0], self.schedulers[0]
             self._before_update(optimizer)  # (the update happens inside this backward: no gradients to see)
@@ -163,43 +144,32 @@ class StepContext:
             self._unvetted.append(loss.detach())
         self.strategy.backward(loss, self.model, retain_graph)
 
-    def clip_gradients(self, optimizer: torch.optim.Optimizer, max_norm: float) -> torch.Tensor:
-        """Clip ``optimizer``'s gradients to the global norm ``max_norm``; returns the norm before
-        clipping (a device tensor)."""
-        from lightlike.strategies.base import clip_gradients
-
-        self._check_live("ctx.clip_gradients(optimizer, max_norm)")
-        if isinstance(max_norm, bool) or not isinstance(max_norm, numbers.Real) or math.isnan(max_norm) \
-                or max_norm <= 0:
-            raise ModuleContractError(f"ctx.clip_gradients(optimizer, max_norm={max_norm!r}) at step "
-                                      f"{self.global_step}: max_norm must be a number > 0 (a negative one would flip "
-                                      "the gradients' sign, 0 would zero them; inf clips nothing)")
-        self._prepare(optimizer, self._index(optimizer))
-        return clip_gradients(optimizer, max_norm, None)  # type: ignore[return-value]
-
     def step(self, optimizer: torch.optim.Optimizer) -> bool:
         """Average, unscale, clip, check, step and zero ``optimizer``'s gradients; step its
         scheduler when the update was applied. Returns whether it was."""
-        if not self._live:
-            self._check_live("ctx.step(optimizer)")
         i = 0 if optimizer is self._first else self._index(optimizer)
-        self._steps += 1
         if self._fused is not None:  # LOMO updated inside backward: its scheduler steps
             return self._fused_step()
         if self._scaled:
             self._once(i)
-        if i not in self._prepared:  # (ctx.clip_gradients may have prepared them)
-            if self.manual and not _has_gradients(optimizer) and not self._averages_at_step():
-                return self._no_gradients(i)  # (nothing to unscale: another rank's count only if ctx.step averages)
-            self._prepared.append(i)
-            self._prepares += 1
-            self.strategy.prepare_gradients(optimizer, (self.global_step, i))
-        if self.manual and not _has_gradients(optimizer):
-            self._prepared.remove(i)
-            return self._no_gradients(i)
-        self._updating = True  # (an error below ends the fit, and this context with it)
+        self._prepared.append(i)
+        self._prepares += 1
+        self.strategy.prepare_gradients(optimizer, (self.global_step, i))
+        return self._update(optimizer, i)
+
+    # -- inside -------------------------------------------------------------------------------
+    def _fused_step(self) -> bool:
+        if self._raises and self._norm is not None:
+            self.losses.add_norm(self._norm, self.global_step)  # "raise": checked at the next read
+        self._applied = True
+        if self.schedulers[0] is not None:
+            self.schedulers[0].step()
+        return True
+
+    def _update(self, optimizer: torch.optim.Optimizer, i: int) -> bool:
+        """The strategy's step of prepared gradients, then zeroed; the scheduler steps after an
+        applied update. Returns whether it was applied."""
         result = self.strategy.step(optimizer, self.model, self._max_norm, self._max_value, self._vet)
-        self._updating = False
         optimizer.zero_grad(set_to_none=True)
         self._prepared.remove(i)  # (a second ctx.step of it in this training step averages its new gradients)
         norm = result.grad_norm
@@ -211,35 +181,10 @@ class StepContext:
         if not result.applied:
             return self._skip("overflow" if result.overflow else "gradient", i)
         self._applied = True
-        if self.schedulers[i] is not None:
-            self._step_scheduler(i)
-        return True
-
-    # -- inside -------------------------------------------------------------------------------
-    def _fused_step(self) -> bool:
-        if self._raises and self._norm is not None:
-            self.losses.add_norm(self._norm, self.global_step)  # "raise": checked at the next read
-        self._applied = True
-        if self.schedulers[0] is not None:
-            self._step_scheduler(0)
-        return True
-
-    def _step_scheduler(self, i: int) -> None:
-        """Step optimizer ``i``'s scheduler after an applied update. In manual optimization, a
-        scheduler the module stepped itself since (Lightning leaves that to the module) is said
-        once: it would step twice per update."""
         scheduler = self.schedulers[i]
-        if not self.manual:
+        if scheduler is not None:
             scheduler.step()
-            return
-        seen = self._scheduler_seen.get(i)
-        if seen is not None and getattr(scheduler, "last_epoch", seen) != seen:
-            self._warn_once(("scheduler", i), f"the scheduler of ctx.optimizers[{i}] was stepped outside ctx.step "
-                            f"(before step {self.global_step}): ctx.step already steps it after each applied update, "
-                            "so it now steps twice; remove the module's own scheduler.step() (Lightning's manual "
-                            "optimization leaves it to the module, lightlike does not)")
-        scheduler.step()
-        self._scheduler_seen[i] = getattr(scheduler, "last_epoch", None)
+        return True
 
     def _index(self, optimizer: Any) -> int:
         for i, o in enumerate(self.optimizers):
@@ -276,6 +221,96 @@ class StepContext:
         self._before_update(optimizer)
         return True
 
+    def _skip(self, cause: str, i: int) -> bool:
+        if self._skipped is None:
+            self._skipped = cause
+        if self._first is None and cause != "overflow":
+            log.warning("non-finite %s at step %d: the update of optimizer %d (of ctx.optimizers) skipped",
+                        cause, self.global_step, i)
+        return False
+
+
+class ManualStepContext(StepContext):
+    """The step context of a module's own ``training_step`` (manual optimization): the same
+    step, with its misuse checked: a context used after its step, ``ctx.step`` without
+    gradients, an optimizer or scheduler stepped outside ``ctx.step``, ``ctx.backward`` without
+    a ``ctx.step``, and under DDP the ranks' agreement on their ``ctx.step`` calls."""
+
+    def __init__(self, **kwargs: Any):
+        super().__init__(**kwargs)
+        self._live = False  # inside a training step (a context used after its step is an error)
+        self._updating = False  # inside ctx.step's update (an optimizer stepped outside it was stepped directly)
+        self._backwards, self._steps = 0, 0  # this step's ctx.backward and ctx.step calls
+        self._warned: set[Any] = set()  # the misuse warnings given (each once per fit)
+        self._scheduler_seen: dict[int, Any] = {}  # each scheduler's last_epoch after ctx.step stepped it
+        if self._fused is None:  # (LOMO updates inside backward)
+            for i, o in enumerate(self.optimizers):
+                if isinstance(o, torch.optim.Optimizer):
+                    o.register_step_pre_hook(functools.partial(_stepped_directly, weakref.ref(self), i))
+
+    def begin(self, step: int, module: torch.nn.Module) -> None:
+        super().begin(step, module)
+        self._live, self._backwards, self._steps = True, 0, 0
+
+    def finish(self) -> tuple[str | None, torch.Tensor | None]:
+        self._live = False
+        self._end_manual_step()
+        return super().finish()
+
+    def no_sync(self, enabled: bool = True) -> contextlib.AbstractContextManager:
+        self._check_live("ctx.no_sync()")
+        return super().no_sync(enabled)
+
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> None:
+        self._check_live("ctx.backward(loss)")
+        self._backwards += 1
+        super().backward(loss, retain_graph)
+
+    def step(self, optimizer: torch.optim.Optimizer) -> bool:
+        self._check_live("ctx.step(optimizer)")
+        i = self._index(optimizer)
+        self._steps += 1
+        if self._fused is not None:  # LOMO updated inside backward: its scheduler steps
+            return self._fused_step()
+        if self._scaled:
+            self._once(i)
+        if i not in self._prepared and not _has_gradients(optimizer) and not self._averages_at_step():
+            return self._no_gradients(i)  # (nothing to unscale: another rank's count only if ctx.step averages)
+        self._prepare(optimizer, i)
+        if not _has_gradients(optimizer):
+            self._prepared.remove(i)
+            return self._no_gradients(i)
+        self._check_scheduler(i)
+        self._updating = True  # (an error below ends the fit, and this context with it)
+        applied = self._update(optimizer, i)
+        self._updating = False
+        self._scheduler_seen[i] = getattr(self.schedulers[i], "last_epoch", None)
+        return applied
+
+    def clip_gradients(self, optimizer: torch.optim.Optimizer, max_norm: float) -> torch.Tensor:
+        """Clip ``optimizer``'s gradients to the global norm ``max_norm``; returns the norm before
+        clipping (a device tensor)."""
+        from lightlike.strategies.base import clip_gradients
+
+        self._check_live("ctx.clip_gradients(optimizer, max_norm)")
+        if isinstance(max_norm, bool) or not isinstance(max_norm, numbers.Real) or math.isnan(max_norm) \
+                or max_norm <= 0:
+            raise ModuleContractError(f"ctx.clip_gradients(optimizer, max_norm={max_norm!r}) at step "
+                                      f"{self.global_step}: max_norm must be a number > 0 (a negative one would flip "
+                                      "the gradients' sign, 0 would zero them; inf clips nothing)")
+        self._prepare(optimizer, self._index(optimizer))
+        return clip_gradients(optimizer, max_norm, None)  # type: ignore[return-value]
+
+    def _check_scheduler(self, i: int) -> None:
+        """Before ``ctx.step``'s update: a scheduler the module stepped itself since the last
+        one (Lightning leaves that to the module) is said once: it steps twice per update."""
+        seen = self._scheduler_seen.get(i)
+        if seen is not None and getattr(self.schedulers[i], "last_epoch", seen) != seen:
+            self._warn_once(("scheduler", i), f"the scheduler of ctx.optimizers[{i}] was stepped outside ctx.step "
+                            f"(before step {self.global_step}): ctx.step already steps it after each applied update, "
+                            "so it now steps twice; remove the module's own scheduler.step() (Lightning's manual "
+                            "optimization leaves it to the module, lightlike does not)")
+
     def _end_manual_step(self) -> None:
         """The end of a module's own training step: under DDP the ranks agree they took the same
         ``ctx.step`` calls; a ``ctx.backward`` without any ``ctx.step`` is said once."""
@@ -310,14 +345,6 @@ class StepContext:
         if key not in self._warned:
             self._warned.add(key)
             warnings.warn(message, stacklevel=4)
-
-    def _skip(self, cause: str, i: int) -> bool:
-        if self._skipped is None:
-            self._skipped = cause
-        if self._first is None and cause != "overflow":
-            log.warning("non-finite %s at step %d: the update of optimizer %d (of ctx.optimizers) skipped",
-                        cause, self.global_step, i)
-        return False
 
 
 def _has_gradients(optimizer: torch.optim.Optimizer) -> bool:
