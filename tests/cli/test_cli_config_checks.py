@@ -82,7 +82,7 @@ def test_check_keys_hints():
     assert str(e.value) == "unknown config key(s): 'lr' (did you mean 'learning_rate'?)"
     with pytest.raises(ConfigError) as e:
         check_keys({"max_step": 1, "zzzzzz": 2})
-    assert str(e.value) == "unknown config key(s): 'max_step' (did you mean 'max_steps', 'max_epochs', 'warmup_steps'?); 'zzzzzz'"
+    assert str(e.value) == "unknown config key(s): 'max_step' (did you mean 'max_steps', 'min_steps', 'max_epochs'?); 'zzzzzz'"
 
 
 def test_a_path_output_dir_becomes_a_string():
