@@ -56,9 +56,11 @@ def test_fractional_epochs_refused_without_a_data_length(tmp_path):
     with pytest.raises(ll.ConfigError, match=r"max_epochs takes a number \(int or float\) or None; write "
                                              r"max_epochs=2.5, not the string '2.5'"):
         ll.FitConfig(max_epochs="2.5")
-    for bad in (0, -1.5, float("inf"), float("nan")):
+    for bad in (0, -1.5, float("nan")):
         with pytest.raises(ll.ConfigError, match=r"max_epochs must be a number of epochs > 0 \(2 or 2.5\), got"):
             ll.FitConfig(max_epochs=bad)
+    with pytest.raises(ll.ConfigError, match=r"max_epochs=inf never ends: set max_steps"):
+        ll.FitConfig(max_epochs=float("inf"))
 
 
 def test_a_resume_with_other_steps_per_epoch_counts_the_fraction_from_where_it_stands(tmp_path):
