@@ -319,6 +319,11 @@ class FitConfig:
         for name in ("max_grad_norm", "max_grad_value"):
             v = getattr(self, name)
             need(v is None or (math.isfinite(v) and v > 0), f"{name} must be a finite number > 0 or None, got {v!r}", name)
+        self._check_saving_and_preemption(need)
+
+    def _check_saving_and_preemption(self, need: Any) -> None:
+        """The preemption grace and signals (named and catchable, before any fit); what the best
+        checkpoint needs."""
         grace = self.preemption_grace
         need(grace is None or (math.isfinite(grace) and grace > 0),
              f"preemption_grace must be a number of seconds > 0 or None, got {grace!r}", "preemption_grace")

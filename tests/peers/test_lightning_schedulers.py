@@ -3,10 +3,10 @@
 original's assertion and names its origin; a deliberate difference is a strict xfail whose reason
 is the line of docs/optimizers.md that states it. Lightning is not imported."""
 
+import peers_common
 import pytest
 import torch
 from torch import nn
-from torch.utils.data import Dataset
 
 import lightlike as ll
 from lightlike.lr_schedulers import SchedulerConfig, read_configure_optimizers
@@ -15,17 +15,9 @@ from lightlike.manual import unwrap_manual_optimizers
 ORIGIN = "tests/tests_pytorch/trainer/optimization/test_optimizers.py"
 
 
-class RandomDataset(Dataset):
-    """Lightning's ``RandomDataset(size, length)``."""
-
-    def __init__(self, size, length):
-        self.data = torch.randn(length, size, generator=torch.Generator().manual_seed(length))
-
-    def __len__(self):
-        return len(self.data)
-
-    def __getitem__(self, i):
-        return self.data[i]
+def RandomDataset(size, length):  # noqa: N802 (Lightning's name)
+    """Lightning's ``RandomDataset(size, length)``, its rows drawn with seed ``length``."""
+    return peers_common.RandomDataset(size, length, seed=length)
 
 
 class BoringModule(ll.TaskModule):
