@@ -227,7 +227,8 @@ class Fitter:
             if not plan.quiet(control):
                 epoch_ended, stop = self._carry_out(run, plan)
             run.next_scheduled = next_scheduled_step(self.config, state.global_step, run.max_steps)
-        hold_stop(self.config, state, control)  # held (min_epochs / min_steps), or held no longer
+        if control.should_training_stop or state.stop_deferred:
+            hold_stop(self.config, state, control)  # held (min_epochs / min_steps), or held no longer
         if self.preemption.stop_requested(self.strategy, state.global_step):
             self._preempted(stop or control.should_training_stop)
         return epoch_ended or control.should_training_stop
@@ -424,8 +425,7 @@ class Fitter:
         check = NonFiniteCheck(cfg.nonfinite_loss, strategy.collectives, strategy.root_device, self.state)
         context = StepContext if run.manual is None else ManualStepContext
         run.ctx = context(strategy=strategy, model=self.model, pairs=pairs, check=check, losses=run.losses,
-                          before_update=functools.partial(self.callbacks.call, "on_before_optimizer_step", self,
-                                                          self.state, self.control), max_norm=cfg.max_grad_norm,
+                          before_update=self.callbacks.hook("on_before_optimizer_step", self), max_norm=cfg.max_grad_norm,
                           max_value=cfg.max_grad_value, log_every=cfg.log_every, max_steps=run.max_steps)
 
     def setup_strategy(self) -> Strategy:
@@ -499,7 +499,7 @@ class Fitter:
                 m, _, _ = run_evaluation(self.model, self.module, loader, self.strategy, name,
                                          streaming=self.config.eval_streaming, compiled=run.compiled,
                                          include=self.config.include_for_metrics, limit=limit,
-                                         on_batch=self.callbacks.eval_batch_hook(self))  # a progress bar
+                                         on_batch=self.callbacks.hook("on_eval_batch_end", self))  # a bar
                 metrics.update(m)
         state = self.state
         state.last_eval_step = state.global_step

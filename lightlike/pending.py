@@ -11,6 +11,7 @@ first, so no checkpoint is written after the last finite step."""
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Sequence
 from typing import Any
 
@@ -39,17 +40,18 @@ def read_pending(pending: list[Pending], device: torch.device, raise_nonfinite: 
                  norms: Sequence[tuple[torch.Tensor, int]] = ()) -> list[tuple[float, float, int, int]]:
     """The pending losses and item counts on the host, as (loss, items, step, micro-batch).
     With ``raise_nonfinite``, raises for the first step whose loss or gradient norm (``norms``:
-    (norm, step) pairs, read in the same host read) was not finite: ``NonFiniteLossError``
+    (0-d norm, step) pairs, read in the same host read) was not finite: ``NonFiniteLossError``
     naming the micro-batch, or ``NonFiniteGradientError`` when only the gradient was (a
     non-finite loss makes its gradient non-finite too: the loss is named, the cause)."""
     if not pending and not norms:
         return []
     loss_tensors, counts, steps, micros = zip(*pending, strict=True) if pending else ((), (), (), ())
-    tensors = [torch.stack(loss_tensors).double()] if pending else []
-    tensors += [torch.stack([n.reshape(()) for n, _ in norms]).double()] if norms else []
-    read = torch.cat([t.to(device) for t in tensors]).tolist()  # one host read for all
+    tensors = [torch.stack(loss_tensors)] if pending else []
+    if norms:
+        tensors.append(torch.stack([n for n, _ in norms]))
+    read = torch.cat([t.to(device, torch.float64) for t in tensors]).tolist()  # one host read for all
     losses, norm_values = read[:len(pending)], read[len(pending):]
-    if any(isinstance(n, torch.Tensor) for n in counts):  # token counts on the device
+    if any(issubclass(kind, torch.Tensor) for kind in set(map(type, counts))):  # token counts on the device
         items = torch.stack([torch.as_tensor(n, device=device) for n in counts]).double().tolist()
     else:
         items = list(map(float, counts))
@@ -92,8 +94,8 @@ class LossBuffer:
         self.pending.append((loss.detach(), items, step, micro))
 
     def add_norm(self, norm: torch.Tensor, step: int) -> None:
-        """Keep step ``step``'s global gradient norm (a device tensor, not read here) for the next
-        read to check; a strategy may fill it in later (DeepSpeed: in its optimizer step)."""
+        """Keep step ``step``'s global gradient norm (a 0-d device tensor, not read here) for the
+        next read to check."""
         self.norms.append((norm, step))
 
     def drop_last(self, count: int) -> None:
@@ -140,6 +142,6 @@ class LossBuffer:
 
 def sum_values(strategy: Any, values: list[tuple[float, float, int, int]]) -> tuple[float, float]:
     """Item-weighted loss sum and item count of read pending values, over every rank."""
-    loss_sum = sum(loss * n for loss, n, _, _ in values)
-    item_sum = sum(n for _, n, _, _ in values)
+    losses, items = list(zip(*values))[:2] if values else ((), ())
+    loss_sum, item_sum = sum(map(operator.mul, losses, items)), sum(items)
     return tuple(strategy.collectives.sum_floats([loss_sum, item_sum]))  # type: ignore[return-value]

@@ -52,13 +52,14 @@ class StepContext:
     ``ManualStepContext``, which also checks how it is used."""
 
     def __init__(self, *, strategy: Any, model: Any, pairs: list[tuple[Any, Any]], check: NonFiniteCheck,
-                 losses: LossBuffer, before_update: Callable[[Any], None], max_norm: float | None,
+                 losses: LossBuffer, before_update: Callable[[Any], None] | None, max_norm: float | None,
                  max_value: float | None, log_every: int, max_steps: int):
         self.strategy, self.model, self.check, self.losses = strategy, model, check, losses
         self.optimizers = tuple(o for o, _ in pairs)
         self.schedulers = tuple(s for _, s in pairs)
         self.autocast = strategy.precision.autocast  # the context of a forward pass
-        self._before_update = before_update  # calls the callbacks' on_before_optimizer_step
+        self._before_update = before_update  # the callbacks' on_before_optimizer_step (None: nobody listens)
+        self._unchecked = strategy.gradients_on_parameters  # whether the loss reaches the parameters: at the first update
         self._max_norm, self._max_value = max_norm, max_value
         self._log_every, self._max_steps = log_every, max_steps
         self._scaled = strategy.precision.uses_scaler  # each optimizer steps once per step (torch's recipe)
@@ -136,7 +137,8 @@ class StepContext:
         retain_graph=True)``). For LOMO, its fused backward-and-update at the scheduler's current rate."""
         if self._fused is not None:
             optimizer, scheduler = self.optimizers[0], self.schedulers[0]
-            self._before_update(optimizer)  # (the update happens inside this backward: no gradients to see)
+            if self._before_update is not None:  # (the update happens inside this backward: no gradients to see)
+                self._before_update(optimizer)
             lr = scheduler.get_last_lr()[0] if scheduler is not None else optimizer.param_groups[0]["lr"]
             self._norm = self._fused(loss, lr)
             return
@@ -218,8 +220,24 @@ class StepContext:
             self._unvetted = []
             if self._veto is not None:
                 return False
-        self._before_update(optimizer)
+        if self._unchecked:
+            self._unchecked = False
+            self._warn_if_unreached(optimizer)
+        if self._before_update is not None:
+            self._before_update(optimizer)
         return True
+
+    def _warn_if_unreached(self, optimizer: torch.optim.Optimizer) -> None:
+        """At the first update: a loss that reaches none of the optimizer's parameters (layers
+        kept in a plain list, so not registered; outputs detached) trains nothing, for a whole
+        run, without an error. Said once (main process). ``p.grad is None`` is read on the host:
+        no device sync."""
+        params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
+        if params and self.strategy.is_global_zero and all(p.grad is None for p in params):
+            log.warning("no gradient reached any of the optimizer's %d trainable parameters at step %d: the loss is "
+                        "not connected to them, so training changes nothing. Compute loss() from forward()'s "
+                        "outputs without .detach(), with layers the module registers (in a plain list or dict they "
+                        "are not: use nn.ModuleList or nn.ModuleDict)", len(params), self.global_step)
 
     def _skip(self, cause: str, i: int) -> bool:
         if self._skipped is None:

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from lightlike.errors import CallbackReturnError, ConfigError
@@ -193,16 +194,12 @@ class CallbackList:
             if returned is not None:  # the one test a handler that returns nothing costs
                 apply_returned(returned, control, handler, event)
 
-    def eval_batch_hook(self, fitter: Fitter) -> Any:
-        """What evaluation calls after each batch, ``hook(name, batch, num_batches)``: the
-        ``on_eval_batch_end`` handlers, or None where no callback listens (no call per batch)."""
-        if not self._handlers["on_eval_batch_end"]:
+    def hook(self, event: str, fitter: Fitter) -> Callable[..., None] | None:
+        """``event``'s call with the fit's (fitter, state, control) bound, ``hook(*payload)``, or
+        None where no callback listens to it (then the loop makes no call at all)."""
+        if not self._handlers[event]:
             return None
-
-        def hook(name: str, batch: int, num_batches: int | None) -> None:
-            self.call("on_eval_batch_end", fitter, fitter.state, fitter.control, name, batch, num_batches)
-
-        return hook
+        return functools.partial(self.call, event, fitter, fitter.state, fitter.control)
 
     def call_on_save(self, fitter: Fitter, state: FitState, control: Control, path: str) -> None:
         """``on_save`` comes after the step's checkpoint. A stop set there ends the run at it; a

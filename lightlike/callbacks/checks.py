@@ -1,5 +1,6 @@
-"""The callbacks the Fitter adds itself: the progress bar, and checks that a switch or a loss is
-not a silent no-op."""
+"""The callbacks the Fitter adds itself: the progress bar, and the check that
+``gradient_checkpointing`` is not a silent no-op (the check that the loss reaches the parameters
+is the step's: ``lightlike/step.py``)."""
 
 from __future__ import annotations
 
@@ -49,39 +50,12 @@ class GradientCheckpointingCheck(Callback):
         self.tally.stop()
 
 
-class NoGradientCheck(Callback):
-    """A loss that reaches none of the optimizer's parameters (layers kept in a plain list, so
-    not registered; outputs detached) trains nothing, for a whole run, without an error: at the
-    first step that reaches the optimizer, warn once (main process) if no trainable parameter
-    of the optimizer got a gradient. ``p.grad is None`` is read on the host: no device sync.
-    A strategy that keeps gradients off the parameters (DeepSpeed's ZeRO buffers) says so
-    (``gradients_on_parameters``), and is not checked."""
-
-    def __init__(self) -> None:
-        self.checked = False
-
-    def on_before_optimizer_step(self, fitter: Fitter, state: FitState, control: Control, optimizer: Any) -> None:
-        if self.checked:
-            return
-        self.checked = True
-        strategy: Any = fitter.strategy
-        if not getattr(strategy, "gradients_on_parameters", True) or not strategy.is_global_zero:
-            return
-        params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
-        if params and all(p.grad is None for p in params):
-            log.warning("no gradient reached any of the optimizer's %d trainable parameters at step %d: the loss is "
-                        "not connected to them, so training changes nothing. Compute loss() from forward()'s "
-                        "outputs without .detach(), with layers the module registers (in a plain list or dict they "
-                        "are not: use nn.ModuleList or nn.ModuleDict)", len(params), state.global_step + 1)
-
-
 def built_in_callbacks(config: Any, module: Any, is_global_zero: bool) -> list[Callback]:
-    """The progress bar (main process; when it shows), the check that the loss reaches the
-    parameters, and the gradient checkpointing check when that switch is on and the module does
-    not handle it itself (it overrides ``gradient_checkpointing_enable``)."""
+    """The progress bar (main process; when it shows), and the gradient checkpointing check when
+    that switch is on and the module does not handle it itself (it overrides
+    ``gradient_checkpointing_enable``)."""
     bar = ProgressBar(enabled=config.progress_bar if is_global_zero else False)
     callbacks: list[Callback] = [bar] if bar.active() else []
-    callbacks.append(NoGradientCheck())
     own_switch = getattr(type(module), "gradient_checkpointing_enable", None) is not TaskModule.gradient_checkpointing_enable
     if config.gradient_checkpointing and not own_switch:
         callbacks.append(GradientCheckpointingCheck())

@@ -42,7 +42,10 @@ def test_an_evaluation_bar_counts_each_sets_batches_and_is_removed_after_it(tmp_
 
 def test_no_bar_no_eval_batch_calls(tmp_path):
     """Without a callback listening, evaluation gets no per-batch hook at all."""
+    from types import SimpleNamespace
+
     from lightlike.callbacks.base import CallbackList
 
-    assert CallbackList([ProgressBar(enabled=False)]).eval_batch_hook(None) is not None  # it overrides the event
-    assert CallbackList([ll.EarlyStopping()]).eval_batch_hook(None) is None
+    fitter = SimpleNamespace(state=None, control=None)
+    assert CallbackList([ProgressBar(enabled=False)]).hook("on_eval_batch_end", fitter) is not None  # it overrides it
+    assert CallbackList([ll.EarlyStopping()]).hook("on_eval_batch_end", fitter) is None
