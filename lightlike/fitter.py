@@ -10,7 +10,6 @@ plugin's, and what a checkpoint holds the ``Checkpointer``'s; the loop only call
 
 from __future__ import annotations
 
-import functools
 import itertools
 import logging
 import time
@@ -176,7 +175,7 @@ class Fitter:
                     break
                 self.callbacks.call("on_step_start", self, state, control)
                 self._training_step(run, window)
-                epoch_done = run.limit.ends_epoch(state, self._advance(position, len(window)))
+                epoch_done = self._advance(position, len(window))
                 self.callbacks.call("on_step_end", self, state, control)
                 if self._step_boundary(run, epoch_done):
                     break
@@ -197,7 +196,7 @@ class Fitter:
         (``lightlike/step.py``), on the fit's step context."""
         step, ctx, to_device = self.state.global_step + 1, run.ctx, self.strategy.batch_to_device
         ctx.begin(step, self.module)
-        run.training_step([to_device(b) for b in window], ctx)
+        run.training_step(list(map(to_device, window)), ctx)
         skipped, run.grad_norm = ctx.finish()  # the norm is read at the next log row
         if skipped is not None:
             self.state.skipped_steps += 1

@@ -70,7 +70,6 @@ class StepContext:
         self.global_step = 0
         self._unvetted: list[torch.Tensor] = []  # losses backpropagated since the last vetted update ("skip")
         self._mark = 0  # the loss buffer's length when the step began (a step undone drops what follows)
-        self._prepared: list[int] = []  # optimizers whose gradients are averaged and unscaled since their update
         self._stepped: list[int] = []  # optimizers stepped this step (under a loss scaler)
         self._norm: torch.Tensor | None = None  # the gradient norm of this step's last update (not vetoed)
         self._applied = False  # some update of this step was applied
@@ -87,7 +86,7 @@ class StepContext:
     def begin(self, step: int, module: torch.nn.Module) -> None:
         """Start training step ``step`` (from 1)."""
         self.global_step, self._mark, self._prepares = step, len(self.losses.pending), 0
-        self._prepared, self._norm, self._applied, self._skipped = [], None, False, None
+        self._norm, self._applied, self._skipped = None, False, None
         for optimizer in self._modal:
             optimizer.train()
         if self._scaled:
@@ -154,7 +153,6 @@ class StepContext:
             return self._fused_step()
         if self._scaled:
             self._once(i)
-        self._prepared.append(i)
         self._prepares += 1
         self.strategy.prepare_gradients(optimizer, (self.global_step, i))
         return self._update(optimizer, i)
@@ -173,7 +171,6 @@ class StepContext:
         applied update. Returns whether it was applied."""
         result = self.strategy.step(optimizer, self.model, self._max_norm, self._max_value, self._vet)
         optimizer.zero_grad(set_to_none=True)
-        self._prepared.remove(i)  # (a second ctx.step of it in this training step averages its new gradients)
         norm = result.grad_norm
         if norm is None:  # vetoed by the non-finite check
             return self._skip(self._veto, i)  # type: ignore[arg-type]
@@ -202,14 +199,6 @@ class StepContext:
                                       f"precision={self.strategy.precision.name!r}: torch's GradScaler recipe steps "
                                       "each optimizer once per update; step it once per training_step")
         self._stepped.append(i)
-
-    def _prepare(self, optimizer: torch.optim.Optimizer, i: int) -> None:
-        """The optimizer's gradients averaged over the ranks (where backward did not) and
-        unscaled, once per step."""
-        if i not in self._prepared:
-            self._prepared.append(i)
-            self._prepares += 1
-            self.strategy.prepare_gradients(optimizer, (self.global_step, i))
 
     def _vet(self, optimizer: torch.optim.Optimizer, norm: torch.Tensor | None) -> bool:
         """``Strategy.step``'s question before the update: under "skip", whether the losses
@@ -261,6 +250,7 @@ class ManualStepContext(StepContext):
         self._backwards, self._steps = 0, 0  # this step's ctx.backward and ctx.step calls
         self._warned: set[Any] = set()  # the misuse warnings given (each once per fit)
         self._scheduler_seen: dict[int, Any] = {}  # each scheduler's last_epoch after ctx.step stepped it
+        self._prepared: list[int] = []  # optimizers whose gradients are averaged and unscaled since their update
         if self._fused is None:  # (LOMO updates inside backward)
             for i, o in enumerate(self.optimizers):
                 if isinstance(o, torch.optim.Optimizer):
@@ -268,7 +258,7 @@ class ManualStepContext(StepContext):
 
     def begin(self, step: int, module: torch.nn.Module) -> None:
         super().begin(step, module)
-        self._live, self._backwards, self._steps = True, 0, 0
+        self._live, self._backwards, self._steps, self._prepared = True, 0, 0, []
 
     def finish(self) -> tuple[str | None, torch.Tensor | None]:
         self._live = False
@@ -302,6 +292,7 @@ class ManualStepContext(StepContext):
         self._updating = True  # (an error below ends the fit, and this context with it)
         applied = self._update(optimizer, i)
         self._updating = False
+        self._prepared.remove(i)  # (a second ctx.step of it in this training step averages its new gradients)
         self._scheduler_seen[i] = getattr(self.schedulers[i], "last_epoch", None)
         return applied
 
@@ -318,6 +309,14 @@ class ManualStepContext(StepContext):
                                       "the gradients' sign, 0 would zero them; inf clips nothing)")
         self._prepare(optimizer, self._index(optimizer))
         return clip_gradients(optimizer, max_norm, None)  # type: ignore[return-value]
+
+    def _prepare(self, optimizer: torch.optim.Optimizer, i: int) -> None:
+        """The optimizer's gradients averaged over the ranks (where backward did not) and
+        unscaled, once per step."""
+        if i not in self._prepared:
+            self._prepared.append(i)
+            self._prepares += 1
+            self.strategy.prepare_gradients(optimizer, (self.global_step, i))
 
     def _check_scheduler(self, i: int) -> None:
         """Before ``ctx.step``'s update: a scheduler the module stepped itself since the last
@@ -417,7 +416,7 @@ class AutomaticStep:
 
     def __call__(self, window: list[Any], ctx: StepContext) -> None:
         module, forward_loss, step, record = self.module, self.forward_loss, ctx.global_step, ctx.losses.add
-        counts = [self.count_items(b) for b in window]
+        counts = list(map(self.count_items, window))
         normaliser = ctx.strategy.item_normaliser(counts, uniform=self.uniform_counts)
         last = len(window) - 1
         for i, batch in enumerate(window):

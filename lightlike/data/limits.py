@@ -13,7 +13,6 @@ from lightlike.errors import ConfigError
 if TYPE_CHECKING:
     from lightlike.config import FitConfig
     from lightlike.data.loading import TrainData
-    from lightlike.state import FitState
 
 log = logging.getLogger("lightlike")
 
@@ -49,7 +48,8 @@ def loader_length(loader: Any) -> int | None:
 
 class TrainLimit:
     """``limit_train_batches`` resolved for this fit: the micro-batches each epoch takes on every
-    process (``per_epoch``; None: all). An epoch ends there, as when its data runs out."""
+    process (``per_epoch``; None: all). An epoch ends there, as when its data runs out (the
+    epoch's position says so: ``EpochPosition.advance``)."""
 
     def __init__(self, config: FitConfig, train_data: TrainData):
         limit = config.limit_train_batches
@@ -60,15 +60,6 @@ class TrainLimit:
     def watch(self, batches: Any, taken: int) -> Any:
         """The epoch's batches after ``taken`` of them, up to the limit."""
         return batches if self.per_epoch is None else itertools.islice(batches, max(0, self.per_epoch - taken))
-
-    def ends_epoch(self, state: FitState, data_done: bool) -> bool:
-        """After a step whose data position says ``data_done``: whether the epoch ends (its data,
-        or its limit, reached; ``state.epoch`` then counts the fraction of the limited epoch)."""
-        per_epoch = self.per_epoch
-        if per_epoch is None or data_done:
-            return data_done
-        state.epoch = state.epoch_index + min(1.0, state.batches_in_epoch / per_epoch)
-        return state.batches_in_epoch >= per_epoch
 
 
 def eval_limit(config: FitConfig, loader: Any, name: str) -> int | None:

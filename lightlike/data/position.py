@@ -35,7 +35,7 @@ class EpochPosition:
 
     __slots__ = ("_start", "_here", "_batches", "_global_batch", "_end", "_done_below", "_per_epoch",
                  "_batches_per_epoch", "_agreed_left", "_ahead", "_sum", "follows", "_promised", "_counts",
-                 "_items", "_start_batches", "_world_size", "_reads_ahead", "_dealt")
+                 "_items", "_start_batches", "_world_size", "_reads_ahead", "_dealt", "_limit")
 
     def __init__(self, data: TrainData, start: int, batches_in_epoch: int, world_size: int):
         self._start, self._here, self._batches = start, 0, batches_in_epoch
@@ -76,8 +76,11 @@ class EpochPosition:
         #: count the items of each batch taken (batches whose length the sampler does not tell)
         self._counts = (data.replays() or own_batches) and (world_size == 1 or (agrees and self._sum is not None))
         self._items = 0  # this rank's items taken since start (counted batches)
-        #: lightlike's sampler, nothing counted, agreed or read ahead: ``advance`` needs only the sampler's end
-        self._dealt = bool(self._per_epoch) and not self._counts and self._promised is None and self._agreed_left is None
+        #: ``limit_train_batches``: the epoch ends after this many batches per process (None: its data's end)
+        self._limit = data.batch_limit
+        #: lightlike's sampler, nothing counted, agreed, read ahead or limited: ``advance`` needs only the sampler's end
+        self._dealt = bool(self._per_epoch) and not (self._counts or self._promised is not None
+                                                      or self._agreed_left is not None or self._limit is not None)
         #: every rank has another batch (read ahead, agreed): the next window needs no agreement
         self.follows = False
 
@@ -108,7 +111,8 @@ class EpochPosition:
 
     def advance(self, batches: int) -> tuple[int, float, bool]:
         """After a step that took ``batches`` batches on each rank: (global samples consumed in
-        the epoch, the fraction of the epoch done, whether the epoch has no batch left; False
+        the epoch, the fraction of the epoch done, whether the epoch ends: no batch left, or
+        ``limit_train_batches`` reached, whose fraction is then that of the limited epoch; False
         where that is unknown, and an empty accumulation window then ends the epoch)."""
         self._here += batches
         self._batches += batches
@@ -157,6 +161,8 @@ class EpochPosition:
                 log.warning("another rank ran out of training data: skipping the rest of this rank's share "
                             "of the epoch")
             self.follows = not done
+        if self._limit is not None and not done:
+            fraction, done = min(1.0, self._batches / self._limit), self._batches >= self._limit
         return samples, fraction, done
 
     def _agreed(self, flag: bool) -> tuple[bool, int, float]:
