@@ -407,7 +407,8 @@ class AutomaticStep:
     """The training step of a module with ``forward`` + ``loss``: micro-batch i of the window is
     weighted by ``items_i / items_in_step``, so the step's gradient is that of the mean loss over
     every item of the step, whatever each micro-batch holds (all ranks: the strategy's
-    ``item_normaliser``)."""
+    ``item_normaliser``). A window of one micro-batch whose count is the same on every rank
+    (``uniform_counts``) has weight 1 on any strategy: its loss is the step's mean as it is."""
 
     def __init__(self, module: Any, forward_loss: Callable[..., torch.Tensor], count_items: Callable[[Any], Any],
                  uniform_counts: bool):
@@ -417,12 +418,13 @@ class AutomaticStep:
     def __call__(self, window: list[Any], ctx: StepContext) -> None:
         module, forward_loss, step, record = self.module, self.forward_loss, ctx.global_step, ctx.losses.add
         counts = list(map(self.count_items, window))
-        normaliser = ctx.strategy.item_normaliser(counts, uniform=self.uniform_counts)
         last = len(window) - 1
+        normaliser = None if last == 0 and self.uniform_counts else \
+            ctx.strategy.item_normaliser(counts, uniform=self.uniform_counts)
         for i, batch in enumerate(window):
             with ctx.no_sync(i < last):
                 with ctx.autocast():
                     loss = forward_loss(ctx.model, module, batch, "at step {}, micro-batch {}", step, i)
-                ctx.backward(weighted(loss, counts[i], normaliser.total))
+                ctx.backward(loss if normaliser is None else weighted(loss, counts[i], normaliser.total))
             record(loss, counts[i], step, i)  # for the rows (taken back out if the step is undone)
         ctx.step(ctx.optimizers[0])

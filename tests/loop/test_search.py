@@ -5,6 +5,8 @@ test_interop.py.)"""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 from helpers import Classifier, DictDataset
 
@@ -129,7 +131,7 @@ def test_a_failing_trial_stops_the_search_and_names_its_folder(tmp_path):
 
 # -- callbacks: every trial gets its own copy -------------------------------------------------------
 class CountEvaluations(ll.Callback):
-    finished: list[tuple[int, int]] = []  # (id of the instance, evaluations it saw), per fit
+    finished: list[tuple[Any, int]] = []  # (the instance, kept so its id is not reused; evaluations it saw), per fit
 
     def __init__(self):
         self.evaluations = 0
@@ -138,7 +140,7 @@ class CountEvaluations(ll.Callback):
         self.evaluations += 1
 
     def on_fit_end(self, fitter, state, control):
-        CountEvaluations.finished.append((id(self), self.evaluations))
+        CountEvaluations.finished.append((self, self.evaluations))
 
 
 def test_every_trial_gets_fresh_copies_of_the_callbacks(tmp_path, monkeypatch):
@@ -151,7 +153,7 @@ def test_every_trial_gets_fresh_copies_of_the_callbacks(tmp_path, monkeypatch):
     assert len(study.trials) == 3
     # each trial counted its own 2 evaluations (not 2, 4, 6), on an instance of its own
     assert [n for _, n in CountEvaluations.finished] == [2, 2, 2]
-    assert len({i for i, _ in CountEvaluations.finished} | {id(counter)}) == 4
+    assert len({id(c) for c, _ in CountEvaluations.finished} | {id(counter)}) == 4
     # the user's objects were not used
     assert counter.evaluations == 0
     assert (stopper.best, stopper.wait, stopper.stopped_step) == (None, 0, None)
