@@ -85,13 +85,14 @@ class StepContext:
     # -- the step's lifetime (the Fitter's) ------------------------------------------------------
     def begin(self, step: int, module: torch.nn.Module) -> None:
         """Start training step ``step`` (from 1)."""
-        self.global_step, self._mark, self._prepares = step, len(self.losses.pending), 0
+        self.global_step, self._prepares = step, 0
         self._norm, self._applied, self._skipped = None, False, None
         for optimizer in self._modal:
             optimizer.train()
         if self._scaled:
             self._stepped = []
         if self._skips:
+            self._mark = len(self.losses.pending)
             self.check.begin_step(module)
 
     def finish(self) -> tuple[str | None, torch.Tensor | None]:

@@ -39,7 +39,7 @@ class Strategy(ABC):
     #: ``activation_checkpointing``): the Fitter's check that ``gradient_checkpointing`` acts reads it
     checkpoints_activations: bool = False
     #: whether the backward pass leaves the gradients in the parameters' ``.grad`` (not ZeRO's
-    #: buffers): the Fitter's check that the loss reaches the parameters reads it
+    #: buffers): the step's check that the loss reaches the parameters (``StepContext``) reads it
     gradients_on_parameters: bool = True
     #: the gradients are plain tensors on one device (single, DDP): the global norm takes torch's
     #: arithmetic without regrouping them by device (``global_norm``)
