@@ -223,8 +223,8 @@ def batch_length(batch: Any) -> int:
     length, as Lightning's batch-size guess does)."""
     if type(batch) is dict and batch:  # the usual batches, answered without ABC checks
         first = next(iter(batch.values()))
-        if type(first) is torch.Tensor and first.ndim:
-            return first.shape[0]
+        if type(first) is torch.Tensor and (shape := first.shape):  # (one read of the tensor's shape)
+            return shape[0]
     elif type(batch) in (list, tuple) and len(batch) >= 2:  # (inputs, targets)
         a, b = batch[0], batch[1]
         if type(a) is torch.Tensor and type(b) is torch.Tensor and a.ndim and b.ndim and a.shape[0] == b.shape[0]:

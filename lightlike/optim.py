@@ -240,10 +240,15 @@ def _constant_with_warmup(step: int, warmup: int) -> float:
     return _warmup(step, warmup) if step < warmup else 1.0
 
 
-def _linear(step: int, warmup: int, total: int) -> float:
+def _linear(warmup: int, total: int, step: int) -> float:
+    """HF's linear schedule; (warmup, total) come first so that the scheduler's call, every step,
+    goes through a positional ``partial`` (keywords cost it a dict per call), and the two
+    ``max`` of HF's formula are written as conditions (a builtin call each)."""
     if step < warmup:
         return _warmup(step, warmup)
-    return max(0.0, float(total - step) / float(max(1, total - warmup)))
+    span = total - warmup
+    left = float(total - step) / float(span if span > 1 else 1)
+    return left if left > 0.0 else 0.0
 
 
 def _cosine(step: int, warmup: int, total: int, cycles: float) -> float:
@@ -304,7 +309,7 @@ def build_scheduler(optimizer: torch.optim.Optimizer, config: Any, total_steps: 
     elif name == "constant_with_warmup":
         fn = functools.partial(_constant_with_warmup, warmup=warmup)
     elif name == "linear":
-        fn = functools.partial(_linear, warmup=warmup, total=total_steps)
+        fn = functools.partial(_linear, warmup, total_steps)
     elif name == "cosine":
         if not config.num_cycles > 0:
             raise ConfigError(f"lr_scheduler='cosine' needs num_cycles > 0, got {config.num_cycles}")

@@ -33,7 +33,8 @@ from lightlike.errors import DataError
 class IndexedItems(list):
     """A batch's items, as read, with their dataset indices (``indices``, set by the reader)."""
 
-    indices: Sequence[int] = ()
+    __slots__ = ("indices",)
+    indices: Sequence[int]
 
 
 def indexed(items: Any, indices: Sequence[int]) -> IndexedItems:
@@ -69,8 +70,9 @@ class CheckedDataset(Dataset):
             except IndexError as e:
                 raise self._past_the_end(f"dataset.__getitems__({indices})", e) from e
             return indexed(items, indices) if isinstance(items, list) else items
+        dataset = self.dataset
         try:  # one read per item, with no frame of ours around each
-            batch = IndexedItems(map(self.dataset.__getitem__, indices))
+            batch = IndexedItems([dataset[i] for i in indices])
         except IndexError:
             for i in indices:  # which one: the first that fails again names the index
                 self[i]

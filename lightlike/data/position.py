@@ -117,9 +117,12 @@ class EpochPosition:
         self._here += batches
         self._batches += batches
         end = self._end
-        if self._dealt:  # lightlike's sampler (the usual case): the general rules below, in short
-            samples = min(self._start + self._here * self._global_batch, end)  # type: ignore[type-var]
-            return samples, min(1.0, samples / self._per_epoch), end - samples < self._done_below  # type: ignore[operator,return-value]
+        if self._dealt:  # lightlike's sampler (the usual case): the general rules below, in short (no builtin min)
+            samples = self._start + self._here * self._global_batch
+            if samples > end:  # type: ignore[operator]
+                samples = end
+            fraction = samples / self._per_epoch  # type: ignore[operator]
+            return samples, fraction if fraction < 1.0 else 1.0, end - samples < self._done_below  # type: ignore[operator,return-value]
         if self._counts:
             samples = self._start + self._items  # (one process; several sum theirs in ``_agreed``)
         else:

@@ -30,6 +30,10 @@ from lightlike.strategies.layouts import CheckpointLayout, FullLayout
 from lightlike.utils.batches import map_tensors
 
 
+#: the host (compared with ``root_device``: a device's ``.type`` builds a string on every read)
+CPU = torch.device("cpu")
+
+
 class Strategy(ABC):
     """The contract. Subclasses implement the abstract members and override the defaults that
     differ for them."""
@@ -124,7 +128,7 @@ class Strategy(ABC):
 
     def batch_to_device(self, batch: Any) -> Any:
         """The batch on this process's device, cast as the precision wants its inputs."""
-        if self.root_device.type != "cpu":  # CPU batches are already where they need to be
+        if self.root_device != CPU:  # CPU batches are already where they need to be
             batch = move_to_device(batch, self.root_device)
         return self.precision.convert_input(batch)
 
@@ -227,8 +231,8 @@ def clip_gradients(optimizer: torch.optim.Optimizer, max_norm: float | None, max
     if max_norm is None and max_value is None:  # no clipping: the norm at most (the usual step)
         if not want_norm:
             return None
-        return global_norm([p.grad for group in optimizer.param_groups for p in group["params"]
-                            if p.grad is not None], one_device)
+        return global_norm([g for group in optimizer.param_groups for p in group["params"]
+                            if (g := p.grad) is not None], one_device)  # (each .grad read once: a tensor's getter costs)
     params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
     grads = [p.grad for p in params]  # (torch's clipping takes the parameters)
     unclipped = None
