@@ -29,7 +29,6 @@ from lightlike.strategies.collectives import Collectives
 from lightlike.strategies.layouts import CheckpointLayout, FullLayout
 from lightlike.utils.batches import map_tensors
 
-
 #: the host (compared with ``root_device``: a device's ``.type`` builds a string on every read)
 CPU = torch.device("cpu")
 
