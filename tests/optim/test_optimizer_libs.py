@@ -6,6 +6,7 @@ checkpoint ends with the uninterrupted fit's weights and optimizer state, bit fo
 from __future__ import annotations
 
 import contextlib
+import logging
 import subprocess
 import sys
 
@@ -312,6 +313,16 @@ def test_lomo_trains_as_lomo_by_hand_and_leaves_no_hook_behind(max_grad_norm, tm
     batch = next(iter(DataLoader(data(), batch_size=BATCH)))
     model.loss(model(batch), batch).backward()
     assert torch.equal(flat_params(model), before) and all(p.grad is not None for p in model.parameters())
+
+
+def test_lomo_is_not_taken_for_a_loss_that_reaches_no_parameter(tmp_path, caplog):
+    """LOMO updates inside backward and leaves no gradient on the parameters: the step's check
+    that the loss reaches them (at the first ordinary update) must not read that as a loss
+    connected to nothing (the callback that checked it before ran in LOMO's fused step, and said so)."""
+    with caplog.at_level(logging.WARNING, logger="lightlike"):
+        ll.Fitter(output_dir=str(tmp_path), **settings("lomo", weight_decay=0.0)).fit(model := wide(), data())
+    assert not [r.getMessage() for r in caplog.records if "no gradient reached" in r.getMessage()]
+    assert not torch.equal(flat_params(model), flat_params(wide()))  # it trained
 
 
 def test_lomo_resumes_bit_exactly(tmp_path):
