@@ -142,6 +142,6 @@ class LossBuffer:
 
 def sum_values(strategy: Any, values: list[tuple[float, float, int, int]]) -> tuple[float, float]:
     """Item-weighted loss sum and item count of read pending values, over every rank."""
-    losses, items = list(zip(*values, strict=True))[:2] if values else ((), ())
+    losses, items, _, _ = zip(*values, strict=True) if values else ((), (), (), ())
     loss_sum, item_sum = sum(map(operator.mul, losses, items)), sum(items)
     return tuple(strategy.collectives.sum_floats([loss_sum, item_sum]))  # type: ignore[return-value]

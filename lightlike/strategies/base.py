@@ -51,7 +51,7 @@ class Strategy(ABC):
     def __init__(self, accelerator: str = "auto", precision: Precision | None = None) -> None:
         self._accelerator = accelerator  # the device kind asked for: read by the strategy alone
         self.precision: Precision = precision if precision is not None else Precision()
-        self.root_device = torch.device("cpu")
+        self.root_device = CPU
         #: what the ranks compute together (identity on one process)
         self.collectives: Collectives = Collectives()
         #: how a checkpoint holds the weights and optimizer state (``layouts.py``; "full" here)

@@ -25,7 +25,7 @@ from torch import nn
 
 from lightlike.errors import ConfigError
 from lightlike.precision import Precision
-from lightlike.strategies.base import StepNormaliser, Strategy
+from lightlike.strategies.base import CPU, StepNormaliser, Strategy
 from lightlike.strategies.collectives import DistributedCollectives
 from lightlike.strategies.environment import ClusterEnvironment, detect_environment
 
@@ -86,7 +86,7 @@ class ParallelStrategy(Strategy):
             self.root_device = torch.device("cuda", env.local_rank)
             torch.cuda.set_device(self.root_device)
         elif self._accelerator in ("auto", "cpu"):
-            self.root_device = torch.device("cpu")
+            self.root_device = CPU
         elif self._accelerator == "cuda":
             raise ConfigError("accelerator='cuda' but CUDA is not available here (torch.cuda.is_available() is "
                               "False): use accelerator='cpu' or 'auto' (gloo on the CPU), or run on a machine with "
